@@ -1,0 +1,59 @@
+"""Reading a text corpus: a local path, any fsspec URL (`s3://...`), or the built-in default.
+
+The built-in corpus, `python-docs`, is the Python language reference that every CPython
+install carries as text (`pydoc_data.topics`, about 0.47 MB of English prose and code),
+so the default job runs on a fresh machine with no network and no downloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import fsspec
+
+from mingpt.errors import DataError
+
+BUILTIN_CORPUS = "python-docs"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str  # what the user gave: a path, a URL or BUILTIN_CORPUS
+    text: str
+    sha256: str  # of the UTF-8 bytes; tells prepared data whether it is still current
+    num_bytes: int
+
+
+def read_corpus(source: str) -> Corpus:
+    """Read a UTF-8 text corpus; raise DataError saying what to do when it is missing, empty or not text."""
+    raw = _builtin_bytes() if source == BUILTIN_CORPUS else _read_bytes(source)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"corpus {source} is not UTF-8 text (bad byte at offset {e.start}); "
+            "convert it to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8`"
+        ) from None
+    if not text.strip():
+        raise DataError(f"corpus {source} is empty; give a text file with some content")
+    return Corpus(name=source, text=text, sha256=hashlib.sha256(raw).hexdigest(), num_bytes=len(raw))
+
+
+def _read_bytes(source: str) -> bytes:
+    try:
+        with fsspec.open(source, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise DataError(
+            f"corpus {source} does not exist; give a path or URL of a UTF-8 text file, "
+            f"or {BUILTIN_CORPUS!r} for the built-in corpus"
+        ) from None
+    except IsADirectoryError:
+        raise DataError(f"corpus {source} is a directory; give one text file") from None
+
+
+def _builtin_bytes() -> bytes:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key].strip() for key in sorted(topics)).encode("utf-8")

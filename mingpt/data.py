@@ -1,0 +1,228 @@
+"""Prepared data: tokenize a corpus once into flat token files, then read examples by memory map.
+
+A prepared folder holds
+    train.bin, val.bin   the token ids, raw little-endian uint16 (uint32 when the vocabulary needs it)
+    tokenizer.json       the tokenizer (see mingpt.tokenizers)
+    meta.json            what was prepared from what: corpus checksum, tokenizer, counts, dtype
+
+`prepare` reuses a folder whose corpus checksum and tokenizer settings match, and otherwise
+builds a new one under a temporary name and renames it into place, so a reader never sees a
+half-written folder and two processes preparing the same data at once cannot corrupt it.
+
+An example is a block of `block_size` input tokens `x` and the same block shifted by one,
+`y`. Example `i` starts at token `i * stride`; the default stride of one block makes an
+epoch read every token once. Examples are addressed by a global index, so that the order
+is decided elsewhere (by the trainer's sampler) as a pure function of seed and position.
+"""
+
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from mingpt.corpus import BUILTIN_CORPUS, read_corpus
+from mingpt.errors import DataError
+from mingpt.tokenizers import Tokenizer, check_bpe_vocab_size, load_tokenizer, train_tokenizer
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mingpt-prepared"
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def default_out_dir(corpus: str, tokenizer: str, vocab_size: int | None, root: str = "data") -> Path:
+    """`data/<corpus stem>-<tokenizer>[-<vocab size>]`, e.g. data/python-docs-char."""
+    stem = Path(corpus.rstrip("/").split("://")[-1]).stem or "corpus"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem)
+    suffix = f"-{vocab_size}" if tokenizer == "bpe" else ""
+    return Path(root) / f"{stem}-{tokenizer}{suffix}"
+
+
+def prepare(
+    corpus: str = BUILTIN_CORPUS,
+    tokenizer: str = "char",
+    vocab_size: int | None = None,
+    out: str | os.PathLike | None = None,
+    val_fraction: float = 0.1,
+) -> Path:
+    """Tokenize `corpus` into `out` (default: see `default_out_dir`) unless it is already there; return `out`.
+
+    `tokenizer` is 'char', 'bpe' (with `vocab_size`) or a tiktoken encoding name such as 'gpt2'.
+    The last `val_fraction` of the tokens form the validation split.
+    """
+    if tokenizer == "bpe":
+        check_bpe_vocab_size(vocab_size)
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    out = Path(out) if out is not None else default_out_dir(corpus, tokenizer, vocab_size)
+    text = read_corpus(corpus)
+    wanted = {
+        "corpus_sha256": text.sha256,
+        "tokenizer": tokenizer,
+        "requested_vocab_size": vocab_size if tokenizer == "bpe" else None,
+        "val_fraction": val_fraction,
+    }
+    if _matches(out, wanted):
+        log.info("reusing prepared data in %s", out)
+        return out
+
+    started = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        tok = train_tokenizer(tokenizer, text.text, vocab_size)
+        tokens = tok.encode_array(text.text)
+        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+        n_val = int(len(tokens) * val_fraction)
+        splits = {"train": tokens[: len(tokens) - n_val], "val": tokens[len(tokens) - n_val :]}
+        for split, ids in splits.items():
+            ids.astype(dtype).tofile(tmp / f"{split}.bin")
+        tok.save(str(tmp / TOKENIZER_FILE))
+        meta = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            **wanted,
+            "corpus": _display_name(corpus),
+            "corpus_bytes": text.num_bytes,
+            "vocab_size": tok.vocab_size,
+            "dtype": np.dtype(dtype).name,
+            "train_tokens": len(splits["train"]),
+            "val_tokens": len(splits["val"]),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        _publish(tmp, out, wanted)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info(
+        "prepared %s: %d train + %d val tokens, %s in %.1fs -> %s",
+        corpus, meta["train_tokens"], meta["val_tokens"], tok.describe(), time.perf_counter() - started, out,
+    )
+    return out
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    """The meta.json of a prepared folder; DataError when it is missing or damaged."""
+    path = Path(directory) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{directory} is not prepared data (no {META_FILE}); run `python -m mingpt.prepare`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise DataError(f"{path} is not a mingpt-prepared v{FORMAT_VERSION} description; prepare the data again")
+    return meta
+
+
+def _matches(directory: Path, wanted: dict) -> bool:
+    try:
+        meta = read_meta(directory)
+    except DataError:
+        return False
+    return all(meta.get(key) == value for key, value in wanted.items())
+
+
+def _publish(tmp: Path, out: Path, wanted: dict) -> None:
+    """Move the finished folder `tmp` to `out`, replacing stale data but never a concurrent twin."""
+    for _ in range(3):
+        try:
+            tmp.rename(out)
+            return
+        except OSError:  # `out` exists and is not empty
+            if _matches(out, wanted):
+                return  # another process prepared the same data first; theirs is as good
+            stale = out.parent / f".{out.name}.stale-{uuid.uuid4().hex[:8]}"
+            try:
+                out.rename(stale)
+            except FileNotFoundError:
+                continue  # someone else moved it meanwhile; try again
+            shutil.rmtree(stale, ignore_errors=True)
+    raise DataError(f"could not replace {out}; is another process preparing different data there?")
+
+
+def _display_name(corpus: str) -> str:
+    """The corpus name without any credentials a URL may carry (user:secret@host)."""
+    return re.sub(r"//[^/@]*@", "//", corpus)
+
+
+class TokenBlocks:
+    """`(x, y)` blocks of a flat token file, read through a memory map."""
+
+    def __init__(self, path: str | os.PathLike, dtype: str, block_size: int, stride: int | None = None):
+        self.path = Path(path)
+        self.block_size = block_size
+        self.stride = stride or block_size
+        if block_size < 1 or self.stride < 1:
+            raise DataError(f"block_size and stride must be positive, got {block_size} and {self.stride}")
+        try:
+            self.tokens = np.memmap(self.path, dtype=np.dtype(dtype), mode="r")
+        except FileNotFoundError:
+            raise DataError(f"token file {self.path} is missing; prepare the data again") from None
+        except ValueError:  # numpy cannot map an empty file
+            self.tokens = np.zeros(0, dtype=np.dtype(dtype))
+        # Each example needs block_size + 1 tokens: the inputs and one more target.
+        spare = len(self.tokens) - (block_size + 1)
+        self.num_examples = spare // self.stride + 1 if spare >= 0 else 0
+        self._offsets = np.arange(block_size + 1)
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batch([index])
+        return x[0], y[0]
+
+    def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (len(indices), block_size) as int64 tensors, in one gather."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.num_examples):
+            raise IndexError(f"example index out of range [0, {self.num_examples})")
+        rows = np.asarray(self.tokens[indices[:, None] * self.stride + self._offsets], dtype=np.int64)
+        rows = torch.from_numpy(rows)
+        return rows[:, :-1], rows[:, 1:]
+
+
+class PreparedData:
+    """A prepared data folder (see mingpt.prepare): its tokenizer, description and splits."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.meta = read_meta(self.directory)
+        self.tokenizer: Tokenizer = load_tokenizer(str(self.directory / TOKENIZER_FILE))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def split(self, name: str, block_size: int, stride: int | None = None) -> TokenBlocks:
+        """The 'train' or 'val' examples; DataError when the split is shorter than one block."""
+        if name not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {name!r}")
+        blocks = TokenBlocks(self.directory / f"{name}.bin", self.meta["dtype"], block_size, stride)
+        if len(blocks.tokens) != self.meta[f"{name}_tokens"]:
+            raise DataError(
+                f"{blocks.path} holds {len(blocks.tokens)} tokens but {self.meta[f'{name}_tokens']} were "
+                f"prepared; the file is damaged: delete {self.directory} and prepare the data again"
+            )
+        if len(blocks) == 0:
+            raise DataError(
+                f"the {name} split of {self.directory} has {len(blocks.tokens)} tokens, fewer than one "
+                f"block of {block_size} + 1; use a smaller block_size or a longer corpus"
+                + (" (or a larger val_fraction)" if name == "val" else "")
+            )
+        return blocks

@@ -1,0 +1,299 @@
+"""The GPT language model: a decoder-only Transformer with a key/value cache for generation.
+
+Pre-LayerNorm blocks, causal self-attention through `F.scaled_dot_product_attention`,
+a GELU MLP, learned position embeddings and (by default) input/output weight tying,
+initialised as GPT-2 was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from mingpt.errors import ConfigError
+
+# Layer, head and width of the named model sizes (minGPT's table).
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "gpt-nano": (3, 3, 48),
+    "gpt-micro": (4, 4, 128),
+    "gpt-mini": (6, 6, 192),
+    "gopher-44m": (8, 16, 512),
+    "openai-gpt": (12, 12, 768),
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The shape of a GPT. `vocab_size` and `block_size` come from the data."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False  # biases in Linear and LayerNorm; without them is a little faster and no worse
+    tie_weights: bool = True  # share the token embedding with the output projection
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model {name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"choose n_embd as a multiple of n_head (e.g. {self.n_head * max(1, round(self.n_embd / self.n_head))})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model dropout must be in [0, 1), got {self.dropout!r}")
+
+    @classmethod
+    def from_preset(cls, name: str, vocab_size: int, block_size: int, **overrides) -> "GPTConfig":
+        """The config of a named size (see PRESETS), e.g. `GPTConfig.from_preset("gpt-mini", 65, 256)`."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        n_layer, n_head, n_embd = PRESETS[name]
+        sizes = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+        return cls(vocab_size=vocab_size, block_size=block_size, **{**sizes, **overrides})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, for one attention layer.
+
+    Preallocated for the whole block so that appending a position is a copy, not a concat.
+    """
+
+    def __init__(self, batch: int, n_head: int, block_size: int, head_dim: int, like: torch.Tensor):
+        shape = (batch, n_head, block_size, head_dim)
+        self.k = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new positions; return the keys and values of all positions so far."""
+        end = self.length + k.size(2)
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        # (B, T, 3C) -> three (B, n_head, T, head_dim) views, without copies
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        # A query attends to every cached position: all of them lie in its past. Only when
+        # several positions arrive at once (training, or the prompt) is a causal mask needed.
+        # Generation feeds the prompt into an empty cache, so the two cases never mix.
+        is_causal = T > 1
+        if cache is not None:
+            assert cache.length == 0 or T == 1, "feed several positions only into an empty cache"
+            k, v = cache.append(k, v)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, dropout_p=p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return F.dropout(self.c_proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2's tanh form of GELU; on CPU it is also several times faster than the exact erf form.
+        y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return F.dropout(y, self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections into the residual stream by 1/sqrt(number of them),
+        # so the stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the position embedding (the token one is tied)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def _hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        T = idx.size(1)
+        start = caches[0].length if caches else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = F.dropout(self.wte(idx) + self.wpe(pos), self.config.dropout, self.training)
+        for i, block in enumerate(self.blocks):
+            x = block(x, caches[i] if caches else None)
+        return self.ln_f(x)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab) for token ids `idx` (B, T); with `targets`, also the mean cross-entropy."""
+        logits = self.lm_head(self._hidden(idx))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups: weight decay on matrices (Linear, Embedding), none on biases and norms.
+
+        Use as `torch.optim.AdamW(model.param_groups(0.1), lr=..., betas=(0.9, 0.95))`.
+        """
+        params = [p for p in self.parameters() if p.requires_grad]  # tied weights appear once
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    @torch.inference_mode()
+    def stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the next token ids (B,), one step at a time, continuing the prompts `idx` (B, T).
+
+        `temperature=0` picks the most likely token (greedy). With the cache each step
+        feeds one position. The context is a window of at most `block_size` tokens; when
+        it is full it slides forward by half a block, so the cache is refilled only once
+        every `block_size // 2` tokens. `use_cache=False` runs the same windows without
+        the cache (for testing and benchmarks) and yields the same tokens.
+        """
+        check_sampling(temperature, top_k, top_p)
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError("prompt must be a (batch, length) tensor with at least one token")
+        was_training = self.training
+        self.eval()
+        try:
+            block = self.config.block_size
+            keep = max(1, block // 2)  # tokens kept when the window slides
+            tokens = idx[:, -block:]
+            caches = None  # built on the first step and after each slide
+            for _ in range(max_new_tokens):
+                if tokens.size(1) > block:
+                    tokens, caches = tokens[:, -keep:], None
+                if not use_cache:
+                    hidden = self._hidden(tokens)
+                elif caches is None:
+                    caches = self._new_caches(tokens)
+                    hidden = self._hidden(tokens, caches)
+                else:
+                    hidden = self._hidden(tokens[:, -1:], caches)
+                logits = self.lm_head(hidden[:, -1, :]).float()
+                next_ids = sample_next(logits, temperature, top_k, top_p, generator)
+                tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+                yield next_ids
+        finally:
+            self.train(was_training)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+        """The prompts `idx` (B, T) followed by `max_new_tokens` generated ids; see `stream`."""
+        new = list(self.stream(idx, max_new_tokens, **kwargs))
+        return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
+
+    def _new_caches(self, tokens: torch.Tensor) -> list[KVCache]:
+        c = self.config
+        like = self.wte.weight
+        return [KVCache(tokens.size(0), c.n_head, c.block_size, c.n_embd // c.n_head, like) for _ in self.blocks]
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Reject sampling settings that make no sense, before any work is done."""
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"top_k must be a positive integer or None, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token id per row of `logits` (B, vocab)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the more likely ones already cover top_p; the first always stays.
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    # Inverse-CDF sampling: one uniform number per row. Same distribution as
+    # torch.multinomial, at a fraction of its fixed cost, which dominates a cached step.
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(-1) - 1).squeeze(-1)

@@ -1,0 +1,180 @@
+import json
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mingpt.corpus import BUILTIN_CORPUS, read_corpus
+from mingpt.data import PreparedData, TokenBlocks, default_out_dir, prepare, read_meta
+from mingpt.errors import DataError
+
+
+def test_builtin_corpus_exists_offline_and_is_english_prose():
+    corpus = read_corpus(BUILTIN_CORPUS)
+    assert corpus.num_bytes > 300_000
+    assert "statement" in corpus.text and "def " in corpus.text
+
+
+def test_prepare_char_counts_dtype_and_split(corpus_file, tmp_path):
+    out = prepare(str(corpus_file), "char", out=tmp_path / "prep", val_fraction=0.1)
+    meta = read_meta(out)
+    text = corpus_file.read_text(encoding="utf-8")
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text)
+    assert meta["val_tokens"] == int(len(text) * 0.1)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == len(set(text))
+    data = PreparedData(out)
+    train = np.fromfile(out / "train.bin", dtype=np.uint16)
+    assert data.tokenizer.decode(train.tolist()) == text[: meta["train_tokens"]]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
+
+
+def test_prepare_bpe_round_trips_the_corpus(corpus_file, tmp_path):
+    out = prepare(str(corpus_file), "bpe", vocab_size=400, out=tmp_path / "prep", val_fraction=0.0)
+    data = PreparedData(out)
+    ids = np.fromfile(out / "train.bin", dtype=np.uint16)
+    assert data.vocab_size == 400 and data.meta["val_tokens"] == 0
+    assert data.tokenizer.decode(ids.tolist()) == corpus_file.read_text(encoding="utf-8")
+
+
+def test_large_vocabulary_uses_uint32(corpus_file, tmp_path):
+    # A plugin-free way to get a vocabulary above 65536: a char vocabulary over many code points.
+    chars = "".join(chr(c) for c in range(0x100, 0x100 + 70_000) if not 0xD800 <= c < 0xE000)
+    path = tmp_path / "wide.txt"
+    path.write_text(chars * 2, encoding="utf-8")
+    out = prepare(str(path), "char", out=tmp_path / "wide")
+    meta = read_meta(out)
+    assert meta["vocab_size"] > 2**16 and meta["dtype"] == "uint32"
+    data = PreparedData(out)
+    x, y = data.split("train", 8)[3]
+    assert data.tokenizer.decode(x.tolist()) == (chars * 2)[24:32]
+
+
+def test_blocks_are_aligned_and_shifted_by_one(corpus_file, tmp_path):
+    data = PreparedData(prepare(str(corpus_file), "char", out=tmp_path / "prep"))
+    train = data.split("train", block_size=32)
+    tokens = np.fromfile(data.directory / "train.bin", dtype=np.uint16).astype(np.int64)
+    assert len(train) == (len(tokens) - 33) // 32 + 1
+    x, y = train.batch([0, 7, len(train) - 1])
+    assert x.dtype == torch.int64 and x.shape == y.shape == (3, 32)
+    for row, i in enumerate([0, 7, len(train) - 1]):
+        assert x[row].tolist() == tokens[i * 32 : i * 32 + 32].tolist()
+        assert y[row].tolist() == tokens[i * 32 + 1 : i * 32 + 33].tolist()
+    x1, y1 = train[7]
+    assert torch.equal(x1, x[1]) and torch.equal(y1, y[1])
+    with pytest.raises(IndexError):
+        train.batch([len(train)])
+
+
+def test_stride_one_addresses_every_offset(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(20, dtype=np.uint16).tofile(path)
+    blocks = TokenBlocks(path, "uint16", block_size=4, stride=1)
+    assert len(blocks) == 16
+    x, y = blocks[15]
+    assert x.tolist() == [15, 16, 17, 18] and y.tolist() == [16, 17, 18, 19]
+
+
+def test_prepared_data_is_reused_when_unchanged(corpus_file, tmp_path):
+    out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    stamp = (out / "train.bin").stat().st_mtime_ns
+    inode = (out / "train.bin").stat().st_ino
+    again = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    assert again == out
+    assert (out / "train.bin").stat().st_ino == inode and (out / "train.bin").stat().st_mtime_ns == stamp
+
+
+def test_prepared_data_is_rebuilt_when_corpus_or_tokenizer_changes(corpus_file, tmp_path):
+    out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    first = read_meta(out)
+    corpus_file.write_text(corpus_file.read_text(encoding="utf-8") + "A brand new line with new letters: QZ¿\n",
+                           encoding="utf-8")
+    prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    second = read_meta(out)
+    assert second["corpus_sha256"] != first["corpus_sha256"]
+    assert second["train_tokens"] + second["val_tokens"] > first["train_tokens"] + first["val_tokens"]
+    assert "¿" in PreparedData(out).tokenizer.chars
+    prepare(str(corpus_file), "bpe", vocab_size=300, out=tmp_path / "prep")
+    assert read_meta(out)["tokenizer"] == "bpe"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "stale folders left behind"
+
+
+def _prepare_in_child(args):
+    corpus, out = args
+    return str(prepare(corpus, "bpe", vocab_size=350, out=out))
+
+
+def test_concurrent_preparation_of_the_same_data_is_safe(corpus_file, tmp_path):
+    out = tmp_path / "prep"
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        results = pool.map(_prepare_in_child, [(str(corpus_file), str(out))] * 3)
+    assert results == [str(out)] * 3
+    data = PreparedData(out)
+    ids = np.fromfile(out / "train.bin", dtype=np.uint16)
+    assert len(ids) == data.meta["train_tokens"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "prep"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        (b"", "empty"),
+        (b"   \n\n", "empty"),
+        (b"caf\xe9 latin-1", "not UTF-8.*offset 3"),
+    ],
+)
+def test_bad_corpora_are_refused_and_leave_nothing(tmp_path, content, message):
+    path = tmp_path / "corpus.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        prepare(str(path), "char", out=tmp_path / "prep")
+    assert not (tmp_path / "prep").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ([] if content is None else ["corpus.txt"])
+
+
+def test_corpus_shorter_than_a_block_is_explained(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("just a few words here, forty characters", encoding="utf-8")
+    data = PreparedData(prepare(str(path), "char", out=tmp_path / "prep"))
+    with pytest.raises(DataError, match="train split.*fewer than one block of 64.*smaller block_size"):
+        data.split("train", 64)
+    with pytest.raises(DataError, match="val split.*val_fraction"):
+        data.split("val", 8)
+
+
+def test_truncated_token_file_is_detected(corpus_file, tmp_path):
+    out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    with open(out / "train.bin", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(DataError, match="damaged"):
+        PreparedData(out).split("train", 16)
+
+
+def test_missing_or_damaged_meta(tmp_path, corpus_file):
+    with pytest.raises(DataError, match="not prepared data.*mingpt.prepare"):
+        PreparedData(tmp_path)
+    out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    (out / "meta.json").write_text("{not json")
+    with pytest.raises(DataError, match="damaged"):
+        PreparedData(out)
+
+
+def test_default_out_dir_names():
+    assert str(default_out_dir("python-docs", "char", None)) == os.path.join("data", "python-docs-char")
+    assert str(default_out_dir("s3://bucket/texts/shakespeare.txt", "bpe", 4096)) == os.path.join(
+        "data", "shakespeare-bpe-4096")
+
+
+def test_prepare_command_line(tmp_path, corpus_file, capsys):
+    from mingpt.prepare import main
+
+    assert main(["--corpus", str(corpus_file), "--tokenizer", "bpe", "--vocab-size", "300",
+                 "--out", str(tmp_path / "p")]) == 0
+    assert "tokenizer bpe with vocab 300" in capsys.readouterr().out
+    assert main(["--corpus", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "q")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert json.loads((tmp_path / "p" / "meta.json").read_text())["tokenizer"] == "bpe"

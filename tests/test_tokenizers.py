@@ -1,0 +1,157 @@
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import offline_env
+from mingpt.errors import TokenizerError
+from mingpt.tokenizers import BPETokenizer, CharTokenizer, load_tokenizer, train_tokenizer
+
+TEXT = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer\n" * 20
+UNICODE = "Grüße aus Köln — 東京タワー, naïve café, emoji 🤖 and tabs\tand\r\nnewlines.  Spaces   too."
+
+
+def test_char_vocabulary_is_the_sorted_set_of_characters():
+    tok = train_tokenizer("char", "banana!")
+    assert tok.chars == ["!", "a", "b", "n"]
+    assert tok.encode("banana") == [2, 1, 3, 1, 3, 1]
+    assert tok.decode(tok.encode("nab!")) == "nab!"
+
+
+def test_char_encode_array_agrees_with_the_dictionary():
+    tok = train_tokenizer("char", UNICODE)
+    ids = tok.encode_array(UNICODE)
+    assert ids.tolist() == [tok.index[c] for c in UNICODE]
+    assert tok.decode(ids.tolist()) == UNICODE
+
+
+def test_char_prompt_with_unknown_characters_names_them():
+    tok = train_tokenizer("char", "abc")
+    with pytest.raises(TokenizerError, match=r"2 character\(s\).*'x', 'z'.*bpe"):
+        tok.encode("abzx")
+
+
+@pytest.mark.parametrize("text", [TEXT, UNICODE, "", " ", "\x00\x01 binary-ish \xff"])
+def test_bpe_round_trips_any_text(text):
+    tok = train_tokenizer("bpe", TEXT, vocab_size=300)
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_bpe_learns_merges_and_compresses():
+    tok = train_tokenizer("bpe", TEXT, vocab_size=300)
+    assert tok.vocab_size == 300
+    assert tok.ranks[:256] == [bytes([b]) for b in range(256)]
+    assert len(tok.encode(TEXT)) < len(TEXT.encode()) / 2
+
+
+@pytest.mark.parametrize("bad", [None, 0, 256, 100, "4096"])
+def test_bpe_vocab_size_must_exceed_256(bad):
+    with pytest.raises(TokenizerError, match="above 256"):
+        train_tokenizer("bpe", TEXT, vocab_size=bad)
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_save_and_load_give_identical_ids(tmp_path, kind):
+    tok = train_tokenizer(kind, TEXT + UNICODE, vocab_size=320)
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    payload = json.loads(path.read_text())  # plain JSON, not a pickle
+    assert payload["kind"] == kind and payload["format"] == "mingpt-tokenizer"
+    again = load_tokenizer(str(path))
+    assert type(again) is type(tok) and again.vocab_size == tok.vocab_size
+    assert again.encode(TEXT + UNICODE) == tok.encode(TEXT + UNICODE)
+
+
+def test_damaged_or_foreign_tokenizer_files_are_refused(tmp_path):
+    tok = train_tokenizer("bpe", TEXT, vocab_size=300)
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    full = path.read_text()
+
+    path.write_text(full[: len(full) // 2])  # truncated
+    with pytest.raises(TokenizerError, match="damaged"):
+        load_tokenizer(str(path))
+
+    path.write_text(json.dumps({"hello": "world"}))  # some other JSON
+    with pytest.raises(TokenizerError, match="not a mingpt tokenizer"):
+        load_tokenizer(str(path))
+
+    payload = json.loads(full)
+    payload["ranks"][300 // 2] = "!!not base64!!"
+    path.write_text(json.dumps(payload))
+    with pytest.raises(TokenizerError, match="damaged bpe"):
+        load_tokenizer(str(path))
+
+    payload = json.loads(full)
+    payload["kind"] = "wordpiece"
+    path.write_text(json.dumps(payload))
+    with pytest.raises(TokenizerError, match="unknown tokenizer kind 'wordpiece'"):
+        load_tokenizer(str(path))
+
+    with pytest.raises(TokenizerError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+
+
+def test_bpe_decode_bytes_of_a_split_character():
+    tok = BPETokenizer.train(TEXT, 300)  # never saw '東', so it is three byte tokens
+    ids = tok.encode("東")
+    assert len(ids) == 3
+    assert b"".join(tok.decode_bytes([i]) for i in ids) == "東".encode()
+
+
+def test_named_encoding_offline_names_the_cache_variable(tmp_path, closed_port):
+    # In a subprocess, so tiktoken's in-process registry starts empty; downloads go to a
+    # closed loopback port.
+    code = "from mingpt.tokenizers import train_tokenizer; train_tokenizer('gpt2', '')"
+    result = subprocess.run([sys.executable, "-c", code], env=offline_env(tmp_path, closed_port),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "TokenizerError" in result.stderr
+    assert "cannot load the tiktoken encoding 'gpt2'" in result.stderr
+    assert "TIKTOKEN_CACHE_DIR" in result.stderr
+
+
+def test_unknown_named_encoding_lists_known_ones():
+    with pytest.raises(TokenizerError, match="unknown tiktoken encoding 'gpt5'.*cl100k_base"):
+        train_tokenizer("gpt5", "")
+
+
+def test_named_encoding_that_tiktoken_can_load_works_and_round_trips(tmp_path, closed_port):
+    # A tiktoken plugin (the tiktoken_ext namespace) provides an encoding without any download,
+    # which exercises the whole named-encoding path offline.
+    plugin = tmp_path / "plugins" / "tiktoken_ext"
+    plugin.mkdir(parents=True)
+    (plugin / "mingpt_test_enc.py").write_text(textwrap.dedent("""
+        def _bytes_only():
+            return {"name": "bytes_only", "pat_str": r"\\S+|\\s+",
+                    "mergeable_ranks": {bytes([b]): b for b in range(256)}, "special_tokens": {}}
+        ENCODING_CONSTRUCTORS = {"bytes_only": _bytes_only}
+    """))
+    code = textwrap.dedent(f"""
+        from mingpt.tokenizers import train_tokenizer, load_tokenizer
+        tok = train_tokenizer("bytes_only", "")
+        assert tok.kind == "tiktoken" and tok.vocab_size == 256
+        text = {UNICODE!r}
+        assert tok.decode(tok.encode(text)) == text
+        tok.save({str(tmp_path / 'tok.json')!r})
+        assert load_tokenizer({str(tmp_path / 'tok.json')!r}).encode(text) == tok.encode(text)
+        print("ok")
+    """)
+    env = offline_env(tmp_path, closed_port)
+    env["PYTHONPATH"] = str(tmp_path / "plugins")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert json.loads((tmp_path / "tok.json").read_text())["name"] == "bytes_only"
+
+
+def test_char_decode_of_an_out_of_range_id():
+    with pytest.raises(TokenizerError, match="out of range"):
+        CharTokenizer(list("ab")).decode([0, 5])
+
+
+def test_encode_array_dtype():
+    assert train_tokenizer("bpe", TEXT, vocab_size=300).encode_array("to be").dtype == np.int64
