@@ -59,11 +59,14 @@ class Tokenizer(ABC):
     def to_dict(self) -> dict:
         """Everything needed to rebuild this tokenizer; plain JSON types only."""
 
+    def to_json(self) -> str:
+        """The tokenizer file's content; `tokenizer_from_dict(json.loads(...))` reads it back."""
+        return json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind, **self.to_dict()})
+
     def save(self, path: str) -> None:
         """Write the tokenizer as JSON to a local path or fsspec URL."""
-        payload = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind, **self.to_dict()}
         with fsspec.open(path, "w", encoding="utf-8") as f:
-            json.dump(payload, f)
+            f.write(self.to_json())
 
     def describe(self) -> str:
         return f"{self.kind} (vocab {self.vocab_size})"

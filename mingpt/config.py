@@ -1,0 +1,126 @@
+"""Typed configuration of a training job, one dataclass per component.
+
+Hydra (train/main.py) composes these from YAML and the command line; OmegaConf rejects a
+wrong type, and `validate` rejects a wrong value, naming the key, before any process
+group or data work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from mingpt.errors import ConfigError
+from mingpt.model import PRESETS, GPTConfig
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-micro"  # a preset (see mingpt.model.PRESETS) giving the sizes not set below
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    dropout: float = 0.0
+    bias: bool = False
+
+    def build(self, vocab_size: int, block_size: int) -> GPTConfig:
+        sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd)) if v}
+        return GPTConfig.from_preset(
+            self.name, vocab_size, block_size, dropout=self.dropout, bias=self.bias, **sizes
+        )
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "python-docs"  # text file path, fsspec URL, or the built-in python-docs
+    tokenizer: str = "char"  # char, bpe, or a tiktoken encoding name (gpt2, cl100k_base, ...)
+    vocab_size: Optional[int] = None  # for bpe
+    block_size: int = 128
+    val_fraction: float = 0.1
+    prepared_dir: Optional[str] = None  # default: data/<corpus>-<tokenizer>[-<vocab_size>]
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000
+    global_batch_size: int = 32  # examples per optimizer step, whatever the world size
+    micro_batch_size: int = 32  # examples per forward pass in one process
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32), fp32, bf16, fp16
+    compile: bool = False  # torch.compile the model
+    eval_every: int = 100  # steps; 0 disables periodic evaluation
+    eval_samples: int = 128  # validation examples per evaluation, shared among the processes
+    log_every: int = 10
+    dist_timeout_s: int = 300  # a collective that waits longer fails, and torchrun restarts the workers
+
+
+@dataclass
+class SnapshotConfig:
+    dir: str = "snapshots/run"  # local folder or fsspec URL
+    every: int = 100  # steps; a snapshot is also written at the end and on SIGTERM/Ctrl-C
+    keep: int = 3  # committed snapshots kept, newest first
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    seed: int = 1337
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first key whose value is out of range."""
+    t, d, m, s = cfg.trainer, cfg.data, cfg.model, cfg.snapshot
+    checks = [
+        ("model.name", m.name in PRESETS, f"one of {', '.join(PRESETS)}"),
+        ("model.n_layer", m.n_layer is None or m.n_layer > 0, "a positive integer"),
+        ("model.n_head", m.n_head is None or m.n_head > 0, "a positive integer"),
+        ("model.n_embd", m.n_embd is None or m.n_embd > 0, "a positive integer"),
+        ("model.dropout", 0.0 <= m.dropout < 1.0, "in [0, 1)"),
+        ("data.tokenizer", bool(d.tokenizer), "char, bpe or a tiktoken encoding name"),
+        ("data.vocab_size", d.tokenizer != "bpe" or (d.vocab_size or 0) > 256,
+         "an integer above 256 when data.tokenizer=bpe (e.g. 4096)"),
+        ("data.block_size", d.block_size > 0, "a positive integer"),
+        ("data.val_fraction", 0.0 < d.val_fraction < 1.0, "in (0, 1)"),
+        ("trainer.max_steps", t.max_steps > 0, "a positive integer"),
+        ("trainer.global_batch_size", t.global_batch_size > 0, "a positive integer"),
+        ("trainer.micro_batch_size", t.micro_batch_size > 0, "a positive integer"),
+        ("trainer.lr", t.lr > 0, "positive"),
+        ("trainer.min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]"),
+        ("trainer.warmup_steps", t.warmup_steps >= 0, ">= 0"),
+        ("trainer.weight_decay", t.weight_decay >= 0, ">= 0"),
+        ("trainer.beta1", 0.0 <= t.beta1 < 1.0, "in [0, 1)"),
+        ("trainer.beta2", 0.0 <= t.beta2 < 1.0, "in [0, 1)"),
+        ("trainer.grad_clip", t.grad_clip >= 0, ">= 0 (0 disables clipping)"),
+        ("trainer.precision", t.precision in ("auto", "fp32", "bf16", "fp16"), "auto, fp32, bf16 or fp16"),
+        ("trainer.eval_every", t.eval_every >= 0, ">= 0 (0 disables evaluation)"),
+        ("trainer.eval_samples", t.eval_samples > 0, "a positive integer"),
+        ("trainer.log_every", t.log_every > 0, "a positive integer"),
+        ("trainer.dist_timeout_s", t.dist_timeout_s > 0, "a positive number of seconds"),
+        ("snapshot.dir", bool(s.dir), "a folder path or URL"),
+        ("snapshot.every", s.every > 0, "a positive number of steps"),
+        ("snapshot.keep", s.keep >= 2, "at least 2, so that a damaged newest snapshot has a fallback"),
+    ]
+    for key, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
+    # The shape check (n_embd divisible by n_head) needs the resolved preset sizes.
+    m.build(vocab_size=1, block_size=d.block_size)
+
+
+def _lookup(cfg: Config, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value

@@ -1,0 +1,86 @@
+"""The process group of the current generation of workers.
+
+torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE. This module reads
+them afresh each start and uses them for two things only: device placement (LOCAL_RANK) and
+picking one process to log and to write snapshots (rank 0 of this generation). Nothing derived
+from them is ever stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_initialized()
+
+    @property
+    def is_leader(self) -> bool:
+        """The one process of this generation that logs and writes snapshots."""
+        return self.rank == 0
+
+
+def start(timeout_s: float) -> World:
+    """Join the process group torchrun describes (if any): NCCL on GPUs, gloo on CPUs.
+
+    The finite timeout turns a hung collective (a peer that died mid-step) into an error,
+    which torchrun answers by restarting the workers.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if "MASTER_ADDR" in os.environ and world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
+        log.debug("joined process group: rank %d of %d, %s on %s", rank, world_size, backend, device)
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float], world: World) -> list[float]:
+    """Sum a few floats over all processes (identity when alone)."""
+    if not world.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_object(obj, world: World):
+    """`obj` as the leader has it, on every process."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=world.device)
+    return box[0]

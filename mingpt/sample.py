@@ -1,0 +1,87 @@
+"""Sample text from a snapshot, local or in S3, streaming it to stdout. No corpus needed.
+
+    python -m mingpt.sample snapshots/run --prompt "The " --max-new-tokens 300 --num-samples 2
+    python -m mingpt.sample s3://bucket/run/step-000001200 --temperature 0.8 --top-k 40 --seed 1
+
+SNAPSHOT is a snapshot folder (the newest committed snapshot in it is used) or one snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import logging
+import sys
+
+import torch
+
+from mingpt.errors import MinGPTError
+from mingpt.model import GPT, GPTConfig, check_sampling
+from mingpt.snapshot import MANIFEST, Snapshot, SnapshotError, SnapshotStore
+from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
+
+
+def open_snapshot(url: str) -> Snapshot:
+    """`url` names one snapshot (it has a manifest) or a folder of them (take the newest that verifies)."""
+    url = url.rstrip("/")
+    parent, _, name = url.rpartition("/")
+    if parent:
+        store = SnapshotStore(parent)
+        if store.fs.exists(f"{store.path}/{name}/{MANIFEST}"):
+            return store.get(name)
+    snapshot = SnapshotStore(url).latest()
+    if snapshot is None:
+        raise SnapshotError(f"no committed snapshot found in {url}; give a snapshot folder written by the trainer")
+    return snapshot
+
+
+def load_for_sampling(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer]:
+    tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+    model = GPT(GPTConfig(**snapshot.manifest["model_config"]))
+    model.load_state_dict(snapshot.load_tensors("model.pt", device))
+    return model.to(device).eval(), tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mingpt.sample", description=__doc__.splitlines()[0])
+    parser.add_argument("snapshot", help="snapshot folder or one snapshot (local path or s3://...)")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=500)
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="makes the output reproducible")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+        device = torch.device(args.device)
+        snapshot = open_snapshot(args.snapshot)
+        model, tokenizer = load_for_sampling(snapshot, device)
+        prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)
+        if prompt.numel() == 0:
+            raise SnapshotError("the prompt encodes to no tokens; give a non-empty --prompt")
+    except MinGPTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"# {snapshot.url} (step {snapshot.step})", file=sys.stderr)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(args.seed if args.seed is not None else torch.seed())
+    for k in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"\n--- sample {k + 1} ---", flush=True)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        sys.stdout.write(args.prompt)
+        for ids in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, generator=generator):
+            sys.stdout.write(decoder.decode(tokenizer.decode_bytes(ids.tolist())))
+            sys.stdout.flush()
+        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""The elastic training loop.
+
+Every start, whether the first, a torchrun restart after a crash, or a restart after nodes
+left or joined, runs the same steps: prepare (or reuse) the data, join the process group,
+load the newest complete snapshot, and train from its step to `max_steps`. The state of a
+run is the replica's state alone (weights, optimizer, step, examples consumed), so any
+single process can snapshot it and any number of processes can resume it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mingpt
+from mingpt import distributed
+from mingpt.config import Config
+from mingpt.data import PreparedData, TokenBlocks, prepare
+from mingpt.distributed import World
+from mingpt.model import GPT, GPTConfig
+from mingpt.sampler import GlobalOrder, micro_batches, shard
+from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore
+from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
+
+log = logging.getLogger(__name__)
+
+# The parts of GPTConfig that decide the shape of the weights.
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights")
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken
+    samples_seen: int = 0  # the data cursor: examples consumed from the global order
+
+
+@dataclass
+class TrainResult:
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    stopped_early: bool = False
+
+
+class StopFlag:
+    """Set by SIGTERM (torchrun and SLURM send it before killing) or Ctrl-C: finish the step,
+    snapshot, exit. A second Ctrl-C aborts at once. No collectives here: only a flag."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("%s received: stopping after this step with a snapshot", signal.Signals(signum).name)
+
+
+def train(cfg: Config) -> TrainResult:
+    """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
+    store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep)
+    store.check_writable()
+    data = PreparedData(prepare(cfg.data.corpus, cfg.data.tokenizer, cfg.data.vocab_size,
+                                cfg.data.prepared_dir, cfg.data.val_fraction))
+    train_blocks = data.split("train", cfg.data.block_size)
+    val_blocks = data.split("val", cfg.data.block_size)
+    model_config = cfg.model.build(data.vocab_size, cfg.data.block_size)
+
+    world = distributed.start(cfg.trainer.dist_timeout_s)
+    try:
+        _check_batch(cfg, world)
+        with StopFlag() as stop:
+            result = _run(cfg, world, store, data, train_blocks, val_blocks, model_config, stop)
+        distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
+        return result
+    finally:
+        distributed.stop()
+
+
+def _run(cfg: Config, world: World, store: SnapshotStore, data: PreparedData, train_blocks: TokenBlocks,
+         val_blocks: TokenBlocks, model_config: GPTConfig, stop: StopFlag) -> TrainResult:
+    t = cfg.trainer
+    torch.manual_seed(cfg.seed)  # the same initial weights in every process
+    model = GPT(model_config).to(world.device)
+    optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                  fused=world.device.type == "cuda")
+    state = TrainState()
+    snapshot = _choose_snapshot(store, world)
+    if snapshot is not None:
+        _check_compatible(snapshot, model_config, data.tokenizer)
+        model.load_state_dict(snapshot.load_tensors("model.pt", world.device))
+        optimizer.load_state_dict(snapshot.load_tensors("optimizer.pt", world.device))
+        state = TrainState(snapshot.manifest["step"], snapshot.manifest["samples_seen"])
+        _log(world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
+             snapshot.url, state.step, state.samples_seen, world.world_size)
+    if state.step >= t.max_steps:
+        _log(world, "the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
+             state.step, t.max_steps)
+        return TrainResult(state.step, None, None)
+
+    autocast, scaler = _precision(t.precision, world.device)
+    if t.compile:
+        model.compile()  # in place, so state-dict keys keep their names (no _orig_mod. prefix)
+    ddp = DDP(model, device_ids=[world.device] if world.device.type == "cuda" else None) if world.distributed else None
+    order = GlobalOrder(len(train_blocks), cfg.seed)
+    metrics = _MetricsLog(store, world)
+    tokens_per_step = t.global_batch_size * cfg.data.block_size
+    _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s, %s",
+         cfg.model.name, model.num_params() / 1e6, data.tokenizer.describe(), t.global_batch_size,
+         world.world_size, autocast_name(autocast), world.device.type)
+
+    train_loss = val_loss = None
+    window_start, window_steps = time.perf_counter(), 0
+    while state.step < t.max_steps:
+        _set_lr(optimizer, cfg, state.step)
+        batch = order.indices(state.samples_seen, t.global_batch_size)
+        loss_sum = _train_step(cfg, world, model, ddp, optimizer, scaler, autocast, train_blocks, batch,
+                               state.samples_seen)
+        state.step += 1
+        state.samples_seen += t.global_batch_size
+        window_steps += 1
+        # One small collective per step: the global loss, and whether any process must stop.
+        loss_total, stops = distributed.all_reduce_sum([loss_sum, float(stop.requested)], world)
+        train_loss = loss_total / t.global_batch_size
+        if not math.isfinite(train_loss):
+            raise FloatingPointError(f"loss is {train_loss} at step {state.step}; lower trainer.lr "
+                                     "or raise trainer.warmup_steps, then resume")
+        last = state.step == t.max_steps or stops > 0
+        if state.step % t.log_every == 0 or last:
+            elapsed = time.perf_counter() - window_start
+            rate = window_steps * tokens_per_step / elapsed
+            eta = (t.max_steps - state.step) * elapsed / window_steps
+            _log(world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | ETA %s", state.step, t.max_steps,
+                 train_loss, optimizer.param_groups[0]["lr"], rate, _duration(eta))
+            metrics.write({"step": state.step, "train_loss": train_loss, "lr": optimizer.param_groups[0]["lr"],
+                           "tokens_per_s": rate, "world_size": world.world_size})
+            window_start, window_steps = time.perf_counter(), 0
+        if (t.eval_every and state.step % t.eval_every == 0) or last:
+            val_loss = evaluate(model, val_blocks, cfg, world, autocast)
+            _log(world, "step %d | val loss %.4f", state.step, val_loss)
+            metrics.write({"step": state.step, "val_loss": val_loss})
+        if state.step % cfg.snapshot.every == 0 or last:
+            _save(store, world, cfg, model, optimizer, state, data.tokenizer, train_loss, val_loss)
+        if stops > 0:
+            _log(world, "stopped at step %d on request; run the same command to resume", state.step)
+            return TrainResult(state.step, train_loss, val_loss, stopped_early=True)
+    _log(world, "done: step %d, train loss %.4f, val loss %.4f", state.step, train_loss, val_loss)
+    return TrainResult(state.step, train_loss, val_loss)
+
+
+def _train_step(cfg: Config, world: World, model: GPT, ddp: DDP | None, optimizer: torch.optim.Optimizer,
+                scaler: torch.amp.GradScaler | None, autocast, blocks: TokenBlocks, batch, position: int) -> float:
+    """One optimizer step over this process's slice of the global batch; returns sum(loss * examples)."""
+    t = cfg.trainer
+    mine = shard(len(batch), world.world_size, world.rank)
+    pieces = micro_batches(mine.stop - mine.start, t.micro_batch_size)
+    # DDP averages gradients over processes; scaling each micro-batch's mean loss by
+    # (its examples * world size / global batch) makes the result the full-batch gradient,
+    # also when the batch does not split evenly.
+    scale = world.world_size / t.global_batch_size
+    loss_sum = torch.zeros((), device=world.device)
+    optimizer.zero_grad(set_to_none=True)
+    for i, piece in enumerate(pieces):
+        first = mine.start + piece.start
+        count = piece.stop - piece.start
+        x, y = blocks.batch(batch[first : first + count])
+        x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+        # Dropout masks are a function of the data position, not of the process or its history.
+        torch.manual_seed((cfg.seed * 1_000_003 + position + first) % 2**63)
+        sync = ddp is None or i == len(pieces) - 1
+        with (nullcontext() if sync else ddp.no_sync()), autocast:
+            _, loss = (ddp or model)(x, y)
+        weighted = loss * (count * scale)
+        (scaler.scale(weighted) if scaler else weighted).backward()
+        loss_sum += loss.detach().float() * count
+    if scaler:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    if t.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return loss_sum.item()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocast) -> float:
+    """Mean loss over the first `eval_samples` validation examples, shared among all processes."""
+    count = min(cfg.trainer.eval_samples, len(blocks))
+    mine = shard(count, world.world_size, world.rank)
+    model.eval()
+    loss_sum = 0.0
+    for piece in micro_batches(mine.stop - mine.start, cfg.trainer.micro_batch_size):
+        start = mine.start + piece.start
+        x, y = blocks.batch(range(start, start + piece.stop - piece.start))
+        with autocast:
+            _, loss = model(x.to(world.device), y.to(world.device))
+        loss_sum += loss.item() * (piece.stop - piece.start)
+    model.train()
+    return distributed.all_reduce_sum([loss_sum], world)[0] / count
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warm-up to trainer.lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+    t = cfg.trainer
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+    floor = t.lr * t.min_lr_ratio
+    return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> None:
+    lr = lr_at(cfg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _check_batch(cfg: Config, world: World) -> None:
+    if cfg.trainer.global_batch_size < world.world_size:
+        raise mingpt.ConfigError(
+            f"trainer.global_batch_size={cfg.trainer.global_batch_size} cannot be served by "
+            f"{world.world_size} processes: each needs at least one example per step. Raise "
+            "trainer.global_batch_size to at least the number of processes, or start fewer"
+        )
+
+
+def _choose_snapshot(store: SnapshotStore, world: World) -> Snapshot | None:
+    """The leader picks the newest verified snapshot; every process then loads that same one."""
+    name = None
+    if world.is_leader:
+        latest = store.latest()
+        name = latest.name if latest else None
+    name = distributed.broadcast_object(name, world)
+    if name is None:
+        return None
+    try:
+        return store.get(name)
+    except SnapshotError as e:
+        raise SnapshotError(f"{e}. Every node must reach snapshot.dir: use shared storage or s3://") from None
+
+
+def _check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:
+    saved = snapshot.manifest["model_config"]
+    wanted = model_config.to_dict()
+    diffs = [f"{k}={saved.get(k)!r} (config asks for {wanted[k]!r})" for k in SHAPE_KEYS if saved.get(k) != wanted[k]]
+    if diffs:
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made with a different model: {', '.join(diffs)}. "
+            "Use the settings of that run, or a new snapshot.dir to start a new run"
+        )
+    saved_tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+    if saved_tokenizer.to_dict() != tokenizer.to_dict():
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made with another tokenizer ({saved_tokenizer.describe()}) than "
+            f"the data now gives ({tokenizer.describe()}); use the data settings of that run, or a new snapshot.dir"
+        )
+
+
+def _save(store: SnapshotStore, world: World, cfg: Config, model: GPT, optimizer: torch.optim.Optimizer,
+          state: TrainState, tokenizer: Tokenizer, train_loss: float | None, val_loss: float | None) -> None:
+    """The leader writes the snapshot alone: every replica holds the same state."""
+    if not world.is_leader:
+        return
+    tensors = {"model": _to_cpu(model.state_dict()), "optimizer": _to_cpu(optimizer.state_dict())}
+    info = {
+        "samples_seen": state.samples_seen,
+        "model_config": model.config.to_dict(),
+        "config": cfg.to_dict(),
+        "world_size": world.world_size,
+        "metrics": {"train_loss": train_loss, "val_loss": val_loss},
+        "library_version": mingpt.__version__,
+    }
+    store.save(state.step, tensors, {"tokenizer.json": tokenizer.to_json().encode()}, info)
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def _precision(precision: str, device: torch.device):
+    """The autocast context and, for fp16 only, a GradScaler."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "fp32":
+        return nullcontext(), None
+    if precision == "fp16":
+        if device.type != "cuda":
+            raise mingpt.ConfigError("trainer.precision=fp16 needs a GPU; use fp32 or bf16 on CPUs")
+        return torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler("cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16), None
+
+
+def autocast_name(autocast) -> str:
+    return str(autocast.fast_dtype).replace("torch.", "") if isinstance(autocast, torch.autocast) else "float32"
+
+
+class _MetricsLog:
+    """Appends one JSON line per record to metrics.jsonl beside the snapshots (leader only)."""
+
+    def __init__(self, store: SnapshotStore, world: World):
+        self.path = f"{store.path}/metrics.jsonl"
+        self.fs = store.fs
+        self.enabled = world.is_leader
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.fs.open(self.path, "a") as f:
+                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+def _log(world: World, message: str, *args) -> None:
+    if world.is_leader:
+        log.info(message, *args)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

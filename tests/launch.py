@@ -1,0 +1,150 @@
+"""Helpers for tests that run the real trainer: plain python, torchrun, several agents on 127.0.0.1.
+
+Every process is started in its own session so that a test can end it (and its workers) by
+process group, and `Processes` ends whatever is still running when the test finishes, pass or fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN = str(REPO / "train" / "main.py")
+
+# Small and quick, but with steps long enough that a test can act between snapshots.
+SMALL = [
+    "model=gpt-nano", "data.block_size=32", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+    "trainer.warmup_steps=5", "trainer.lr=3e-3", "trainer.log_every=5", "trainer.eval_every=0",
+    "trainer.eval_samples=32", "trainer.dist_timeout_s=30",
+]
+
+RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see DESIGN.md: avoids restart and late-join hangs
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+class Processes:
+    """Starts commands in new sessions, logging each to a file; ends them all on close."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], name: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        proc = subprocess.Popen(args, cwd=self.workdir, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        proc.log_path = self.workdir / f"{name}.log"
+        self.started.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                kill_node(proc)
+            proc.wait(timeout=30)
+
+
+def kill_node(proc: subprocess.Popen) -> None:
+    """SIGKILL an agent and its workers, as when a machine dies. torchrun starts each worker in a
+    session of its own, so the agent's process group alone would leave them running."""
+    workers = children(proc.pid)
+    for group in [proc.pid, *workers]:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def output(proc: subprocess.Popen) -> str:
+    return proc.log_path.read_text(errors="replace")
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, MAIN]
+
+
+def standalone(nproc: int, max_restarts: int = 0) -> list[str]:
+    return torchrun("--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}")
+
+
+def run(procs: Processes, args: list[str], overrides: list[str], name: str, timeout: float = 240) -> str:
+    """Run to the end; return the output; fail with it on a non-zero exit."""
+    proc = procs.start(args + overrides, name)
+    rc = proc.wait(timeout=timeout)
+    text = output(proc)
+    assert rc == 0, f"{name} exited {rc}:\n{text[-4000:]}"
+    return text
+
+
+def wait_for(condition, timeout: float, what: str, procs: list[subprocess.Popen] = ()) -> None:
+    """Poll `condition` until true; fail early if one of `procs` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"process exited ({p.returncode}) while waiting for {what}:\n{output(p)[-4000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def manifests(snapdir: Path) -> list[dict]:
+    """Manifests of the committed snapshots, oldest first."""
+    found = []
+    for path in sorted(snapdir.glob("step-*/manifest.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (json.JSONDecodeError, FileNotFoundError):
+            pass  # being written or pruned right now
+    return found
+
+
+def latest_step(snapdir: Path) -> int:
+    found = manifests(snapdir)
+    return found[-1]["step"] if found else -1
+
+
+def weights(snapdir: Path, step: int) -> dict:
+    return torch.load(snapdir / f"step-{step:09d}" / "model.pt", weights_only=True)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def metrics(snapdir: Path) -> list[dict]:
+    path = snapdir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

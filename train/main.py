@@ -1,0 +1,42 @@
+"""The training application that torchrun (or plain python) launches.
+
+    python train/main.py                                        # one process
+    torchrun --standalone --nproc-per-node=2 train/main.py       # one node
+    python train/main.py model=gpt-mini trainer.max_steps=2000   # any key of mingpt.config.Config
+
+See the README for multinode and SLURM launching.
+"""
+
+import logging
+import os
+import sys
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from mingpt.config import Config, validate
+from mingpt.errors import MinGPTError
+from mingpt.trainer import train
+
+ConfigStore.instance().store(name="schema", node=Config)
+log = logging.getLogger("mingpt")
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(raw: DictConfig) -> None:
+    # One process logs; the others report warnings and errors only.
+    leader = os.environ.get("RANK", "0") == "0"
+    logging.basicConfig(level=logging.INFO if leader else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg: Config = OmegaConf.to_object(raw)
+        validate(cfg)
+        train(cfg)
+    except MinGPTError as e:
+        log.error("%s", e)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
