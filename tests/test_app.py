@@ -1,0 +1,101 @@
+"""The Hydra application's handling of bad input, Ctrl-C and its own output, as users run it."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import MAIN, SMALL, Processes, env, latest_step, manifests, output, run, standalone, wait_for
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Processes(tmp_path)
+    yield p
+    p.close()
+
+
+def app(tmp_path, *overrides, timeout=120):
+    args = [sys.executable, MAIN, *SMALL, f"snapshot.dir={tmp_path / 'snap'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}", *overrides]
+    return subprocess.run(args, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.max_steps=abc", ["trainer.max_steps", "abc"]),
+        ("trainer.lr=-1", ["trainer.lr must be positive"]),
+        ("snapshot.keep=1", ["snapshot.keep must be at least 2"]),
+        ("trainer.precision=fp8", ["trainer.precision must be auto, fp32, bf16 or fp16"]),
+        ("data.tokenizer=bpe", ["data.vocab_size must be an integer above 256"]),
+        ("model.n_head=5", ["n_embd=48 is not divisible by n_head=5"]),
+        ("trainer.no_such_key=1", ["no_such_key"]),
+        ("model=gpt-huge", ["gpt-huge", "gpt-mini"]),
+    ],
+)
+def test_bad_config_fails_before_any_work_naming_the_key(tmp_path, override, words):
+    result = app(tmp_path, override)
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    assert all(w in text for w in words), text
+    assert "Traceback" not in text
+    assert not (tmp_path / "snap").exists() and not (tmp_path / "prepared").exists()
+
+
+def test_unwritable_snapshot_dir_is_reported_at_start(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    result = app(tmp_path, f"snapshot.dir={tmp_path / 'a-file' / 'snaps'}")
+    assert result.returncode == 2
+    assert "cannot write snapshots to" in result.stderr and "snapshot.dir" in result.stderr
+    assert not (tmp_path / "prepared").exists()  # reported before the data work
+
+
+def test_missing_corpus_is_reported(tmp_path):
+    result = app(tmp_path, f"data.corpus={tmp_path / 'nope.txt'}")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_snapshot_of_another_model_shape_is_refused(tmp_path):
+    assert app(tmp_path, "trainer.max_steps=5").returncode == 0
+    result = app(tmp_path, "trainer.max_steps=10", "model=gpt-micro")
+    assert result.returncode == 2
+    assert "different model" in result.stderr and "n_layer=3 (config asks for 4)" in result.stderr
+    assert "new snapshot.dir" in result.stderr
+    assert latest_step(tmp_path / "snap") == 5  # nothing overwritten
+
+
+def test_snapshot_of_another_tokenizer_is_refused(tmp_path):
+    # Two corpora with the same number of distinct characters: same shapes, other vocabularies.
+    (tmp_path / "one.txt").write_text("abcdefgh " * 300)
+    (tmp_path / "two.txt").write_text("stuvwxyz " * 300)
+    assert app(tmp_path, "trainer.max_steps=5", f"data.corpus={tmp_path / 'one.txt'}").returncode == 0
+    result = app(tmp_path, "trainer.max_steps=10", f"data.corpus={tmp_path / 'two.txt'}")
+    assert result.returncode == 2
+    assert "another tokenizer" in result.stderr
+
+
+def test_global_batch_smaller_than_the_world_is_explained(tmp_path, procs):
+    job = procs.start(standalone(2) + [*SMALL, "trainer.global_batch_size=1", "trainer.micro_batch_size=1",
+                                       f"snapshot.dir={tmp_path / 'snap'}"], "job")
+    assert job.wait(timeout=120) != 0
+    assert "trainer.global_batch_size=1 cannot be served by 2 processes" in output(job)
+
+
+def test_ctrl_c_finishes_the_step_and_snapshots(tmp_path, procs):
+    job = procs.start([sys.executable, MAIN, *SMALL, "model=gpt-micro", "trainer.max_steps=100000",
+                       "snapshot.every=10", f"snapshot.dir={tmp_path / 'snap'}"], "job")
+    wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first snapshot", [job])
+    job.send_signal(signal.SIGINT)
+    assert job.wait(timeout=60) == 0, output(job)
+    stopped = int(re.search(r"stopped at step (\d+) on request", output(job))[1])
+    assert manifests(tmp_path / "snap")[-1]["step"] == stopped  # a snapshot of the very step it stopped at
+
+
+def test_hydra_writes_no_output_folders(tmp_path, procs):
+    run(procs, standalone(2), [*SMALL, "trainer.max_steps=3", f"snapshot.dir={tmp_path / 'snap'}",
+                               f"data.prepared_dir={tmp_path / 'prepared'}"], "job")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.log", "prepared", "snap"]
