@@ -8,7 +8,7 @@ group or data work starts.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from mingpt.errors import ConfigError
 from mingpt.model import PRESETS, GPTConfig
@@ -62,9 +62,14 @@ class TrainerConfig:
 
 @dataclass
 class SnapshotConfig:
-    dir: str = "snapshots/run"  # local folder or fsspec URL
+    dir: str = "snapshots/run"  # local folder or fsspec URL (s3://bucket/prefix)
     every: int = 100  # steps; a snapshot is also written at the end and on SIGTERM/Ctrl-C
     keep: int = 3  # committed snapshots kept, newest first
+    async_save: bool = True  # serialise and upload in the background while training goes on
+    max_failures: int = 3  # consecutive failed saves after which the job stops
+    # Passed to fsspec, e.g. {client_kwargs: {endpoint_url: "http://minio:9000"}} for S3.
+    # Prefer the AWS credential chain to keys here; these options are never logged or stored.
+    storage_options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,7 +81,10 @@ class Config:
     seed: int = 1337
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The configuration as plain data, without storage options (they may hold credentials)."""
+        data = asdict(self)
+        data["snapshot"]["storage_options"] = sorted(self.snapshot.storage_options)  # keys only
+        return data
 
 
 def validate(cfg: Config) -> None:
@@ -111,6 +119,7 @@ def validate(cfg: Config) -> None:
         ("snapshot.dir", bool(s.dir), "a folder path or URL"),
         ("snapshot.every", s.every > 0, "a positive number of steps"),
         ("snapshot.keep", s.keep >= 2, "at least 2, so that a damaged newest snapshot has a fallback"),
+        ("snapshot.max_failures", s.max_failures >= 1, "a positive integer"),
     ]
     for key, ok, expected in checks:
         if not ok:

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ class SnapshotError(MinGPTError):
 
 def snapshot_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def _step_of(name: str) -> int:
+    return int(_NAME.match(name)[1])
 
 
 @dataclass
@@ -102,6 +107,8 @@ class SnapshotStore:
         self.keep = keep
         self.fs, self.path = url_to_fs(self.url, **(storage_options or {}))
         self.path = self.path.rstrip("/")
+        # Object stores have no folders; creating one there may create a bucket instead.
+        self.local = "file" in _protocols(self.fs)
 
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -110,26 +117,29 @@ class SnapshotStore:
         """Fail now, not at the first save, when the folder cannot be created or written."""
         probe = f"{self.path}/.write-test-{uuid.uuid4().hex}"
         try:
-            self.fs.makedirs(self.path, exist_ok=True)
+            if self.local:
+                self.fs.makedirs(self.path, exist_ok=True)
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm_file(probe)
         except Exception as e:
-            raise SnapshotError(
-                f"cannot write snapshots to {self.url} ({type(e).__name__}: {e}); "
-                "choose a writable snapshot.dir or fix its permissions"
-            ) from None
+            raise SnapshotError(f"cannot write snapshots to {self.url}: {explain_storage_error(e)}") from None
 
     # -- listing -------------------------------------------------------------------------------
 
     def committed(self) -> list[Snapshot]:
         """Committed snapshots (those with a readable manifest), oldest first. Payloads unchecked."""
-        self.fs.invalidate_cache(self.path)
-        found = []
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[list[Snapshot], list[str]]:
+        """Committed snapshots, oldest first, and the names of folders without a manifest (debris)."""
+        committed, debris = [], []
         for name in self._folder_names():
             manifest = self._read_manifest(name)
-            if manifest is not None:
-                found.append(Snapshot(self, name, manifest))
-        return sorted(found, key=lambda s: s.step)
+            if manifest is None:
+                debris.append(name)
+            else:
+                committed.append(Snapshot(self, name, manifest))
+        return sorted(committed, key=lambda s: s.step), debris
 
     def latest(self) -> Snapshot | None:
         """The newest committed snapshot whose files all verify; damaged newer ones are logged and skipped."""
@@ -148,6 +158,7 @@ class SnapshotStore:
         return Snapshot(self, name, manifest)
 
     def _folder_names(self) -> list[str]:
+        self.fs.invalidate_cache(self.path)
         try:
             entries = self.fs.ls(self.path, detail=False)
         except FileNotFoundError:
@@ -182,9 +193,10 @@ class SnapshotStore:
             return Snapshot(self, name, existing)
         started = time.perf_counter()
         folder = f"{self.path}/{name}"
-        if self.fs.exists(folder):  # debris of an interrupted save of this same step
+        if name in self._folder_names():  # debris of an interrupted save of this same step
             self.fs.rm(folder, recursive=True)
-        self.fs.makedirs(folder, exist_ok=True)
+        if self.local:
+            self.fs.makedirs(folder, exist_ok=True)
         payload = {f"{key}.pt": _serialize(value) for key, value in tensors.items()} | files
         entries = {}
         for filename, data in payload.items():
@@ -201,29 +213,111 @@ class SnapshotStore:
         self.fs.pipe_file(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
         total = sum(e["bytes"] for e in entries.values())
         log.info("snapshot %s committed (%.1f MB in %.2fs)", self.url_of(name), total / 1e6, time.perf_counter() - started)
-        self._prune()
+        try:
+            self._prune()
+        except Exception as e:  # the snapshot is committed; old ones can go next time
+            log.warning("could not remove old snapshots from %s: %s", self.url, explain_storage_error(e))
         return Snapshot(self, name, manifest)
 
     def _prune(self) -> None:
         """Keep the newest `keep` committed snapshots; remove debris older than the newest commit."""
-        committed = self.committed()
+        committed, debris = self._scan()
         if not committed:
             return
         newest = committed[-1].step
-        doomed = [s.name for s in committed[: -self.keep]]
-        committed_names = {s.name for s in committed}
-        doomed += [n for n in self._folder_names() if n not in committed_names and int(_NAME.match(n)[1]) < newest]
-        for name in doomed:
-            try:
-                # Manifest first: a deletion cut short leaves debris, never a damaged commit.
-                if self.fs.exists(f"{self.path}/{name}/{MANIFEST}"):
-                    self.fs.rm_file(f"{self.path}/{name}/{MANIFEST}")
-                self.fs.rm(f"{self.path}/{name}", recursive=True)
-            except FileNotFoundError:
-                pass
+        for snapshot in committed[: -self.keep]:
+            # Manifest first: a deletion cut short leaves debris, never a damaged commit.
+            self._remove(snapshot.name, f"{self.path}/{snapshot.name}/{MANIFEST}")
+        for name in debris:
+            if _step_of(name) < newest:
+                self._remove(name)
+
+    def _remove(self, name: str, *first: str) -> None:
+        try:
+            for path in first:
+                self.fs.rm_file(path)
+            self.fs.rm(f"{self.path}/{name}", recursive=True)
+        except FileNotFoundError:
+            pass
 
 
 def _serialize(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+class SnapshotWriter:
+    """Saves snapshots, in the background (`async_save`) or in the caller's thread.
+
+    At most one save is in flight: a new one first waits for the previous. A failed save is
+    logged and leaves no manifest, so it never looks committed; the next interval tries again.
+    After `max_failures` failures in a row, the next call raises SnapshotError to stop the job.
+    """
+
+    def __init__(self, store: SnapshotStore, async_save: bool = True, max_failures: int = 3):
+        self.store = store
+        self.async_save = async_save
+        self.max_failures = max_failures
+        self.failures = 0
+        self.last_error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def save(self, step: int, tensors: dict[str, Any], files: dict[str, bytes], info: dict) -> None:
+        """Save a snapshot of `step`; `tensors` must be CPU copies that nobody changes afterwards."""
+        self.wait()
+        if self.async_save:
+            self._thread = threading.Thread(target=self._save, args=(step, tensors, files, info),
+                                            name=f"snapshot-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._save(step, tensors, files, info)
+            self._check()
+
+    def wait(self) -> None:
+        """Block until no save is in flight; SnapshotError after too many failures in a row."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._check()
+
+    def _save(self, step, tensors, files, info) -> None:
+        try:
+            self.store.save(step, tensors, files, info)
+            self.failures = 0
+        except Exception as e:
+            self.failures += 1
+            self.last_error = explain_storage_error(e)
+            log.error("SNAPSHOT FAILED at step %d (%d in a row, the job stops after %d): %s",
+                      step, self.failures, self.max_failures, self.last_error)
+
+    def _check(self) -> None:
+        if self.failures >= self.max_failures:
+            raise SnapshotError(
+                f"{self.failures} snapshots in a row could not be written to {self.store.url}; last error: "
+                f"{self.last_error}. Fix the storage, then run the same command to resume from the "
+                "newest committed snapshot"
+            )
+
+
+def explain_storage_error(e: BaseException) -> str:
+    """A one-line reason for a storage failure, with what to do about it. Never includes credentials."""
+    text = f"{type(e).__name__}: {e}"
+    name = type(e).__name__
+    if isinstance(e, FileNotFoundError) and "bucket" in str(e).lower():
+        return f"the bucket does not exist ({e}); create it or fix snapshot.dir"
+    if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text \
+            or "SignatureDoesNotMatch" in text:
+        return (f"access denied ({e}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE / "
+                "instance role) and that they may read and write this bucket and prefix")
+    if name == "NoCredentialsError":
+        return "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role"
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") \
+            or isinstance(e, (ConnectionError, TimeoutError)):
+        return (f"cannot reach the storage endpoint ({e}); check the network, and AWS_ENDPOINT_URL_S3 or "
+                "snapshot.storage_options.client_kwargs.endpoint_url for S3-compatible stores")
+    return f"{text}; check that snapshot.dir names a writable folder or bucket prefix"
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)

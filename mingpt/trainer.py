@@ -27,7 +27,7 @@ from mingpt.data import PreparedData, TokenBlocks, prepare
 from mingpt.distributed import World
 from mingpt.model import GPT, GPTConfig
 from mingpt.sampler import GlobalOrder, micro_batches, shard
-from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore
+from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore, SnapshotWriter
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class StopFlag:
 
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
-    store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep)
+    store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     data = PreparedData(prepare(cfg.data.corpus, cfg.data.tokenizer, cfg.data.vocab_size,
                                 cfg.data.prepared_dir, cfg.data.val_fraction))
@@ -88,82 +88,141 @@ def train(cfg: Config) -> TrainResult:
     try:
         _check_batch(cfg, world)
         with StopFlag() as stop:
-            result = _run(cfg, world, store, data, train_blocks, val_blocks, model_config, stop)
+            trainer = Trainer(cfg, world, store, data, model_config)
+            result = trainer.run(train_blocks, val_blocks, stop)
         distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
         return result
     finally:
         distributed.stop()
 
 
-def _run(cfg: Config, world: World, store: SnapshotStore, data: PreparedData, train_blocks: TokenBlocks,
-         val_blocks: TokenBlocks, model_config: GPTConfig, stop: StopFlag) -> TrainResult:
-    t = cfg.trainer
-    torch.manual_seed(cfg.seed)  # the same initial weights in every process
-    model = GPT(model_config).to(world.device)
-    optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  fused=world.device.type == "cuda")
-    state = TrainState()
-    snapshot = _choose_snapshot(store, world)
-    if snapshot is not None:
-        _check_compatible(snapshot, model_config, data.tokenizer)
-        model.load_state_dict(snapshot.load_tensors("model.pt", world.device))
-        optimizer.load_state_dict(snapshot.load_tensors("optimizer.pt", world.device))
-        state = TrainState(snapshot.manifest["step"], snapshot.manifest["samples_seen"])
-        _log(world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
-             snapshot.url, state.step, state.samples_seen, world.world_size)
-    if state.step >= t.max_steps:
-        _log(world, "the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
-             state.step, t.max_steps)
-        return TrainResult(state.step, None, None)
+class Trainer:
+    """The replica's state (model, optimizer, TrainState) and the loop that advances it."""
 
-    autocast, scaler = _precision(t.precision, world.device)
-    if t.compile:
-        model.compile()  # in place, so state-dict keys keep their names (no _orig_mod. prefix)
-    ddp = DDP(model, device_ids=[world.device] if world.device.type == "cuda" else None) if world.distributed else None
-    order = GlobalOrder(len(train_blocks), cfg.seed)
-    metrics = _MetricsLog(store, world)
-    tokens_per_step = t.global_batch_size * cfg.data.block_size
-    _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s, %s",
-         cfg.model.name, model.num_params() / 1e6, data.tokenizer.describe(), t.global_batch_size,
-         world.world_size, autocast_name(autocast), world.device.type)
+    def __init__(self, cfg: Config, world: World, store: SnapshotStore, data: PreparedData, model_config: GPTConfig):
+        t = cfg.trainer
+        self.cfg, self.world, self.store, self.data = cfg, world, store, data
+        torch.manual_seed(cfg.seed)  # the same initial weights in every process
+        self.model = GPT(model_config).to(world.device)
+        self.optimizer = torch.optim.AdamW(self.model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                           fused=world.device.type == "cuda")
+        self.state = TrainState()
+        self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
+        self.metrics = _MetricsLog(store, world)
+        self.train_loss: float | None = None
+        self.val_loss: float | None = None
 
-    train_loss = val_loss = None
-    window_start, window_steps = time.perf_counter(), 0
-    while state.step < t.max_steps:
-        _set_lr(optimizer, cfg, state.step)
-        batch = order.indices(state.samples_seen, t.global_batch_size)
-        loss_sum = _train_step(cfg, world, model, ddp, optimizer, scaler, autocast, train_blocks, batch,
-                               state.samples_seen)
-        state.step += 1
-        state.samples_seen += t.global_batch_size
-        window_steps += 1
-        # One small collective per step: the global loss, and whether any process must stop.
-        loss_total, stops = distributed.all_reduce_sum([loss_sum, float(stop.requested)], world)
-        train_loss = loss_total / t.global_batch_size
-        if not math.isfinite(train_loss):
-            raise FloatingPointError(f"loss is {train_loss} at step {state.step}; lower trainer.lr "
-                                     "or raise trainer.warmup_steps, then resume")
-        last = state.step == t.max_steps or stops > 0
-        if state.step % t.log_every == 0 or last:
-            elapsed = time.perf_counter() - window_start
-            rate = window_steps * tokens_per_step / elapsed
-            eta = (t.max_steps - state.step) * elapsed / window_steps
-            _log(world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | ETA %s", state.step, t.max_steps,
-                 train_loss, optimizer.param_groups[0]["lr"], rate, _duration(eta))
-            metrics.write({"step": state.step, "train_loss": train_loss, "lr": optimizer.param_groups[0]["lr"],
-                           "tokens_per_s": rate, "world_size": world.world_size})
-            window_start, window_steps = time.perf_counter(), 0
-        if (t.eval_every and state.step % t.eval_every == 0) or last:
-            val_loss = evaluate(model, val_blocks, cfg, world, autocast)
-            _log(world, "step %d | val loss %.4f", state.step, val_loss)
-            metrics.write({"step": state.step, "val_loss": val_loss})
-        if state.step % cfg.snapshot.every == 0 or last:
-            _save(store, world, cfg, model, optimizer, state, data.tokenizer, train_loss, val_loss)
-        if stops > 0:
-            _log(world, "stopped at step %d on request; run the same command to resume", state.step)
-            return TrainResult(state.step, train_loss, val_loss, stopped_early=True)
-    _log(world, "done: step %d, train loss %.4f, val loss %.4f", state.step, train_loss, val_loss)
-    return TrainResult(state.step, train_loss, val_loss)
+    def resume(self) -> None:
+        """Load the newest verified snapshot, the same one in every process."""
+        snapshot = _choose_snapshot(self.store, self.world)
+        if snapshot is None:
+            return
+        _check_compatible(snapshot, self.model.config, self.data.tokenizer)
+        self.model.load_state_dict(snapshot.load_tensors("model.pt", self.world.device))
+        self.optimizer.load_state_dict(snapshot.load_tensors("optimizer.pt", self.world.device))
+        self.state = TrainState(snapshot.manifest["step"], snapshot.manifest["samples_seen"])
+        _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
+             snapshot.url, self.state.step, self.state.samples_seen, self.world.world_size)
+
+    def run(self, train_blocks: TokenBlocks, val_blocks: TokenBlocks, stop: StopFlag) -> TrainResult:
+        cfg, t, world = self.cfg, self.cfg.trainer, self.world
+        self.resume()
+        state = self.state
+        if state.step >= t.max_steps:
+            _log(world, "the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
+                 state.step, t.max_steps)
+            return TrainResult(state.step, None, None)
+
+        autocast, scaler = _precision(t.precision, world.device)
+        if t.compile:
+            self.model.compile()  # in place, so state-dict keys keep their names (no _orig_mod. prefix)
+        ddp = DDP(self.model, device_ids=[world.device] if world.device.type == "cuda" else None) \
+            if world.distributed else None
+        order = GlobalOrder(len(train_blocks), cfg.seed)
+        tokens_per_step = t.global_batch_size * cfg.data.block_size
+        _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s, %s",
+             cfg.model.name, self.model.num_params() / 1e6, self.data.tokenizer.describe(), t.global_batch_size,
+             world.world_size, autocast_name(autocast), world.device.type)
+
+        window_start, window_steps = time.perf_counter(), 0
+        while state.step < t.max_steps:
+            _set_lr(self.optimizer, cfg, state.step)
+            batch = order.indices(state.samples_seen, t.global_batch_size)
+            try:
+                loss_sum = _train_step(cfg, world, self.model, ddp, self.optimizer, scaler, autocast, train_blocks,
+                                       batch, state.samples_seen)
+                state.step += 1
+                state.samples_seen += t.global_batch_size
+                # One small collective per step: the global loss, and whether any process must stop.
+                loss_total, stops = distributed.all_reduce_sum([loss_sum, float(stop.requested)], world)
+            except Exception:
+                self.rescue()
+                raise
+            window_steps += 1
+            self.train_loss = loss_total / t.global_batch_size
+            if not math.isfinite(self.train_loss):
+                raise FloatingPointError(f"loss is {self.train_loss} at step {state.step}; lower trainer.lr "
+                                         "or raise trainer.warmup_steps, then resume")
+            last = state.step == t.max_steps or stops > 0
+            if state.step % t.log_every == 0 or last:
+                elapsed = time.perf_counter() - window_start
+                rate = window_steps * tokens_per_step / elapsed
+                eta = (t.max_steps - state.step) * elapsed / window_steps
+                lr = self.optimizer.param_groups[0]["lr"]
+                _log(world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | ETA %s", state.step, t.max_steps,
+                     self.train_loss, lr, rate, _duration(eta))
+                self.metrics.write({"step": state.step, "train_loss": self.train_loss, "lr": lr,
+                                    "tokens_per_s": rate, "world_size": world.world_size})
+                window_start, window_steps = time.perf_counter(), 0
+            if (t.eval_every and state.step % t.eval_every == 0) or last:
+                self.val_loss = evaluate(self.model, val_blocks, cfg, world, autocast)
+                _log(world, "step %d | val loss %.4f", state.step, self.val_loss)
+                self.metrics.write({"step": state.step, "val_loss": self.val_loss})
+            if state.step % cfg.snapshot.every == 0 or last:
+                self.save()
+            if stops > 0:
+                self.finish()
+                _log(world, "stopped at step %d on request; run the same command to resume", state.step)
+                return TrainResult(state.step, self.train_loss, self.val_loss, stopped_early=True)
+        self.finish()
+        _log(world, "done: step %d, train loss %.4f, val loss %.4f", state.step, self.train_loss, self.val_loss)
+        return TrainResult(state.step, self.train_loss, self.val_loss)
+
+    def save(self) -> None:
+        """The leader snapshots alone: every replica holds the same state. Training goes on meanwhile."""
+        if not self.world.is_leader:
+            return
+        self.metrics.flush()
+        tensors = {"model": _to_cpu(self.model.state_dict()), "optimizer": _to_cpu(self.optimizer.state_dict())}
+        info = {
+            "samples_seen": self.state.samples_seen,
+            "model_config": self.model.config.to_dict(),
+            "config": self.cfg.to_dict(),
+            "world_size": self.world.world_size,
+            "metrics": {"train_loss": self.train_loss, "val_loss": self.val_loss},
+            "library_version": mingpt.__version__,
+        }
+        self.writer.save(self.state.step, tensors, {"tokenizer.json": self.data.tokenizer.to_json().encode()}, info)
+
+    def finish(self) -> None:
+        """Wait for the snapshot in flight; the job must not end before it is committed."""
+        self.writer.wait()
+        self.metrics.flush()
+
+    def rescue(self) -> None:
+        """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the
+        state already counts the step, so this replica is consistent: the leader snapshots it, no
+        collectives involved, before the error ends the process and torchrun restarts the group."""
+        if not self.world.is_leader:
+            return
+        try:
+            self.writer.wait()
+            if self.state.step > 0:
+                log.warning("step failed; saving step %d from this process before exiting", self.state.step)
+                self.save()
+                self.writer.wait()
+        except Exception as e:
+            log.error("could not save a rescue snapshot: %s", e)
 
 
 def _train_step(cfg: Config, world: World, model: GPT, ddp: DDP | None, optimizer: torch.optim.Optimizer,
@@ -277,23 +336,6 @@ def _check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: To
         )
 
 
-def _save(store: SnapshotStore, world: World, cfg: Config, model: GPT, optimizer: torch.optim.Optimizer,
-          state: TrainState, tokenizer: Tokenizer, train_loss: float | None, val_loss: float | None) -> None:
-    """The leader writes the snapshot alone: every replica holds the same state."""
-    if not world.is_leader:
-        return
-    tensors = {"model": _to_cpu(model.state_dict()), "optimizer": _to_cpu(optimizer.state_dict())}
-    info = {
-        "samples_seen": state.samples_seen,
-        "model_config": model.config.to_dict(),
-        "config": cfg.to_dict(),
-        "world_size": world.world_size,
-        "metrics": {"train_loss": train_loss, "val_loss": val_loss},
-        "library_version": mingpt.__version__,
-    }
-    store.save(state.step, tensors, {"tokenizer.json": tokenizer.to_json().encode()}, info)
-
-
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
@@ -322,17 +364,34 @@ def autocast_name(autocast) -> str:
 
 
 class _MetricsLog:
-    """Appends one JSON line per record to metrics.jsonl beside the snapshots (leader only)."""
+    """Appends one JSON line per record to metrics.jsonl beside the snapshots (leader only).
+
+    Local files get each record at once; object stores, which rewrite a file to append to it,
+    get the records in batches when a snapshot is written and at the end.
+    """
 
     def __init__(self, store: SnapshotStore, world: World):
         self.path = f"{store.path}/metrics.jsonl"
         self.fs = store.fs
         self.enabled = world.is_leader
+        self.batched = not store.local
+        self.pending: list[str] = []
 
     def write(self, record: dict) -> None:
         if self.enabled:
+            self.pending.append(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            if not self.batched:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        try:
             with self.fs.open(self.path, "a") as f:
-                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+                f.write("".join(self.pending))
+            self.pending.clear()
+        except Exception as e:  # metrics are a convenience; a storage hiccup must not stop training
+            log.warning("could not append to %s: %s", self.path, e)
 
 
 def _log(world: World, message: str, *args) -> None:
