@@ -321,3 +321,46 @@ def explain_storage_error(e: BaseException) -> str:
 
 def _protocols(fs) -> tuple[str, ...]:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mingpt.snapshot list|verify URL`: each snapshot's step, time, size and state."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m mingpt.snapshot", description=main.__doc__.split(": ", 1)[1])
+    parser.add_argument("command", choices=["list", "verify"], help="list reads manifests; verify also checks every file")
+    parser.add_argument("url", help="a snapshot folder: local path or s3://bucket/prefix")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
+    try:
+        store = SnapshotStore(args.url)
+        committed, debris = store._scan()
+    except Exception as e:
+        print(f"error: cannot read {args.url}: {explain_storage_error(e)}", file=sys.stderr)
+        return 2
+    rows = [(s.name, s, None) for s in committed] + [(name, None, None) for name in debris]
+    damaged = 0
+    print(f"{'snapshot':<16} {'step':>9}  {'created':<24} {'size':>10}  state")
+    for name, snapshot, _ in sorted(rows, key=lambda row: row[0]):
+        if snapshot is None:
+            size = sum(store.fs.du(f"{store.path}/{name}", total=False).values())
+            print(f"{name:<16} {_step_of(name):>9}  {'-':<24} {size / 1e6:>8.1f}MB  debris (no manifest)")
+            continue
+        state = "committed"
+        if args.command == "verify":
+            try:
+                snapshot.verify()
+                state = "verified"
+            except SnapshotError as e:
+                damaged += 1
+                state = f"damaged: {e}"
+        size = sum(f["bytes"] for f in snapshot.manifest["files"].values())
+        print(f"{name:<16} {snapshot.step:>9}  {snapshot.manifest.get('created', '-'):<24} {size / 1e6:>8.1f}MB  {state}")
+    if not committed:
+        print(f"no committed snapshot in {args.url}", file=sys.stderr)
+    return 1 if damaged or not committed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

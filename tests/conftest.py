@@ -34,3 +34,39 @@ def offline_env(tmp_path: Path, closed_port: int) -> dict:
     env["NO_PROXY"] = env["no_proxy"] = ""
     env["TIKTOKEN_CACHE_DIR"] = str(tmp_path / "empty-tiktoken-cache")
     return env
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 on 127.0.0.1 behind the fault-injecting middleware; stopped after the session."""
+    from s3server import FaultyS3
+
+    server = FaultyS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """A fresh bucket on the loopback S3 server; this process and its children talk to it alone."""
+    import re
+    import uuid
+
+    import boto3
+
+    s3_server.reset()
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    boto3.client("s3", endpoint_url=s3_server.endpoint).create_bucket(Bucket=bucket)
+    s3_server.bucket = bucket
+    yield s3_server
+    s3_server.reset()
+
+
+def s3_keys(server, prefix: str = "") -> list[str]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=server.endpoint)
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket, Prefix=prefix)
+    return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))

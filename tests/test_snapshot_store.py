@@ -1,0 +1,224 @@
+"""The snapshot store's commit protocol, on local disk and on a real S3 server on loopback."""
+
+import io
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import s3_keys
+from mingpt.tokenizers import CharTokenizer
+from mingpt.model import GPTConfig
+from mingpt.snapshot import SnapshotError, SnapshotStore, SnapshotWriter, explain_storage_error
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_url(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "snaps")
+    server = request.getfixturevalue("s3")
+    return f"s3://{server.bucket}/run"
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, 64, generator=g), "b": torch.zeros(64)},
+            "optimizer": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 0.1}]}}
+
+
+def save(store: SnapshotStore, step: int):
+    return store.save(step, state(step), {"tokenizer.json": b'{"kind": "char"}'}, {"samples_seen": step * 8})
+
+
+def corrupt(store: SnapshotStore, step: int, how: str) -> None:
+    path = f"{store.path}/step-{step:09d}/model.pt"
+    data = store.fs.cat_file(path)
+    if how == "truncated":
+        store.fs.pipe_file(path, data[: len(data) // 2])
+    elif how == "bit-flipped":
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0x01
+        store.fs.pipe_file(path, bytes(flipped))
+    else:
+        store.fs.rm_file(path)
+
+
+def test_save_commits_with_a_manifest_that_verifies(store_url):
+    store = SnapshotStore(store_url)
+    snap = save(store, 10)
+    latest = store.latest()
+    assert latest.step == 10 and latest.manifest["samples_seen"] == 80
+    assert set(latest.manifest["files"]) == {"model.pt", "optimizer.pt", "tokenizer.json"}
+    loaded = latest.load_tensors("model.pt")
+    assert torch.equal(loaded["w"], state(10)["model"]["w"])
+    assert snap.url == f"{store_url}/step-000000010"
+
+
+@pytest.mark.parametrize("how", ["truncated", "bit-flipped", "missing"])
+def test_damaged_newest_snapshot_falls_back_to_the_one_before(store_url, how, caplog):
+    store = SnapshotStore(store_url, keep=3)
+    save(store, 10)
+    save(store, 20)
+    corrupt(store, 20, how)
+    with caplog.at_level(logging.WARNING):
+        latest = store.latest()
+    assert latest.step == 10
+    assert "step-000000020" in caplog.text and "damaged" in caplog.text
+    with pytest.raises(SnapshotError, match="damaged"):
+        store.get("step-000000020").load_tensors("model.pt")
+
+
+@pytest.mark.parametrize("fail_at", range(4))  # model.pt, optimizer.pt, tokenizer.json, manifest.json
+def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(store_url, fail_at, monkeypatch):
+    store = SnapshotStore(store_url)
+    save(store, 10)
+    real_pipe = store.fs.pipe_file
+    calls = []
+
+    def failing_pipe(path, data, **kw):
+        calls.append(path)
+        if len(calls) == fail_at + 1:
+            raise ConnectionError("injected: the process died here")
+        return real_pipe(path, data, **kw)
+
+    monkeypatch.setattr(store.fs, "pipe_file", failing_pipe)  # the fs object is shared: patch, then undo
+    with pytest.raises(ConnectionError):
+        save(store, 20)
+    monkeypatch.undo()
+    assert [s.step for s in store.committed()] == [10]
+    assert store.latest().step == 10
+    save(store, 30)  # the next commit removes the debris left by the failed step 20
+    assert [s.step for s in store.committed()] == [10, 30]
+    assert store._folder_names() == ["step-000000010", "step-000000030"]
+
+
+def test_retention_keeps_the_newest_n(store_url):
+    store = SnapshotStore(store_url, keep=2)
+    for step in (10, 20, 30, 40):
+        save(store, step)
+    assert [s.step for s in store.committed()] == [30, 40]
+    assert store._folder_names() == ["step-000000030", "step-000000040"]
+
+
+def test_a_committed_snapshot_is_never_overwritten(store_url):
+    store = SnapshotStore(store_url)
+    first = save(store, 10)
+    again = store.save(10, {"model": {"w": torch.ones(2)}}, {}, {"samples_seen": 0})
+    assert again.manifest == first.manifest
+    assert torch.equal(store.latest().load_tensors("model.pt")["w"], state(10)["model"]["w"])
+
+
+class _Evil:
+    """Unpickling this would create a file: the attack a malicious payload carries."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_malicious_pickle_is_refused_and_never_runs(store_url, tmp_path):
+    store = SnapshotStore(store_url)
+    marker = tmp_path / "pwned"
+    # A well-formed torch file whose pickle would call open(marker, "w"), with a matching manifest.
+    buffer = io.BytesIO()
+    torch.save({"w": _Evil(str(marker))}, buffer)
+    files = {"model.pt": buffer.getvalue(), "tokenizer.json": CharTokenizer(list("ab")).to_json().encode()}
+    config = GPTConfig(vocab_size=2, block_size=4, n_layer=1, n_head=1, n_embd=4).to_dict()
+    store.save(10, {}, files, {"samples_seen": 0, "model_config": config})
+    with pytest.raises(SnapshotError, match="refusing to load model.pt.*weights_only"):
+        store.latest().load_tensors("model.pt")
+    assert not marker.exists()
+    # The sample command refuses it too, with a message and no traceback.
+    result = subprocess.run([sys.executable, "-m", "mingpt.sample", store_url, "--max-new-tokens", "5"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "refusing to load" in result.stderr and "Traceback" not in result.stderr
+    assert not marker.exists()
+
+
+def test_writer_counts_consecutive_failures_and_stops_the_job(tmp_path, caplog, monkeypatch):
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    writer = SnapshotWriter(store, async_save=True, max_failures=2)
+
+    def storage_down(*args, **kwargs):
+        raise ConnectionError("storage is down")
+
+    monkeypatch.setattr(store.fs, "pipe_file", storage_down)
+    writer.save(10, state(10), {}, {"samples_seen": 0})
+    writer.wait()  # one failure: logged, the job goes on
+    assert writer.failures == 1 and "SNAPSHOT FAILED at step 10" in caplog.text
+    monkeypatch.undo()
+    writer.save(20, state(20), {}, {"samples_seen": 0})
+    writer.wait()
+    assert writer.failures == 0 and store.latest().step == 20  # a success resets the count
+    monkeypatch.setattr(store.fs, "pipe_file", storage_down)
+    writer.save(30, state(30), {}, {"samples_seen": 0})
+    writer.save(40, state(40), {}, {"samples_seen": 0})  # waits for 30 (failed), then tries 40
+    with pytest.raises(SnapshotError, match="2 snapshots in a row could not be written.*storage is down"):
+        writer.wait()
+    monkeypatch.undo()
+    assert [s.step for s in store.committed()] == [20]
+
+
+def test_s3_errors_at_start_name_the_cause_and_never_the_secret(s3, monkeypatch):
+    from s3server import SECRET_KEY
+
+    with pytest.raises(SnapshotError, match="bucket does not exist"):
+        SnapshotStore(f"s3://no-such-bucket-{s3.bucket}/run").check_writable()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY")
+    with pytest.raises(SnapshotError, match="access denied.*credentials") as denied:
+        SnapshotStore(f"s3://{s3.bucket}/run", storage_options={"skip_instance_cache": True}).check_writable()
+    assert SECRET_KEY not in str(denied.value)
+    options = {"key": "AKIAWRONGKEY", "secret": SECRET_KEY, "skip_instance_cache": True}
+    with pytest.raises(SnapshotError) as e:
+        SnapshotStore(f"s3://{s3.bucket}/run", storage_options=options).check_writable()
+    assert SECRET_KEY not in str(e.value)
+
+
+def test_unreachable_endpoint_is_explained(monkeypatch, closed_port):
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{closed_port}")
+    for name, value in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(name, value)
+    options = {"skip_instance_cache": True, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(SnapshotError, match="cannot reach the storage endpoint.*AWS_ENDPOINT_URL_S3"):
+        SnapshotStore("s3://some-bucket/run", storage_options=options).check_writable()
+
+
+def test_retention_on_s3_leaves_only_the_newest_objects(s3):
+    store = SnapshotStore(f"s3://{s3.bucket}/run", keep=2)
+    for step in (1, 2, 3):
+        save(store, step)
+    keys = s3_keys(s3, "run/")
+    assert {k.split("/")[1] for k in keys} == {"step-000000002", "step-000000003"}
+    assert sum(k.endswith("manifest.json") for k in keys) == 2
+
+
+def test_explain_storage_error_fallback_names_the_setting():
+    assert "snapshot.dir" in explain_storage_error(OSError("disk full"))
+
+
+def test_snapshot_command_lists_and_verifies(store_url):
+    store = SnapshotStore(store_url, keep=5)
+    for step in (10, 20, 30):
+        save(store, step)
+    corrupt(store, 20, "bit-flipped")
+    if store.local:
+        store.fs.makedirs(f"{store.path}/step-000000040")
+    store.fs.pipe_file(f"{store.path}/step-000000040/model.pt", b"half an upload")  # debris
+    run = lambda *args: subprocess.run([sys.executable, "-m", "mingpt.snapshot", *args, store_url],
+                                       capture_output=True, text=True, timeout=120)
+    listed = run("list")
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split()[0]: line for line in listed.stdout.splitlines() if line.startswith("step-")}
+    assert set(rows) == {"step-000000010", "step-000000020", "step-000000030", "step-000000040"}
+    assert "debris" in rows["step-000000040"] and "committed" in rows["step-000000010"]
+    verified = run("verify")
+    assert verified.returncode == 1  # one is damaged
+    rows = {line.split()[0]: line for line in verified.stdout.splitlines() if line.startswith("step-")}
+    assert "verified" in rows["step-000000030"] and "verified" in rows["step-000000010"]
+    assert "damaged" in rows["step-000000020"] and "model.pt" in rows["step-000000020"]
+    assert "debris" in rows["step-000000040"]
