@@ -51,11 +51,12 @@ class Processes:
         self.workdir = workdir
         self.started: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], name: str) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "ab")
-        proc = subprocess.Popen(args, cwd=self.workdir, env=env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        proc.log_path = self.workdir / f"{name}.log"
+    def start(self, args: list[str], name: str, cwd: Path | None = None) -> subprocess.Popen:
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(args, cwd=cwd or self.workdir, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        proc.log_path = log_path
         self.started.append(proc)
         return proc
 
@@ -143,6 +144,15 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 kids.append(int(entry.name))
     return kids
+
+
+def worker(agent_pid: int, local_rank: int) -> int:
+    """The PID of the agent's worker with this LOCAL_RANK."""
+    for pid in children(agent_pid):
+        environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        if f"LOCAL_RANK={local_rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under {agent_pid}")
 
 
 def metrics(snapdir: Path) -> list[dict]:

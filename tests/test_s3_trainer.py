@@ -1,0 +1,148 @@
+"""Training with snapshot.dir=s3://... against a real S3 server on 127.0.0.1, with real faults."""
+
+import math
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import s3_keys
+from launch import MAIN, SMALL, Processes, kill_node, output, run, standalone, wait_for
+from mingpt.snapshot import SnapshotStore
+from s3server import SECRET_KEY
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Processes(tmp_path)
+    yield p
+    p.close()
+
+
+def job(tmp_path, url, steps, every=10, extra=()):
+    return [*SMALL, f"trainer.max_steps={steps}", f"snapshot.every={every}", f"snapshot.dir={url}",
+            f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
+
+
+def committed_steps(s3) -> list[int]:
+    return sorted(int(k.split("/")[1][5:]) for k in s3_keys(s3, "run/") if k.endswith("/manifest.json"))
+
+
+def final_weights(url: str) -> dict:
+    return SnapshotStore(url).latest().load_tensors("model.pt")
+
+
+def test_resume_from_s3_on_a_fresh_machine_is_bitwise_identical(tmp_path, procs, s3):
+    url = f"s3://{s3.bucket}/run"
+    steps = 60
+    run(procs, standalone(2), job(tmp_path, tmp_path / "reference", steps), "reference")
+
+    first = procs.start(standalone(2) + job(tmp_path, url, steps), "first")
+    wait_for(lambda: committed_steps(s3) and committed_steps(s3)[-1] >= 20, 120, "a snapshot in S3", [first])
+    kill_node(first)  # the machine is gone, with its local disk
+    first.wait(timeout=30)
+    assert committed_steps(s3)[-1] < steps
+
+    fresh = tmp_path / "fresh-machine"
+    fresh.mkdir()
+    args = [*SMALL, f"trainer.max_steps={steps}", "snapshot.every=10", f"snapshot.dir={url}"]  # data/ made anew
+    second = procs.start(standalone(2) + args, "second", cwd=fresh)
+    assert second.wait(timeout=180) == 0, output(second)[-4000:]
+    assert re.search(r"resumed from s3://\S+/run/step-\d+", output(second))
+    assert (fresh / "data").is_dir()  # it prepared the corpus itself
+    reference = torch.load(tmp_path / "reference" / f"step-{steps:09d}" / "model.pt", weights_only=True)
+    resumed = final_weights(url)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+    assert len({k.split("/")[1] for k in s3_keys(s3, "run/step-")}) <= 3  # keep=3 on S3 too
+
+
+def test_kill_during_an_upload_leaves_the_previous_snapshot(tmp_path, procs, s3):
+    url = f"s3://{s3.bucket}/run"
+    held = s3.add("PUT", r"/run/step-000000020/optimizer\.pt$", "hold")
+    first = procs.start([sys.executable, MAIN] + job(tmp_path, url, 40), "first")
+    wait_for(held.holding.is_set, 120, "the upload of step 20", [first])
+    kill_node(first)
+    first.wait(timeout=30)
+    held.released.set()
+    assert committed_steps(s3) == [10]
+    assert any("step-000000020/model.pt" in k for k in s3_keys(s3, "run/"))  # debris from the killed save
+
+    second = procs.start([sys.executable, MAIN] + job(tmp_path, url, 40), "second")
+    assert second.wait(timeout=120) == 0, output(second)[-4000:]
+    assert "resumed from" in output(second) and "step-000000010: step 10" in output(second)
+    assert committed_steps(s3)[-1] == 40
+    SnapshotStore(url).latest().verify()
+
+
+def test_503s_and_cut_connections_during_a_save_are_survived(tmp_path, procs, s3):
+    url = f"s3://{s3.bucket}/run"
+    s3.add("PUT", r"/step-000000010/model\.pt$", "error", count=2, status=503, code="SlowDown")
+    s3.add("PUT", r"/step-000000010/optimizer\.pt$", "cut", count=2)
+    s3.add("PUT", r"/step-000000010/manifest\.json$", "error", count=1, status=500, code="InternalError")
+    text = run(procs, [sys.executable, MAIN], job(tmp_path, url, 20), "job")
+    assert "SNAPSHOT FAILED" not in text
+    assert re.search(r"snapshot s3://\S+/step-000000010 committed", text)
+    statuses = lambda pattern: [st for m, p, st in s3.requests if m == "PUT" and re.search(pattern, p)]
+    assert statuses(r"step-000000010/model\.pt$") == [503, 503, 200]
+    assert statuses(r"step-000000010/optimizer\.pt$") == [0, 0, 200]  # 0: connection cut
+    assert statuses(r"step-000000010/manifest\.json$") == [500, 200]
+    assert committed_steps(s3) == [10, 20]
+
+
+def test_saves_that_keep_failing_stop_the_job_without_committed_looking_folders(tmp_path, procs, s3):
+    url = f"s3://{s3.bucket}/run"
+    s3.add("PUT", r"/run/step-", "error", count=math.inf, status=503, code="SlowDown")
+    fast_retries = "+snapshot.storage_options.config_kwargs.retries.max_attempts=2"
+    proc = procs.start([sys.executable, MAIN] + job(tmp_path, url, 1000, every=5,
+                                                    extra=["snapshot.max_failures=2", fast_retries]), "job")
+    assert proc.wait(timeout=180) == 2
+    text = output(proc)
+    assert text.count("SNAPSHOT FAILED") >= 2
+    assert "2 snapshots in a row could not be written" in text and "run the same command to resume" in text
+    assert not [k for k in s3_keys(s3, "run/") if k.endswith("manifest.json")]
+    assert SECRET_KEY not in text
+
+
+def test_sigterm_under_torchrun_writes_a_final_snapshot_quickly(tmp_path, procs, s3):
+    url = f"s3://{s3.bucket}/run"
+    agent = procs.start(standalone(2) + job(tmp_path, url, 100000, every=100000), "job")
+    wait_for(lambda: "step 20/" in output(agent), 120, "training to start", [agent])
+    sent = time.monotonic()
+    agent.send_signal(signal.SIGTERM)  # what SLURM or a preempting scheduler does
+    agent.wait(timeout=60)
+    assert time.monotonic() - sent < 30, "longer than torchrun's shutdown window"
+    stopped = int(re.search(r"stopped at step (\d+) on request", output(agent))[1])
+    assert committed_steps(s3) == [stopped]
+    SnapshotStore(url).latest().verify()
+
+
+@pytest.mark.parametrize("case", ["missing bucket", "wrong credentials"])
+def test_startup_storage_errors_are_clear_and_do_not_leak_secrets(tmp_path, s3, monkeypatch, case):
+    url = f"s3://{s3.bucket}/run"
+    if case == "missing bucket":
+        url = f"s3://missing-{s3.bucket}/run"
+    else:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAKEY")
+    result = subprocess.run([sys.executable, MAIN, *job(tmp_path, url, 10)], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert result.returncode == 2
+    expected = "bucket does not exist" if case == "missing bucket" else "access denied"
+    assert f"cannot write snapshots to {url}" in result.stderr and expected in result.stderr
+    assert SECRET_KEY not in result.stdout + result.stderr
+    assert not (tmp_path / "prepared").exists()  # before any data work
+
+
+def test_sample_from_an_s3_snapshot(tmp_path, procs, s3):
+    url = f"s3://{s3.bucket}/run"
+    run(procs, [sys.executable, MAIN], job(tmp_path, url, 20), "train")
+    result = subprocess.run([sys.executable, "-m", "mingpt.sample", url, "--max-new-tokens", "40", "--seed", "1",
+                             "--prompt", "The "], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The ") and len(result.stdout) == len("The ") + 40 + 1  # char tokens, newline
+    assert f"{url}/step-000000020" in result.stderr
+    manifest = SnapshotStore(url).latest().manifest
+    assert manifest["config"]["snapshot"]["storage_options"] == []  # options are never stored
