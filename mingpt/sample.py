@@ -40,6 +40,7 @@ def load_for_sampling(snapshot: Snapshot, device: torch.device) -> tuple[GPT, To
     tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
     model = GPT(GPTConfig(**snapshot.manifest["model_config"]))
     model.load_state_dict(snapshot.load_tensors("model.pt", device))
+    snapshot.forget()  # the optimizer state, if verify() read it
     return model.to(device).eval(), tokenizer
 
 

@@ -20,7 +20,7 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -56,6 +56,7 @@ class Snapshot:
     store: "SnapshotStore"
     name: str
     manifest: dict
+    _verified: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def step(self) -> int:
@@ -67,6 +68,8 @@ class Snapshot:
 
     def read(self, filename: str) -> bytes:
         """The bytes of one payload file, after checking its size and sha256 against the manifest."""
+        if filename in self._verified:  # read by verify() a moment ago; hand over, do not keep
+            return self._verified.pop(filename)
         entry = self.manifest["files"].get(filename)
         if entry is None:
             raise SnapshotError(f"snapshot {self.url} has no file {filename}")
@@ -94,9 +97,16 @@ class Snapshot:
             ) from None
 
     def verify(self) -> None:
-        """Check every payload file against the manifest; SnapshotError when one does not match."""
+        """Check every payload file against the manifest; SnapshotError when one does not match.
+
+        The checked bytes are kept for the next `read` of each file, so verifying and then
+        loading reads the storage once."""
         for filename in self.manifest["files"]:
-            self.read(filename)
+            self._verified[filename] = self.read(filename)
+
+    def forget(self) -> None:
+        """Drop bytes kept by `verify` that will not be read."""
+        self._verified.clear()
 
 
 class SnapshotStore:
@@ -197,11 +207,14 @@ class SnapshotStore:
             self.fs.rm(folder, recursive=True)
         if self.local:
             self.fs.makedirs(folder, exist_ok=True)
-        payload = {f"{key}.pt": _serialize(value) for key, value in tensors.items()} | files
         entries = {}
-        for filename, data in payload.items():
-            self.fs.pipe_file(f"{folder}/{filename}", data)
-            entries[filename] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        payload = {f"{key}.pt": value for key, value in tensors.items()} | files
+        for filename, content in payload.items():
+            # Streamed: serialised, hashed and written in one pass, never whole in memory.
+            with self.fs.open(f"{folder}/{filename}", "wb") as f:
+                out = _HashingWriter(f)
+                out.write(content) if isinstance(content, bytes) else torch.save(content, out)
+            entries[filename] = out.entry()
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -210,7 +223,8 @@ class SnapshotStore:
             **info,
             "files": entries,
         }
-        self.fs.pipe_file(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
+        with self.fs.open(f"{folder}/{MANIFEST}", "wb") as f:  # the commit: one small object, written whole
+            f.write(json.dumps(manifest, indent=2).encode())
         total = sum(e["bytes"] for e in entries.values())
         log.info("snapshot %s committed (%.1f MB in %.2fs)", self.url_of(name), total / 1e6, time.perf_counter() - started)
         try:
@@ -241,10 +255,24 @@ class SnapshotStore:
             pass
 
 
-def _serialize(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+class _HashingWriter:
+    """A write-only file that passes bytes on and keeps their count and sha256."""
+
+    def __init__(self, f):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def entry(self) -> dict:
+        return {"bytes": self.size, "sha256": self.sha.hexdigest()}
 
 
 class SnapshotWriter:

@@ -306,13 +306,10 @@ def _check_batch(cfg: Config, world: World) -> None:
 
 def _choose_snapshot(store: SnapshotStore, world: World) -> Snapshot | None:
     """The leader picks the newest verified snapshot; every process then loads that same one."""
-    name = None
-    if world.is_leader:
-        latest = store.latest()
-        name = latest.name if latest else None
-    name = distributed.broadcast_object(name, world)
-    if name is None:
-        return None
+    latest = store.latest() if world.is_leader else None
+    name = distributed.broadcast_object(latest.name if latest else None, world)
+    if name is None or latest is not None:
+        return latest  # the leader keeps the bytes it verified, so it reads them once
     try:
         return store.get(name)
     except SnapshotError as e:

@@ -74,19 +74,21 @@ def test_damaged_newest_snapshot_falls_back_to_the_one_before(store_url, how, ca
 def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(store_url, fail_at, monkeypatch):
     store = SnapshotStore(store_url)
     save(store, 10)
-    real_pipe = store.fs.pipe_file
-    calls = []
+    real_open = store.fs.open
+    writes = []
 
-    def failing_pipe(path, data, **kw):
-        calls.append(path)
-        if len(calls) == fail_at + 1:
-            raise ConnectionError("injected: the process died here")
-        return real_pipe(path, data, **kw)
+    def failing_open(path, mode="rb", **kw):
+        if "w" in mode:
+            writes.append(path)
+            if len(writes) == fail_at + 1:
+                raise ConnectionError("injected: the process died here")
+        return real_open(path, mode, **kw)
 
-    monkeypatch.setattr(store.fs, "pipe_file", failing_pipe)  # the fs object is shared: patch, then undo
+    monkeypatch.setattr(store.fs, "open", failing_open)  # the fs object is shared: patch, then undo
     with pytest.raises(ConnectionError):
         save(store, 20)
     monkeypatch.undo()
+    assert writes[-1].endswith(["model.pt", "optimizer.pt", "tokenizer.json", "manifest.json"][fail_at])
     assert [s.step for s in store.committed()] == [10]
     assert store.latest().step == 10
     save(store, 30)  # the next commit removes the debris left by the failed step 20
@@ -146,7 +148,7 @@ def test_writer_counts_consecutive_failures_and_stops_the_job(tmp_path, caplog, 
     def storage_down(*args, **kwargs):
         raise ConnectionError("storage is down")
 
-    monkeypatch.setattr(store.fs, "pipe_file", storage_down)
+    monkeypatch.setattr(store.fs, "open", storage_down)
     writer.save(10, state(10), {}, {"samples_seen": 0})
     writer.wait()  # one failure: logged, the job goes on
     assert writer.failures == 1 and "SNAPSHOT FAILED at step 10" in caplog.text
@@ -154,7 +156,7 @@ def test_writer_counts_consecutive_failures_and_stops_the_job(tmp_path, caplog, 
     writer.save(20, state(20), {}, {"samples_seen": 0})
     writer.wait()
     assert writer.failures == 0 and store.latest().step == 20  # a success resets the count
-    monkeypatch.setattr(store.fs, "pipe_file", storage_down)
+    monkeypatch.setattr(store.fs, "open", storage_down)
     writer.save(30, state(30), {}, {"samples_seen": 0})
     writer.save(40, state(40), {}, {"samples_seen": 0})  # waits for 30 (failed), then tries 40
     with pytest.raises(SnapshotError, match="2 snapshots in a row could not be written.*storage is down"):
