@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
+from mingpt.corpus import redact
 from mingpt.errors import ConfigError
 from mingpt.model import PRESETS, GPTConfig
 
@@ -84,6 +85,8 @@ class Config:
         """The configuration as plain data, without storage options (they may hold credentials)."""
         data = asdict(self)
         data["snapshot"]["storage_options"] = sorted(self.snapshot.storage_options)  # keys only
+        data["snapshot"]["dir"] = redact(self.snapshot.dir)
+        data["data"]["corpus"] = redact(self.data.corpus)
         return data
 
 

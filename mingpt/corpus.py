@@ -8,6 +8,7 @@ so the default job runs on a fresh machine with no network and no downloads.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 import fsspec
@@ -25,6 +26,11 @@ class Corpus:
     num_bytes: int
 
 
+def redact(url: str) -> str:
+    """`url` without credentials it may carry (scheme://user:secret@host/...), for logs and manifests."""
+    return re.sub(r"//[^/@]*@", "//", url)
+
+
 def read_corpus(source: str) -> Corpus:
     """Read a UTF-8 text corpus; raise DataError saying what to do when it is missing, empty or not text."""
     raw = _builtin_bytes() if source == BUILTIN_CORPUS else _read_bytes(source)
@@ -32,11 +38,11 @@ def read_corpus(source: str) -> Corpus:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(
-            f"corpus {source} is not UTF-8 text (bad byte at offset {e.start}); "
+            f"corpus {redact(source)} is not UTF-8 text (bad byte at offset {e.start}); "
             "convert it to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8`"
         ) from None
     if not text.strip():
-        raise DataError(f"corpus {source} is empty; give a text file with some content")
+        raise DataError(f"corpus {redact(source)} is empty; give a text file with some content")
     return Corpus(name=source, text=text, sha256=hashlib.sha256(raw).hexdigest(), num_bytes=len(raw))
 
 
@@ -46,11 +52,11 @@ def _read_bytes(source: str) -> bytes:
             return f.read()
     except FileNotFoundError:
         raise DataError(
-            f"corpus {source} does not exist; give a path or URL of a UTF-8 text file, "
+            f"corpus {redact(source)} does not exist; give a path or URL of a UTF-8 text file, "
             f"or {BUILTIN_CORPUS!r} for the built-in corpus"
         ) from None
     except IsADirectoryError:
-        raise DataError(f"corpus {source} is a directory; give one text file") from None
+        raise DataError(f"corpus {redact(source)} is a directory; give one text file") from None
 
 
 def _builtin_bytes() -> bytes:

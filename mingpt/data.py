@@ -18,6 +18,7 @@ is decided elsewhere (by the trainer's sampler) as a pure function of seed and p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from mingpt.corpus import BUILTIN_CORPUS, read_corpus
+from mingpt.corpus import BUILTIN_CORPUS, read_corpus, redact
 from mingpt.errors import DataError
 from mingpt.tokenizers import Tokenizer, check_bpe_vocab_size, load_tokenizer, train_tokenizer
 
@@ -44,9 +45,14 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def default_out_dir(corpus: str, tokenizer: str, vocab_size: int | None, root: str = "data") -> Path:
-    """`data/<corpus stem>-<tokenizer>[-<vocab size>]`, e.g. data/python-docs-char."""
+    """`data/<corpus stem>[-<hash of its location>]-<tokenizer>[-<vocab size>]`, e.g. data/python-docs-char.
+
+    The hash keeps two corpora of the same file name (./input.txt, s3://b/input.txt) apart."""
     stem = Path(corpus.rstrip("/").split("://")[-1]).stem or "corpus"
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem)
+    if corpus != BUILTIN_CORPUS:
+        location = corpus if "://" in corpus else str(Path(corpus).resolve())
+        stem += "-" + hashlib.sha256(location.encode()).hexdigest()[:8]
     suffix = f"-{vocab_size}" if tokenizer == "bpe" else ""
     return Path(root) / f"{stem}-{tokenizer}{suffix}"
 
@@ -96,7 +102,7 @@ def prepare(
             "format": FORMAT,
             "version": FORMAT_VERSION,
             **wanted,
-            "corpus": _display_name(corpus),
+            "corpus": redact(corpus),
             "corpus_bytes": text.num_bytes,
             "vocab_size": tok.vocab_size,
             "dtype": np.dtype(dtype).name,
@@ -110,7 +116,7 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(
         "prepared %s: %d train + %d val tokens, %s in %.1fs -> %s",
-        corpus, meta["train_tokens"], meta["val_tokens"], tok.describe(), time.perf_counter() - started, out,
+        redact(corpus), meta["train_tokens"], meta["val_tokens"], tok.describe(), time.perf_counter() - started, out,
     )
     return out
 
@@ -153,11 +159,6 @@ def _publish(tmp: Path, out: Path, wanted: dict) -> None:
                 continue  # someone else moved it meanwhile; try again
             shutil.rmtree(stale, ignore_errors=True)
     raise DataError(f"could not replace {out}; is another process preparing different data there?")
-
-
-def _display_name(corpus: str) -> str:
-    """The corpus name without any credentials a URL may carry (user:secret@host)."""
-    return re.sub(r"//[^/@]*@", "//", corpus)
 
 
 class TokenBlocks:

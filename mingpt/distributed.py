@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mingpt.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -50,7 +52,10 @@ def start(timeout_s: float) -> World:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if "MASTER_ADDR" in os.environ and world_size > 1:
+    if world_size > 1 and "MASTER_ADDR" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE={world_size} but no MASTER_ADDR: start several processes with torchrun, "
+                          "which sets both")
+    if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         device_id = device if device.type == "cuda" else None
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)

@@ -19,3 +19,7 @@ class DataError(MinGPTError, ValueError):
 
 class TokenizerError(MinGPTError, ValueError):
     """A tokenizer cannot be built, loaded, or cannot encode the given text."""
+
+
+class TrainingError(MinGPTError):
+    """Training cannot go on as configured (for example, the loss became infinite or NaN)."""

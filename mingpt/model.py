@@ -294,6 +294,10 @@ def sample_next(
         logits = logits.masked_fill(drop, float("-inf"))
     # Inverse-CDF sampling: one uniform number per row. Same distribution as
     # torch.multinomial, at a fraction of its fixed cost, which dominates a cached step.
-    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    probs = logits.softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
     u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(-1) - 1).squeeze(-1)
+    picked = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    # u may round up to the total; then take the last token that can be drawn, not a filtered one.
+    last_possible = probs.size(-1) - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(picked, last_possible)

@@ -22,6 +22,9 @@ from mingpt.snapshot import MANIFEST, Snapshot, SnapshotError, SnapshotStore
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 
 
+SAMPLING_FILES = ("model.pt", "tokenizer.json")  # the optimizer state is not needed
+
+
 def open_snapshot(url: str) -> Snapshot:
     """`url` names one snapshot (it has a manifest) or a folder of them (take the newest that verifies)."""
     url = url.rstrip("/")
@@ -30,7 +33,7 @@ def open_snapshot(url: str) -> Snapshot:
         store = SnapshotStore(parent)
         if store.fs.exists(f"{store.path}/{name}/{MANIFEST}"):
             return store.get(name)
-    snapshot = SnapshotStore(url).latest()
+    snapshot = SnapshotStore(url).latest(files=SAMPLING_FILES)
     if snapshot is None:
         raise SnapshotError(f"no committed snapshot found in {url}; give a snapshot folder written by the trainer")
     return snapshot
@@ -40,7 +43,6 @@ def load_for_sampling(snapshot: Snapshot, device: torch.device) -> tuple[GPT, To
     tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
     model = GPT(GPTConfig(**snapshot.manifest["model_config"]))
     model.load_state_dict(snapshot.load_tensors("model.pt", device))
-    snapshot.forget()  # the optimizer state, if verify() read it
     return model.to(device).eval(), tokenizer
 
 

@@ -21,12 +21,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import fsspec
 import torch
 from fsspec.core import url_to_fs
 
+from mingpt.corpus import redact
 from mingpt.errors import MinGPTError
 
 log = logging.getLogger(__name__)
@@ -96,12 +97,12 @@ class Snapshot:
                 f"({type(e).__name__}); only weights_only data is ever loaded"
             ) from None
 
-    def verify(self) -> None:
-        """Check every payload file against the manifest; SnapshotError when one does not match.
+    def verify(self, files: Sequence[str] | None = None) -> None:
+        """Check the payload files (default: all) against the manifest; SnapshotError when one does not match.
 
         The checked bytes are kept for the next `read` of each file, so verifying and then
-        loading reads the storage once."""
-        for filename in self.manifest["files"]:
+        loading reads the storage once; `forget` drops what will not be read."""
+        for filename in files or self.manifest["files"]:
             self._verified[filename] = self.read(filename)
 
     def forget(self) -> None:
@@ -113,9 +114,9 @@ class SnapshotStore:
     """The snapshots of one run, under `url` (a local path or fsspec URL)."""
 
     def __init__(self, url: str, keep: int = 3, storage_options: dict | None = None):
-        self.url = url.rstrip("/")
+        self.url = redact(url.rstrip("/"))  # for messages; credentials never shown
         self.keep = keep
-        self.fs, self.path = url_to_fs(self.url, **(storage_options or {}))
+        self.fs, self.path = url_to_fs(url.rstrip("/"), **(storage_options or {}))
         self.path = self.path.rstrip("/")
         # Object stores have no folders; creating one there may create a bucket instead.
         self.local = "file" in _protocols(self.fs)
@@ -132,7 +133,7 @@ class SnapshotStore:
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm_file(probe)
         except Exception as e:
-            raise SnapshotError(f"cannot write snapshots to {self.url}: {explain_storage_error(e)}") from None
+            raise SnapshotError(f"cannot write snapshots to {self.url}: {explain_storage_error(e, self.local)}") from None
 
     # -- listing -------------------------------------------------------------------------------
 
@@ -151,11 +152,12 @@ class SnapshotStore:
                 committed.append(Snapshot(self, name, manifest))
         return sorted(committed, key=lambda s: s.step), debris
 
-    def latest(self) -> Snapshot | None:
-        """The newest committed snapshot whose files all verify; damaged newer ones are logged and skipped."""
+    def latest(self, files: Sequence[str] | None = None) -> Snapshot | None:
+        """The newest committed snapshot whose files (default: all) verify; damaged newer ones are logged
+        and skipped."""
         for snapshot in reversed(self.committed()):
             try:
-                snapshot.verify()
+                snapshot.verify(files)
                 return snapshot
             except SnapshotError as e:
                 log.warning("%s; falling back to the snapshot before it", e)
@@ -184,8 +186,11 @@ class SnapshotStore:
         except (json.JSONDecodeError, UnicodeDecodeError):
             log.warning("snapshot %s has a damaged manifest; ignoring it", self.url_of(name))
             return None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            log.warning("snapshot %s has a manifest of another format; ignoring it", self.url_of(name))
+        valid = (isinstance(manifest, dict) and manifest.get("format") == FORMAT
+                 and manifest.get("version") == FORMAT_VERSION and manifest.get("step") == _step_of(name)
+                 and isinstance(manifest.get("files"), dict))
+        if not valid:
+            log.warning("snapshot %s has a manifest of another format or version; ignoring it", self.url_of(name))
             return None
         return manifest
 
@@ -199,8 +204,13 @@ class SnapshotStore:
         name = snapshot_name(step)
         existing = self._read_manifest(name)
         if existing is not None:
-            log.info("snapshot %s is already committed; keeping it", self.url_of(name))
-            return Snapshot(self, name, existing)
+            try:
+                Snapshot(self, name, existing).verify()
+                log.info("snapshot %s is already committed; keeping it", self.url_of(name))
+                return Snapshot(self, name, existing)
+            except SnapshotError as e:  # never keep a damaged commit over good state
+                log.warning("%s; replacing it", e)
+                self._remove(name, f"{self.path}/{name}/{MANIFEST}")
         started = time.perf_counter()
         folder = f"{self.path}/{name}"
         if name in self._folder_names():  # debris of an interrupted save of this same step
@@ -280,14 +290,15 @@ class SnapshotWriter:
 
     At most one save is in flight: a new one first waits for the previous. A failed save is
     logged and leaves no manifest, so it never looks committed; the next interval tries again.
-    After `max_failures` failures in a row, the next call raises SnapshotError to stop the job.
+    After `max_failures` failures in a row, `failed_too_often` turns true and `check` raises
+    SnapshotError: the trainer then stops the job on every process together.
     """
 
     def __init__(self, store: SnapshotStore, async_save: bool = True, max_failures: int = 3):
         self.store = store
         self.async_save = async_save
         self.max_failures = max_failures
-        self.failures = 0
+        self.failures = 0  # consecutive; 0 after a success
         self.last_error: str | None = None
         self._thread: threading.Thread | None = None
 
@@ -300,14 +311,26 @@ class SnapshotWriter:
             self._thread.start()
         else:
             self._save(step, tensors, files, info)
-            self._check()
 
     def wait(self) -> None:
-        """Block until no save is in flight; SnapshotError after too many failures in a row."""
+        """Block until no save is in flight."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._check()
+
+    @property
+    def failed_too_often(self) -> bool:
+        """True when the last `max_failures` saves all failed (as far as finished saves tell)."""
+        return self.failures >= self.max_failures
+
+    def check(self, final: bool = False) -> None:
+        """SnapshotError when too many saves failed in a row, or (`final`) when the last save failed."""
+        if self.failed_too_often or (final and self.failures):
+            what = "the last snapshot" if final and not self.failed_too_often else f"{self.failures} snapshots in a row"
+            raise SnapshotError(
+                f"{what} could not be written to {self.store.url}; last error: {self.last_error}. Fix the "
+                "storage, then run the same command to resume from the newest committed snapshot"
+            )
 
     def _save(self, step, tensors, files, info) -> None:
         try:
@@ -315,23 +338,17 @@ class SnapshotWriter:
             self.failures = 0
         except Exception as e:
             self.failures += 1
-            self.last_error = explain_storage_error(e)
+            self.last_error = explain_storage_error(e, self.store.local)
             log.error("SNAPSHOT FAILED at step %d (%d in a row, the job stops after %d): %s",
                       step, self.failures, self.max_failures, self.last_error)
 
-    def _check(self) -> None:
-        if self.failures >= self.max_failures:
-            raise SnapshotError(
-                f"{self.failures} snapshots in a row could not be written to {self.store.url}; last error: "
-                f"{self.last_error}. Fix the storage, then run the same command to resume from the "
-                "newest committed snapshot"
-            )
 
-
-def explain_storage_error(e: BaseException) -> str:
+def explain_storage_error(e: BaseException, local: bool = False) -> str:
     """A one-line reason for a storage failure, with what to do about it. Never includes credentials."""
     text = f"{type(e).__name__}: {e}"
     name = type(e).__name__
+    if local and isinstance(e, PermissionError):
+        return f"permission denied ({e}); make the folder writable for this user or choose another snapshot.dir"
     if isinstance(e, FileNotFoundError) and "bucket" in str(e).lower():
         return f"the bucket does not exist ({e}); create it or fix snapshot.dir"
     if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text \
@@ -379,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             try:
                 snapshot.verify()
+                snapshot.forget()
                 state = "verified"
             except SnapshotError as e:
                 damaged += 1

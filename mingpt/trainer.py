@@ -14,20 +14,23 @@ import logging
 import math
 import signal
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mingpt
 from mingpt import distributed
 from mingpt.config import Config
 from mingpt.data import PreparedData, TokenBlocks, prepare
+from mingpt.errors import TrainingError
 from mingpt.distributed import World
 from mingpt.model import GPT, GPTConfig
 from mingpt.sampler import GlobalOrder, micro_batches, shard
-from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore, SnapshotWriter
+from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore, SnapshotWriter, explain_storage_error
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 
 log = logging.getLogger(__name__)
@@ -153,16 +156,22 @@ class Trainer:
                                        batch, state.samples_seen)
                 state.step += 1
                 state.samples_seen += t.global_batch_size
-                # One small collective per step: the global loss, and whether any process must stop.
-                loss_total, stops = distributed.all_reduce_sum([loss_sum, float(stop.requested)], world)
+                # One small collective per step: the global loss, whether any process must stop, and
+                # whether snapshots keep failing (only the leader writes them, so only it knows).
+                failing = float(world.is_leader and self.writer.failed_too_often)
+                loss_total, stops, fatal = distributed.all_reduce_sum([loss_sum, float(stop.requested), failing], world)
             except Exception:
                 self.rescue()
                 raise
+            if fatal:
+                self.writer.check()
+                raise SnapshotError("the process writing snapshots could not write them; see its log")
             window_steps += 1
             self.train_loss = loss_total / t.global_batch_size
             if not math.isfinite(self.train_loss):
-                raise FloatingPointError(f"loss is {self.train_loss} at step {state.step}; lower trainer.lr "
-                                         "or raise trainer.warmup_steps, then resume")
+                self.finish()
+                raise TrainingError(f"loss is {self.train_loss} at step {state.step}; lower trainer.lr or raise "
+                                    "trainer.warmup_steps, then run again to resume from the last snapshot")
             last = state.step == t.max_steps or stops > 0
             if state.step % t.log_every == 0 or last:
                 elapsed = time.perf_counter() - window_start
@@ -174,7 +183,8 @@ class Trainer:
                 self.metrics.write({"step": state.step, "train_loss": self.train_loss, "lr": lr,
                                     "tokens_per_s": rate, "world_size": world.world_size})
                 window_start, window_steps = time.perf_counter(), 0
-            if (t.eval_every and state.step % t.eval_every == 0) or last:
+            # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
+            if (t.eval_every and state.step % t.eval_every == 0) or (last and not stops):
                 self.val_loss = evaluate(self.model, val_blocks, cfg, world, autocast)
                 _log(world, "step %d | val loss %.4f", state.step, self.val_loss)
                 self.metrics.write({"step": state.step, "val_loss": self.val_loss})
@@ -205,15 +215,23 @@ class Trainer:
         self.writer.save(self.state.step, tensors, {"tokenizer.json": self.data.tokenizer.to_json().encode()}, info)
 
     def finish(self) -> None:
-        """Wait for the snapshot in flight; the job must not end before it is committed."""
+        """Wait for the snapshot in flight: the job must not end before it is committed, nor end
+        "done" when it was not. Every process learns the outcome, so all exit alike."""
         self.writer.wait()
         self.metrics.flush()
+        failed = float(self.world.is_leader and self.writer.failures > 0)
+        if distributed.all_reduce_sum([failed], self.world)[0]:
+            self.writer.check(final=True)
+            raise SnapshotError("the process writing snapshots could not write the last one; see its log")
 
     def rescue(self) -> None:
         """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the
         state already counts the step, so this replica is consistent: the leader snapshots it, no
-        collectives involved, before the error ends the process and torchrun restarts the group."""
-        if not self.world.is_leader:
+        collectives involved, before the error ends the process and torchrun restarts the group.
+
+        Only with gloo (and alone): NCCL reports a peer's death late, possibly after the optimizer
+        stepped on partly reduced gradients, so there the last periodic snapshot is the safe one."""
+        if not self.world.is_leader or (self.world.distributed and dist.get_backend() != "gloo"):
             return
         try:
             self.writer.wait()
@@ -306,14 +324,41 @@ def _check_batch(cfg: Config, world: World) -> None:
 
 def _choose_snapshot(store: SnapshotStore, world: World) -> Snapshot | None:
     """The leader picks the newest verified snapshot; every process then loads that same one."""
-    latest = store.latest() if world.is_leader else None
-    name = distributed.broadcast_object(latest.name if latest else None, world)
-    if name is None or latest is not None:
+    _check_shared(store, world)
+    latest, choice = None, ("none", None)
+    if world.is_leader:
+        try:
+            latest = store.latest()
+            choice = ("snapshot", latest.name) if latest else ("none", None)
+        except Exception as e:  # tell the others, or they would wait for the broadcast in vain
+            choice = ("error", f"cannot read snapshots from {store.url}: {explain_storage_error(e, store.local)}")
+    kind, value = distributed.broadcast_object(choice, world)
+    if kind == "error":
+        raise SnapshotError(value)
+    if kind == "none" or latest is not None:
         return latest  # the leader keeps the bytes it verified, so it reads them once
-    try:
-        return store.get(name)
-    except SnapshotError as e:
-        raise SnapshotError(f"{e}. Every node must reach snapshot.dir: use shared storage or s3://") from None
+    return store.get(value)
+
+
+def _check_shared(store: SnapshotStore, world: World) -> None:
+    """With several processes, every one must see what the leader writes: any of them may lead the
+    next generation. A local folder that is not shared between nodes would silently restart a run."""
+    if not world.distributed:
+        return
+    probe = f"{store.path}/.shared-check-{uuid.uuid4().hex}"
+    if world.is_leader:
+        store.fs.pipe_file(probe, b"ok")
+    probe = distributed.broadcast_object(probe, world)
+    store.fs.invalidate_cache(store.path)
+    visible = distributed.all_reduce_sum([float(store.fs.exists(probe))], world)[0]
+    distributed.barrier(world)
+    if world.is_leader:
+        store.fs.rm_file(probe)
+    if visible < world.world_size:
+        raise SnapshotError(
+            f"snapshot.dir {store.url} is not shared: {world.world_size - int(visible)} of {world.world_size} "
+            "processes cannot see the files the first one writes there. Use storage every node reaches (s3://, NFS)"
+        )
 
 
 def _check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:

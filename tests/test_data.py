@@ -163,10 +163,17 @@ def test_missing_or_damaged_meta(tmp_path, corpus_file):
         PreparedData(out)
 
 
-def test_default_out_dir_names():
+def test_default_out_dir_names(tmp_path, monkeypatch):
     assert str(default_out_dir("python-docs", "char", None)) == os.path.join("data", "python-docs-char")
-    assert str(default_out_dir("s3://bucket/texts/shakespeare.txt", "bpe", 4096)) == os.path.join(
-        "data", "shakespeare-bpe-4096")
+    remote = default_out_dir("s3://bucket/texts/shakespeare.txt", "bpe", 4096)
+    assert remote.parent.name == "data" and remote.name.startswith("shakespeare-") and remote.name.endswith("-bpe-4096")
+    # Two corpora of the same file name get two folders; one corpus reached two ways gets one.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    local = default_out_dir("input.txt", "char", None)
+    assert local != default_out_dir("s3://bucket/input.txt", "char", None)
+    assert local != default_out_dir("a/input.txt", "char", None)
+    assert local == default_out_dir(str(tmp_path / "input.txt"), "char", None)
 
 
 def test_prepare_command_line(tmp_path, corpus_file, capsys):

@@ -1,5 +1,6 @@
 """Training with snapshot.dir=s3://... against a real S3 server on 127.0.0.1, with real faults."""
 
+import json
 import math
 import re
 import signal
@@ -13,7 +14,7 @@ import torch
 from conftest import s3_keys
 from launch import MAIN, SMALL, Processes, kill_node, output, run, standalone, wait_for
 from mingpt.snapshot import SnapshotStore
-from s3server import SECRET_KEY
+from s3server import ACCESS_KEY, SECRET_KEY
 
 
 @pytest.fixture
@@ -138,11 +139,17 @@ def test_startup_storage_errors_are_clear_and_do_not_leak_secrets(tmp_path, s3, 
 
 def test_sample_from_an_s3_snapshot(tmp_path, procs, s3):
     url = f"s3://{s3.bucket}/run"
-    run(procs, [sys.executable, MAIN], job(tmp_path, url, 20), "train")
+    # Credentials given as storage options: used, but never logged nor stored.
+    options = [f"+snapshot.storage_options.key={ACCESS_KEY}", f"+snapshot.storage_options.secret={SECRET_KEY}"]
+    text = run(procs, [sys.executable, MAIN], job(tmp_path, url, 20, extra=options), "train")
+    assert SECRET_KEY not in text
     result = subprocess.run([sys.executable, "-m", "mingpt.sample", url, "--max-new-tokens", "40", "--seed", "1",
                              "--prompt", "The "], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The ") and len(result.stdout) == len("The ") + 40 + 1  # char tokens, newline
     assert f"{url}/step-000000020" in result.stderr
-    manifest = SnapshotStore(url).latest().manifest
-    assert manifest["config"]["snapshot"]["storage_options"] == []  # options are never stored
+    store = SnapshotStore(url)
+    assert store.latest().manifest["config"]["snapshot"]["storage_options"] == ["key", "secret"]  # names only
+    assert SECRET_KEY.encode() not in store.fs.cat_file(f"{store.path}/step-000000020/manifest.json")
+    records = [json.loads(line) for line in store.fs.cat_file(f"{store.path}/metrics.jsonl").splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [5, 10, 15, 20]  # appended in batches on S3

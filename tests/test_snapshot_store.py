@@ -70,8 +70,27 @@ def test_damaged_newest_snapshot_falls_back_to_the_one_before(store_url, how, ca
         store.get("step-000000020").load_tensors("model.pt")
 
 
+class _TornFile:
+    """A file whose first write lands half and then fails, as when the process dies mid-write.
+    What was written is kept (closed, and on S3 uploaded), the worst case for the reader."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(bytes(data)[: len(data) // 2])
+        raise ConnectionError("injected: the process died in the middle of this file")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("how", ["before", "midway"])
 @pytest.mark.parametrize("fail_at", range(4))  # model.pt, optimizer.pt, tokenizer.json, manifest.json
-def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(store_url, fail_at, monkeypatch):
+def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(store_url, fail_at, how, monkeypatch):
     store = SnapshotStore(store_url)
     save(store, 10)
     real_open = store.fs.open
@@ -81,7 +100,9 @@ def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(sto
         if "w" in mode:
             writes.append(path)
             if len(writes) == fail_at + 1:
-                raise ConnectionError("injected: the process died here")
+                if how == "before":
+                    raise ConnectionError("injected: the process died before this file")
+                return _TornFile(real_open(path, mode, **kw))
         return real_open(path, mode, **kw)
 
     monkeypatch.setattr(store.fs, "open", failing_open)  # the fs object is shared: patch, then undo
@@ -89,7 +110,7 @@ def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(sto
         save(store, 20)
     monkeypatch.undo()
     assert writes[-1].endswith(["model.pt", "optimizer.pt", "tokenizer.json", "manifest.json"][fail_at])
-    assert [s.step for s in store.committed()] == [10]
+    assert [s.step for s in store.committed()] == [10]  # a torn manifest is debris, not a commit
     assert store.latest().step == 10
     save(store, 30)  # the next commit removes the debris left by the failed step 20
     assert [s.step for s in store.committed()] == [10, 30]
@@ -141,7 +162,7 @@ def test_a_malicious_pickle_is_refused_and_never_runs(store_url, tmp_path):
     assert not marker.exists()
 
 
-def test_writer_counts_consecutive_failures_and_stops_the_job(tmp_path, caplog, monkeypatch):
+def test_writer_counts_consecutive_failures(tmp_path, caplog, monkeypatch):
     store = SnapshotStore(str(tmp_path / "snaps"))
     writer = SnapshotWriter(store, async_save=True, max_failures=2)
 
@@ -150,19 +171,36 @@ def test_writer_counts_consecutive_failures_and_stops_the_job(tmp_path, caplog, 
 
     monkeypatch.setattr(store.fs, "open", storage_down)
     writer.save(10, state(10), {}, {"samples_seen": 0})
-    writer.wait()  # one failure: logged, the job goes on
+    writer.wait()  # one failure: logged, the job goes on, but it must not end "done" on it
     assert writer.failures == 1 and "SNAPSHOT FAILED at step 10" in caplog.text
+    writer.check()
+    with pytest.raises(SnapshotError, match="the last snapshot could not be written.*storage is down"):
+        writer.check(final=True)
     monkeypatch.undo()
     writer.save(20, state(20), {}, {"samples_seen": 0})
     writer.wait()
     assert writer.failures == 0 and store.latest().step == 20  # a success resets the count
+    writer.check(final=True)
     monkeypatch.setattr(store.fs, "open", storage_down)
     writer.save(30, state(30), {}, {"samples_seen": 0})
     writer.save(40, state(40), {}, {"samples_seen": 0})  # waits for 30 (failed), then tries 40
-    with pytest.raises(SnapshotError, match="2 snapshots in a row could not be written.*storage is down"):
-        writer.wait()
+    writer.wait()
     monkeypatch.undo()
+    assert writer.failed_too_often
+    with pytest.raises(SnapshotError, match="2 snapshots in a row could not be written.*storage is down"):
+        writer.check()
     assert [s.step for s in store.committed()] == [20]
+
+
+def test_a_damaged_commit_of_the_same_step_is_replaced_not_kept(store_url):
+    store = SnapshotStore(store_url)
+    save(store, 10)
+    save(store, 20)
+    corrupt(store, 20, "bit-flipped")
+    assert store.latest().step == 10  # a resumed run falls back, trains to 20 again, and saves it
+    save(store, 20)
+    assert store.latest().step == 20
+    assert torch.equal(store.latest().load_tensors("model.pt")["w"], state(20)["model"]["w"])
 
 
 def test_s3_errors_at_start_name_the_cause_and_never_the_secret(s3, monkeypatch):

@@ -67,6 +67,21 @@ def test_killed_worker_resumes_bitwise_identical(tmp_path, procs):
     assert final_loss(snap) == final_loss(tmp_path / "reference")
 
 
+def test_uneven_shards_and_accumulation_give_the_full_batch_gradient(tmp_path, procs):
+    """3 processes share 10 examples as 4+3+3, in micro-batches of 2 (accumulated under no_sync):
+    the same steps as one process taking all 10 in one pass, up to float summation order."""
+    uneven = ["trainer.global_batch_size=10", "trainer.micro_batch_size=2"]
+    run(procs, standalone(3), overrides(tmp_path, "three", 20, extra=uneven), "three")
+    alone = ["trainer.global_batch_size=10", "trainer.micro_batch_size=10"]
+    run(procs, [sys.executable, MAIN], overrides(tmp_path, "one", 20, extra=alone), "one")
+    three, one = weights(tmp_path / "three", 20), weights(tmp_path / "one", 20)
+    for key in one:
+        assert torch.allclose(three[key], one[key], rtol=1e-4, atol=1e-5), key
+    losses = lambda d: [m["train_loss"] for m in metrics(d) if "train_loss" in m]
+    assert losses(tmp_path / "three") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    assert manifests(tmp_path / "three")[-1]["world_size"] == 3
+
+
 def test_finished_job_run_again_does_no_training(tmp_path, procs):
     args = [sys.executable, MAIN]
     run(procs, args, overrides(tmp_path, "snap", 10), "first")
