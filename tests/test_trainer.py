@@ -24,6 +24,10 @@ def procs(tmp_path):
     p.close()
 
 
+# A model big enough that steps take tens of milliseconds, so a test can act mid-run.
+HEAVIER = ["model=gpt-micro", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
+
+
 def overrides(tmp_path, name, steps, every=10, extra=()):
     return [*SMALL, f"trainer.max_steps={steps}", f"snapshot.every={every}", f"snapshot.dir={tmp_path / name}",
             f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
@@ -47,11 +51,12 @@ def test_standalone_two_workers_run_to_the_end(tmp_path, procs):
 
 def test_killed_worker_resumes_bitwise_identical(tmp_path, procs):
     steps = 120
-    reference = run(procs, standalone(2), overrides(tmp_path, "reference", steps), "reference")
+    heavier = [*HEAVIER]  # steps of tens of milliseconds: the kill lands mid-run
+    reference = run(procs, standalone(2), overrides(tmp_path, "reference", steps, extra=heavier), "reference")
     assert "resumed" not in reference
 
     snap = tmp_path / "killed"
-    job = procs.start(standalone(2, max_restarts=2) + overrides(tmp_path, "killed", steps), "killed")
+    job = procs.start(standalone(2, max_restarts=2) + overrides(tmp_path, "killed", steps, extra=heavier), "killed")
     wait_for(lambda: latest_step(snap) >= 30, 120, "the step-30 snapshot", [job])
     assert len(children(job.pid)) == 2
     os.kill(worker(job.pid, local_rank=1), signal.SIGKILL)
@@ -128,8 +133,7 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs):
     node = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
                     f"--rdzv-conf={RDZV_CONF},is_host=false")
-    # A model big enough that steps take tens of milliseconds, so the test can act mid-run.
-    heavier = ["model=gpt-micro", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
+    heavier = [*HEAVIER]
     args = node + overrides(tmp_path, "elastic", steps, every=20, extra=heavier)
     a = procs.start(args, "node-a")
     b = procs.start(args, "node-b")
