@@ -18,6 +18,7 @@ is decided elsewhere (by the trainer's sampler) as a pure function of seed and p
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ import re
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -84,9 +86,18 @@ def prepare(
     if _matches(out, wanted):
         log.info("reusing prepared data in %s", out)
         return out
-
-    started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _machine_lock(out.parent):  # processes on one machine prepare once; the others wait, then reuse
+        if _matches(out, wanted):
+            log.info("reusing prepared data in %s, prepared by another process", out)
+            return out
+        _build(corpus, text, tokenizer, vocab_size, val_fraction, wanted, out)
+    return out
+
+
+def _build(corpus: str, text, tokenizer: str, vocab_size: int | None, val_fraction: float, wanted: dict,
+           out: Path) -> None:
+    started = time.perf_counter()
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -118,7 +129,21 @@ def prepare(
         "prepared %s: %d train + %d val tokens, %s in %.1fs -> %s",
         redact(corpus), meta["train_tokens"], meta["val_tokens"], tok.describe(), time.perf_counter() - started, out,
     )
-    return out
+
+
+@contextmanager
+def _machine_lock(folder: Path):
+    """An exclusive flock on `folder` itself (no lock file to leave behind). Where the file system
+    has no flock, go on without: `_publish` keeps concurrent preparation correct, only slower."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def read_meta(directory: str | os.PathLike) -> dict:

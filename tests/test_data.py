@@ -1,6 +1,8 @@
 import json
+import logging
 import multiprocessing
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,15 +104,26 @@ def test_prepared_data_is_rebuilt_when_corpus_or_tokenizer_changes(corpus_file, 
 
 
 def _prepare_in_child(args):
-    corpus, out = args
-    return str(prepare(corpus, "bpe", vocab_size=350, out=out))
+    corpus, out, barrier = args
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("mingpt.data").addHandler(handler)
+    logging.getLogger("mingpt.data").setLevel(logging.INFO)
+    barrier.wait()  # all three start at once
+    prepare(corpus, "bpe", vocab_size=350, out=out)
+    built = any(m.startswith("prepared ") for m in messages)
+    return built, read_meta(out)["created"], (Path(out) / "train.bin").stat().st_ino
 
 
-def test_concurrent_preparation_of_the_same_data_is_safe(corpus_file, tmp_path):
+def test_concurrent_preparation_of_the_same_data_is_safe_and_done_once(corpus_file, tmp_path):
     out = tmp_path / "prep"
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
-        results = pool.map(_prepare_in_child, [(str(corpus_file), str(out))] * 3)
-    assert results == [str(out)] * 3
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(3) as pool:
+        barrier = manager.Barrier(3)
+        results = pool.map(_prepare_in_child, [(str(corpus_file), str(out), barrier)] * 3)
+    assert [built for built, *_ in results].count(True) == 1  # one process built it; the others waited
+    assert len({tuple(rest) for _, *rest in results}) == 1  # ... and reused that very folder
     data = PreparedData(out)
     ids = np.fromfile(out / "train.bin", dtype=np.uint16)
     assert len(ids) == data.meta["train_tokens"]
