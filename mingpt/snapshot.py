@@ -23,7 +23,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import fsspec
 import torch
 from fsspec.core import url_to_fs
 

@@ -1,6 +1,5 @@
 """The trainer under real torchrun processes on 127.0.0.1 (gloo on CPU)."""
 
-import json
 import os
 import re
 import shutil
