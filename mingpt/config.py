@@ -25,7 +25,8 @@ class ModelConfig:
     bias: bool = False
 
     def build(self, vocab_size: int, block_size: int) -> GPTConfig:
-        sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd)) if v}
+        sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd))
+                 if v is not None}  # GPTConfig checks them
         return GPTConfig.from_preset(
             self.name, vocab_size, block_size, dropout=self.dropout, bias=self.bias, **sizes
         )
@@ -95,10 +96,6 @@ def validate(cfg: Config) -> None:
     t, d, m, s = cfg.trainer, cfg.data, cfg.model, cfg.snapshot
     checks = [
         ("model.name", m.name in PRESETS, f"one of {', '.join(PRESETS)}"),
-        ("model.n_layer", m.n_layer is None or m.n_layer > 0, "a positive integer"),
-        ("model.n_head", m.n_head is None or m.n_head > 0, "a positive integer"),
-        ("model.n_embd", m.n_embd is None or m.n_embd > 0, "a positive integer"),
-        ("model.dropout", 0.0 <= m.dropout < 1.0, "in [0, 1)"),
         ("data.tokenizer", bool(d.tokenizer), "char, bpe or a tiktoken encoding name"),
         ("data.vocab_size", d.tokenizer != "bpe" or (d.vocab_size or 0) > 256,
          "an integer above 256 when data.tokenizer=bpe (e.g. 4096)"),
@@ -127,7 +124,7 @@ def validate(cfg: Config) -> None:
     for key, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
-    # The shape check (n_embd divisible by n_head) needs the resolved preset sizes.
+    # The model's own checks (sizes, dropout, n_embd divisible by n_head) on the resolved preset sizes.
     m.build(vocab_size=1, block_size=d.block_size)
 
 

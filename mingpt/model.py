@@ -48,14 +48,14 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model {name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(
-                f"model n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"model.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                 f"choose n_embd as a multiple of n_head (e.g. {self.n_head * max(1, round(self.n_embd / self.n_head))})"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model dropout must be in [0, 1), got {self.dropout!r}")
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
 
     @classmethod
     def from_preset(cls, name: str, vocab_size: int, block_size: int, **overrides) -> "GPTConfig":

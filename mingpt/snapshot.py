@@ -383,10 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"error: cannot read {args.url}: {explain_storage_error(e)}", file=sys.stderr)
         return 2
-    rows = [(s.name, s, None) for s in committed] + [(name, None, None) for name in debris]
+    rows = [(s.name, s) for s in committed] + [(name, None) for name in debris]
     damaged = 0
     print(f"{'snapshot':<16} {'step':>9}  {'created':<24} {'size':>10}  state")
-    for name, snapshot, _ in sorted(rows, key=lambda row: row[0]):
+    for name, snapshot in sorted(rows, key=lambda row: row[0]):
         if snapshot is None:
             size = sum(store.fs.du(f"{store.path}/{name}", total=False).values())
             print(f"{name:<16} {_step_of(name):>9}  {'-':<24} {size / 1e6:>8.1f}MB  debris (no manifest)")
