@@ -8,6 +8,7 @@ from them is ever stored.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -69,7 +70,10 @@ def barrier(world: World) -> None:
 
 
 def stop() -> None:
+    """Leave the process group. Objects still holding it (DDP's reducer lives in reference cycles)
+    are collected first: destroyed after the group, they abort the process now and then (torch 2.13)."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
