@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
-from mingpt.corpus import redact
+from mingpt.storage import redact
 from mingpt.errors import ConfigError
 from mingpt.model import PRESETS, GPTConfig
 

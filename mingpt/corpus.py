@@ -8,12 +8,12 @@ so the default job runs on a fresh machine with no network and no downloads.
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 
 import fsspec
 
 from mingpt.errors import DataError
+from mingpt.storage import redact
 
 BUILTIN_CORPUS = "python-docs"
 
@@ -24,11 +24,6 @@ class Corpus:
     text: str
     sha256: str  # of the UTF-8 bytes; tells prepared data whether it is still current
     num_bytes: int
-
-
-def redact(url: str) -> str:
-    """`url` without credentials it may carry (scheme://user:secret@host/...), for logs and manifests."""
-    return re.sub(r"//[^/@]*@", "//", url)
 
 
 def read_corpus(source: str) -> Corpus:

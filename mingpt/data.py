@@ -34,7 +34,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from mingpt.corpus import BUILTIN_CORPUS, read_corpus, redact
+from mingpt.corpus import BUILTIN_CORPUS, read_corpus
+from mingpt.storage import redact
 from mingpt.errors import DataError
 from mingpt.tokenizers import Tokenizer, check_bpe_vocab_size, load_tokenizer, train_tokenizer
 

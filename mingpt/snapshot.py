@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from fsspec.core import url_to_fs
 
-from mingpt.corpus import redact
+from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 from mingpt.errors import MinGPTError
 
 log = logging.getLogger(__name__)
@@ -115,10 +114,13 @@ class SnapshotStore:
     def __init__(self, url: str, keep: int = 3, storage_options: dict | None = None):
         self.url = redact(url.rstrip("/"))  # for messages; credentials never shown
         self.keep = keep
-        self.fs, self.path = url_to_fs(url.rstrip("/"), **(storage_options or {}))
+        try:
+            self.fs, self.path = open_fs(url.rstrip("/"), storage_options)
+        except MinGPTError as e:
+            raise SnapshotError(f"{e}; fix snapshot.dir") from None
         self.path = self.path.rstrip("/")
         # Object stores have no folders; creating one there may create a bucket instead.
-        self.local = "file" in _protocols(self.fs)
+        self.local = is_local(self.fs)
 
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -340,31 +342,6 @@ class SnapshotWriter:
             self.last_error = explain_storage_error(e, self.store.local)
             log.error("SNAPSHOT FAILED at step %d (%d in a row, the job stops after %d): %s",
                       step, self.failures, self.max_failures, self.last_error)
-
-
-def explain_storage_error(e: BaseException, local: bool = False) -> str:
-    """A one-line reason for a storage failure, with what to do about it. Never includes credentials."""
-    text = f"{type(e).__name__}: {e}"
-    name = type(e).__name__
-    if local and isinstance(e, PermissionError):
-        return f"permission denied ({e}); make the folder writable for this user or choose another snapshot.dir"
-    if isinstance(e, FileNotFoundError) and "bucket" in str(e).lower():
-        return f"the bucket does not exist ({e}); create it or fix snapshot.dir"
-    if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text \
-            or "SignatureDoesNotMatch" in text:
-        return (f"access denied ({e}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE / "
-                "instance role) and that they may read and write this bucket and prefix")
-    if name == "NoCredentialsError":
-        return "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role"
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") \
-            or isinstance(e, (ConnectionError, TimeoutError)):
-        return (f"cannot reach the storage endpoint ({e}); check the network, and AWS_ENDPOINT_URL_S3 or "
-                "snapshot.storage_options.client_kwargs.endpoint_url for S3-compatible stores")
-    return f"{text}; check that snapshot.dir names a writable folder or bucket prefix"
-
-
-def _protocols(fs) -> tuple[str, ...]:
-    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
 
 def main(argv: list[str] | None = None) -> int:

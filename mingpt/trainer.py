@@ -30,7 +30,8 @@ from mingpt.errors import TrainingError
 from mingpt.distributed import World
 from mingpt.model import GPT, GPTConfig
 from mingpt.sampler import GlobalOrder, micro_batches, shard
-from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore, SnapshotWriter, explain_storage_error
+from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore, SnapshotWriter
+from mingpt.storage import explain_storage_error
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ import torch
 from conftest import s3_keys
 from mingpt.tokenizers import CharTokenizer
 from mingpt.model import GPTConfig
-from mingpt.snapshot import SnapshotError, SnapshotStore, SnapshotWriter, explain_storage_error
+from mingpt.snapshot import SnapshotError, SnapshotStore, SnapshotWriter
+from mingpt.storage import explain_storage_error
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -1,0 +1,58 @@
+"""Storage shared by corpora and snapshots: opening a path or fsspec URL, and explaining failures.
+
+Every message built here is safe to log: URLs lose any credentials they carry, and storage
+options (which may hold keys) are never part of a message.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fsspec.core import url_to_fs
+from fsspec.spec import AbstractFileSystem
+
+from mingpt.errors import MinGPTError
+
+
+def redact(url: str) -> str:
+    """`url` without credentials it may carry (scheme://user:secret@host/...), for logs and manifests."""
+    return re.sub(r"//[^/@]*@", "//", str(url))
+
+
+def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFileSystem, str]:
+    """The file system and path of `url`; MinGPTError naming the protocol when fsspec has none for it."""
+    try:
+        return url_to_fs(url, **(storage_options or {}))
+    except (ValueError, ImportError) as e:  # "Protocol not known: foo", or its package is not installed
+        raise MinGPTError(
+            f"cannot open {redact(url)}: {e}. Use a local path, file://, or s3://bucket/prefix "
+            "(other fsspec protocols need their package installed)"
+        ) from None
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "file" in protocols or "local" in protocols
+
+
+def explain_storage_error(e: BaseException, local: bool = False, setting: str = "snapshot.dir") -> str:
+    """A one-line reason for a storage failure, with what to do about it. Never includes credentials.
+
+    `setting` names the option the user should fix (snapshot.dir, data.corpus, ...)."""
+    text = f"{type(e).__name__}: {e}"
+    name = type(e).__name__
+    if local and isinstance(e, PermissionError):
+        return f"permission denied ({e}); make the folder writable for this user or fix {setting}"
+    if isinstance(e, FileNotFoundError) and "bucket" in str(e).lower():
+        return f"the bucket does not exist ({e}); create it or fix {setting}"
+    if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text \
+            or "SignatureDoesNotMatch" in text or "Forbidden" in text:
+        return (f"access denied ({e}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE / "
+                "instance role) and that they may read and write this bucket and prefix")
+    if name == "NoCredentialsError":
+        return "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role"
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") \
+            or isinstance(e, (ConnectionError, TimeoutError)):
+        return (f"cannot reach the storage endpoint ({e}); check the network, and AWS_ENDPOINT_URL_S3 or "
+                "storage_options.client_kwargs.endpoint_url for S3-compatible stores")
+    return f"{text}; check that {setting} names a reachable folder or bucket prefix"
