@@ -10,10 +10,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-import fsspec
-
-from mingpt.errors import DataError
-from mingpt.storage import redact
+from mingpt.errors import DataError, MinGPTError
+from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 
 BUILTIN_CORPUS = "python-docs"
 
@@ -43,7 +41,11 @@ def read_corpus(source: str) -> Corpus:
 
 def _read_bytes(source: str) -> bytes:
     try:
-        with fsspec.open(source, "rb") as f:
+        fs, path = open_fs(source)
+    except MinGPTError as e:  # an unknown protocol, or its package is missing
+        raise DataError(f"{e}; fix data.corpus (or --corpus)") from None
+    try:
+        with fs.open(path, "rb") as f:
             return f.read()
     except FileNotFoundError:
         raise DataError(
@@ -52,6 +54,9 @@ def _read_bytes(source: str) -> bytes:
         ) from None
     except IsADirectoryError:
         raise DataError(f"corpus {redact(source)} is a directory; give one text file") from None
+    except Exception as e:  # storage clients raise many types (OSError, botocore, aiohttp): explain any
+        reason = explain_storage_error(e, local=is_local(fs), setting="data.corpus")
+        raise DataError(f"cannot read corpus {redact(source)}: {reason}") from None
 
 
 def _builtin_bytes() -> bytes:

@@ -8,6 +8,8 @@ A prepared folder holds
 `prepare` reuses a folder whose corpus checksum and tokenizer settings match, and otherwise
 builds a new one under a temporary name and renames it into place, so a reader never sees a
 half-written folder and two processes preparing the same data at once cannot corrupt it.
+It replaces only prepared data (a folder with a mingpt meta.json) or an empty folder: a
+folder holding anything else belongs to someone else and is refused, never deleted.
 
 An example is a block of `block_size` input tokens `x` and the same block shifted by one,
 `y`. Example `i` starts at token `i * stride`; the default stride of one block makes an
@@ -77,6 +79,7 @@ def prepare(
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     out = Path(out) if out is not None else default_out_dir(corpus, tokenizer, vocab_size)
+    check_replaceable(out)  # before reading and tokenizing: refusing late wastes the expensive part
     text = read_corpus(corpus)
     wanted = {
         "corpus_sha256": text.sha256,
@@ -169,8 +172,30 @@ def _matches(directory: Path, wanted: dict) -> bool:
     return all(meta.get(key) == value for key, value in wanted.items())
 
 
+def check_replaceable(out: Path) -> None:
+    """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace).
+
+    Anything else may be a user's files: preparing there would delete them."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"the prepared-data folder {out} is a file; choose an empty or new folder "
+                        "(mingpt-prepare --out, or data.prepared_dir for training)")
+    if not any(out.iterdir()):
+        return
+    try:
+        read_meta(out)
+    except DataError:
+        raise DataError(
+            f"{out} is not empty and holds no mingpt prepared data (no valid {META_FILE}); preparing there would "
+            "replace its files, so choose an empty or new folder (mingpt-prepare --out, or data.prepared_dir "
+            "for training)"
+        ) from None
+
+
 def _publish(tmp: Path, out: Path, wanted: dict) -> None:
-    """Move the finished folder `tmp` to `out`, replacing stale data but never a concurrent twin."""
+    """Move the finished folder `tmp` to `out`, replacing stale data but never a concurrent twin,
+    nor a folder that is not prepared data."""
     for _ in range(3):
         try:
             tmp.rename(out)
@@ -178,6 +203,7 @@ def _publish(tmp: Path, out: Path, wanted: dict) -> None:
         except OSError:  # `out` exists and is not empty
             if _matches(out, wanted):
                 return  # another process prepared the same data first; theirs is as good
+            check_replaceable(out)  # again: files may have appeared since `prepare` checked
             stale = out.parent / f".{out.name}.stale-{uuid.uuid4().hex[:8]}"
             try:
                 out.rename(stale)
@@ -190,9 +216,11 @@ def _publish(tmp: Path, out: Path, wanted: dict) -> None:
 class TokenBlocks:
     """`(x, y)` blocks of a flat token file, read through a memory map."""
 
-    def __init__(self, path: str | os.PathLike, dtype: str, block_size: int, stride: int | None = None):
+    def __init__(self, path: str | os.PathLike, dtype: str, block_size: int, stride: int | None = None,
+                 vocab_size: int | None = None):
         self.path = Path(path)
         self.block_size = block_size
+        self.vocab_size = vocab_size  # when known, each batch is checked against it (see `batch`)
         self.stride = stride or block_size
         if block_size < 1 or self.stride < 1:
             raise DataError(f"block_size and stride must be positive, got {block_size} and {self.stride}")
@@ -220,6 +248,13 @@ class TokenBlocks:
         if indices.size and (indices.min() < 0 or indices.max() >= self.num_examples):
             raise IndexError(f"example index out of range [0, {self.num_examples})")
         rows = np.asarray(self.tokens[indices[:, None] * self.stride + self._offsets], dtype=np.int64)
+        # An id beyond the vocabulary would fail deep in the embedding (or on a GPU, as a device assert).
+        # Checking the gathered batch costs one max; scanning the whole token file at start would not.
+        if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:
+            raise DataError(
+                f"{self.path} holds token id {rows.max()}, beyond the tokenizer's vocabulary of {self.vocab_size}; "
+                f"the token file and tokenizer do not belong together: prepare the data again"
+            )
         rows = torch.from_numpy(rows)
         return rows[:, :-1], rows[:, 1:]
 
@@ -231,6 +266,13 @@ class PreparedData:
         self.directory = Path(directory)
         self.meta = read_meta(self.directory)
         self.tokenizer: Tokenizer = load_tokenizer(str(self.directory / TOKENIZER_FILE))
+        prepared_with = self.meta.get("vocab_size")
+        if self.tokenizer.vocab_size != prepared_with:  # e.g. tokenizer.json copied from another folder
+            raise DataError(
+                f"{self.directory / TOKENIZER_FILE} has a vocabulary of {self.tokenizer.vocab_size} but the data "
+                f"was prepared with {prepared_with} ({META_FILE}); the folder is damaged: delete {self.directory} "
+                "and prepare the data again"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -240,7 +282,7 @@ class PreparedData:
         """The 'train' or 'val' examples; DataError when the split is shorter than one block."""
         if name not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {name!r}")
-        blocks = TokenBlocks(self.directory / f"{name}.bin", self.meta["dtype"], block_size, stride)
+        blocks = TokenBlocks(self.directory / f"{name}.bin", self.meta["dtype"], block_size, stride, self.vocab_size)
         if len(blocks.tokens) != self.meta[f"{name}_tokens"]:
             raise DataError(
                 f"{blocks.path} holds {len(blocks.tokens)} tokens but {self.meta[f'{name}_tokens']} were "

@@ -20,6 +20,8 @@ import tiktoken
 
 from mingpt.errors import TokenizerError
 
+log = logging.getLogger(__name__)
+
 FORMAT = "mingpt-tokenizer"
 FORMAT_VERSION = 1
 KINDS = ("char", "bpe", "tiktoken")
@@ -171,6 +173,9 @@ class BPETokenizer(_TiktokenBacked):
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(iter([text]), vocab_size, pattern=BPE_PATTERN)
         ranked = sorted(trainer.get_mergeable_ranks(), key=lambda pair: pair[1])
+        if len(ranked) < vocab_size:  # rustbpe stops when no pair occurs twice; say so, or it looks like a bug
+            log.warning("the corpus is too small for a BPE vocabulary of %d: training stopped at %d tokens (no pair "
+                        "of tokens left to merge); give a larger corpus or a smaller vocab_size", vocab_size, len(ranked))
         return cls(trainer.get_pattern(), [bytes(token) for token, _ in ranked])
 
     def to_dict(self) -> dict:
