@@ -7,6 +7,7 @@ group or data work starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
@@ -69,6 +70,9 @@ class SnapshotConfig:
     keep: int = 3  # committed snapshots kept, newest first
     async_save: bool = True  # serialise and upload in the background while training goes on
     max_failures: int = 3  # consecutive failed saves after which the job stops
+    # The job writing here renews its claim on the folder every lease_timeout_s / 4; another job may take
+    # the folder over once the claim has not been renewed for this long (see mingpt.lease).
+    lease_timeout_s: float = 60.0
     # Passed to fsspec, e.g. {client_kwargs: {endpoint_url: "http://minio:9000"}} for S3.
     # Prefer the AWS credential chain to keys here; these options are never logged or stored.
     storage_options: Dict[str, Any] = field(default_factory=dict)
@@ -91,10 +95,22 @@ class Config:
         return data
 
 
+# Seeds go to torch.manual_seed and numpy's generators, and into JSON manifests: a non-negative int64.
+MAX_SEED = 2**63 - 1
+
+# Every float setting. `inf` and `nan` pass many range checks (inf > 0), and would reach the optimizer.
+FLOAT_KEYS = ("model.dropout", "data.val_fraction", "trainer.lr", "trainer.min_lr_ratio", "trainer.weight_decay",
+              "trainer.beta1", "trainer.beta2", "trainer.grad_clip")
+
+
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the first key whose value is out of range."""
     t, d, m, s = cfg.trainer, cfg.data, cfg.model, cfg.snapshot
+    for key in FLOAT_KEYS:
+        if not math.isfinite(_lookup(cfg, key)):
+            raise ConfigError(f"{key} must be a finite number; got {_lookup(cfg, key)!r}")
     checks = [
+        ("seed", 0 <= cfg.seed <= MAX_SEED, f"an integer in [0, {MAX_SEED}] (2**63 - 1)"),
         ("model.name", m.name in PRESETS, f"one of {', '.join(PRESETS)}"),
         ("data.tokenizer", bool(d.tokenizer), "char, bpe or a tiktoken encoding name"),
         ("data.vocab_size", d.tokenizer != "bpe" or (d.vocab_size or 0) > 256,
@@ -120,6 +136,7 @@ def validate(cfg: Config) -> None:
         ("snapshot.every", s.every > 0, "a positive number of steps"),
         ("snapshot.keep", s.keep >= 2, "at least 2, so that a damaged newest snapshot has a fallback"),
         ("snapshot.max_failures", s.max_failures >= 1, "a positive integer"),
+        ("snapshot.lease_timeout_s", 1 <= s.lease_timeout_s < math.inf, "a finite number of seconds, at least 1"),
     ]
     for key, ok, expected in checks:
         if not ok:

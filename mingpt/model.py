@@ -263,8 +263,8 @@ class GPT(nn.Module):
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Reject sampling settings that make no sense, before any work is done."""
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:  # nan and inf would pass a bare `< 0`
+        raise ConfigError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k must be a positive integer or None, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:

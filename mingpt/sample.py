@@ -4,6 +4,7 @@
     python -m mingpt.sample s3://bucket/run/step-000001200 --temperature 0.8 --top-k 40 --seed 1
 
 SNAPSHOT is a snapshot folder (the newest committed snapshot in it is used) or one snapshot.
+--max-new-tokens 0 prints the prompt alone (a quick check that the snapshot loads and encodes it).
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import argparse
 import codecs
 import json
 import logging
+import math
 import sys
 
 import torch
 
-from mingpt.errors import MinGPTError
-from mingpt.model import GPT, GPTConfig, check_sampling
+from mingpt.config import MAX_SEED
+from mingpt.errors import ConfigError, MinGPTError
+from mingpt.model import GPT, GPTConfig
 from mingpt.snapshot import MANIFEST, Snapshot, SnapshotError, SnapshotStore
+from mingpt.storage import explain_storage_error, redact
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 
 
@@ -46,6 +50,50 @@ def load_for_sampling(snapshot: Snapshot, device: torch.device) -> tuple[GPT, To
     return model.to(device).eval(), tokenizer
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ConfigError naming the first flag whose value makes no sense, before anything is loaded."""
+    checks = [
+        ("--max-new-tokens", args.max_new_tokens >= 0, "an integer >= 0 (0 prints the prompt alone)"),
+        ("--num-samples", args.num_samples >= 1, "a positive integer"),
+        ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0,
+         "a finite number >= 0 (0 picks the most likely token)"),
+        ("--top-k", args.top_k is None or args.top_k >= 1, "a positive integer"),
+        ("--top-p", args.top_p is None or 0.0 < args.top_p <= 1.0, "in (0, 1]"),
+        ("--seed", args.seed is None or 0 <= args.seed <= MAX_SEED, f"an integer in [0, {MAX_SEED}]"),
+    ]
+    for flag, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{flag} must be {expected}; got {getattr(args, flag[2:].replace('-', '_'))}")
+
+
+def pick_device(name: str) -> torch.device:
+    """The torch device `--device` names; ConfigError when it is unknown or absent on this machine."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available on this machine (no GPU visible, or a CPU "
+                          "build of torch); use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), numbered "
+                          "from 0; pick one of them")
+    return device
+
+
+def open_for_sampling(url: str, device: torch.device) -> tuple[Snapshot, GPT, Tokenizer]:
+    """The snapshot `url` names, its model on `device` and its tokenizer; storage failures as one line."""
+    try:
+        snapshot = open_snapshot(url)
+        return (snapshot, *load_for_sampling(snapshot, device))
+    except MinGPTError:
+        raise
+    except Exception as e:  # storage clients raise many types (OSError, botocore, aiohttp): explain any
+        local = "://" not in url or url.startswith("file:")
+        reason = explain_storage_error(e, local=local, setting="the SNAPSHOT argument")
+        raise SnapshotError(f"cannot read {redact(url)}: {reason}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mingpt.sample", description=__doc__.splitlines()[0])
     parser.add_argument("snapshot", help="snapshot folder or one snapshot (local path or s3://...)")
@@ -60,10 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        check_sampling(args.temperature, args.top_k, args.top_p)
-        device = torch.device(args.device)
-        snapshot = open_snapshot(args.snapshot)
-        model, tokenizer = load_for_sampling(snapshot, device)
+        check_args(args)
+        device = pick_device(args.device)
+        snapshot, model, tokenizer = open_for_sampling(args.snapshot, device)
         prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)
         if prompt.numel() == 0:
             raise SnapshotError("the prompt encodes to no tokens; give a non-empty --prompt")

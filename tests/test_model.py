@@ -147,7 +147,8 @@ def test_top_k_and_top_p_filtering():
     assert picks == {0}
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                    dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan"))])
 def test_bad_sampling_settings_are_refused(kwargs):
     with pytest.raises(ConfigError):
         next(tiny().stream(torch.zeros(1, 1, dtype=torch.long), 1, **kwargs))

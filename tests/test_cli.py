@@ -1,0 +1,126 @@
+"""mingpt-prepare and mingpt-sample as users type them: bad input gets one line naming the flag, exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch import MAIN, SMALL, env
+
+PREPARE = [sys.executable, "-m", "mingpt.prepare"]
+SAMPLE = [sys.executable, "-m", "mingpt.sample"]
+
+
+def command(args: list[str], cwd, **extra_env) -> tuple[int, str]:
+    """Run a command line; its exit code and its output (stdout and stderr together)."""
+    result = subprocess.run(args, cwd=cwd, env={**env(), **extra_env}, capture_output=True, text=True, timeout=120)
+    return result.returncode, result.stdout + result.stderr
+
+
+def assert_one_line_error(rc: int, text: str, *words: str) -> None:
+    assert rc == 2, text
+    assert "Traceback" not in text, text
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, text
+    assert all(w in errors[0] for w in words), text
+
+
+S3_WORDS = {"forbidden": ["access denied", "credentials"], "unreachable": ["cannot reach", "AWS_ENDPOINT_URL_S3"]}
+
+
+def s3_trouble(trouble: str, closed_port: int) -> dict:
+    """Client environment for a foreign access key (the server answers 403) or a closed endpoint.
+    One attempt: botocore's retries would only make the test slower."""
+    if trouble == "forbidden":
+        return {"AWS_ACCESS_KEY_ID": "AKIASOMEONEELSE", "AWS_MAX_ATTEMPTS": "1"}
+    return {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{closed_port}", "AWS_MAX_ATTEMPTS": "1"}
+
+
+# -- mingpt-prepare -----------------------------------------------------------------------------
+
+
+def test_prepare_refuses_a_folder_of_other_files_and_keeps_them(tmp_path, corpus_file):
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("hi")
+    rc, text = command([*PREPARE, "--corpus", str(corpus_file), "--out", str(folder)], tmp_path)
+    assert_one_line_error(rc, text, str(folder), "not empty", "empty or new folder", "--out")
+    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"] and (folder / "keep.txt").read_text() == "hi"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "p"]  # no temporary folder either
+
+
+def test_prepare_uses_an_empty_folder_and_warns_of_a_small_bpe_vocabulary(tmp_path, corpus_file):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    rc, text = command([*PREPARE, "--corpus", str(corpus_file), "--tokenizer", "bpe", "--vocab-size", "5000",
+                        "--out", str(folder)], tmp_path)
+    assert rc == 0, text
+    got = json.loads((folder / "meta.json").read_text())["vocab_size"]
+    assert got < 5000
+    assert f"the corpus is too small for a BPE vocabulary of 5000: training stopped at {got} tokens" in text
+
+
+def test_prepare_names_an_unknown_protocol(tmp_path):
+    rc, text = command([*PREPARE, "--corpus", "foo://x", "--out", str(tmp_path / "p")], tmp_path)
+    assert_one_line_error(rc, text, "foo", "--corpus")
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
+def test_prepare_explains_an_s3_corpus_it_cannot_read(tmp_path, s3, closed_port, trouble):
+    (tmp_path / "c.txt").write_text("some text " * 100)
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3.endpoint).upload_file(str(tmp_path / "c.txt"), s3.bucket, "c.txt")
+    rc, text = command([*PREPARE, "--corpus", f"s3://{s3.bucket}/c.txt", "--out", str(tmp_path / "p")], tmp_path,
+                       **s3_trouble(trouble, closed_port))
+    assert_one_line_error(rc, text, f"s3://{s3.bucket}/c.txt", *S3_WORDS[trouble])
+    assert not (tmp_path / "p").exists()
+
+
+# -- mingpt-sample -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory) -> str:
+    """A snapshot folder of a tiny trained model (2 steps)."""
+    root = tmp_path_factory.mktemp("sample")
+    (root / "corpus.txt").write_text("the cat sat on the mat. " * 400)
+    rc, text = command([sys.executable, MAIN, *SMALL, "trainer.max_steps=2", f"snapshot.dir={root / 'snap'}",
+                        f"data.corpus={root / 'corpus.txt'}", f"data.prepared_dir={root / 'prepared'}"], root)
+    assert rc == 0, text
+    return str(root / "snap")
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--temperature", "nan"], ["--temperature", "finite"]),
+        (["--temperature", "inf"], ["--temperature", "finite"]),
+        (["--max-new-tokens", "-5"], ["--max-new-tokens", ">= 0"]),
+        (["--num-samples", "0"], ["--num-samples", "positive"]),
+        (["--num-samples", "-3"], ["--num-samples", "positive"]),
+        (["--top-k", "0"], ["--top-k", "positive"]),
+        (["--top-p", "1.5"], ["--top-p", "(0, 1]"]),
+        (["--seed", "-1"], ["--seed", "[0, "]),
+        (["--seed", str(2**63)], ["--seed", "[0, "]),
+        (["--device", "bogus"], ["--device", "bogus", "cpu"]),
+        (["--device", "cuda"], ["--device", "CUDA is not available", "--device cpu"]),
+    ],
+)
+def test_sample_refuses_nonsense_flags(tmp_path, snapshot, flags, words):
+    # CUDA_VISIBLE_DEVICES="" (from env()) hides any GPU, so --device cuda is unavailable everywhere.
+    rc, text = command([*SAMPLE, snapshot, "--max-new-tokens", "5", *flags], tmp_path)
+    assert_one_line_error(rc, text, *words)
+
+
+def test_sample_of_no_new_tokens_prints_the_prompt(tmp_path, snapshot):
+    rc, text = command([*SAMPLE, snapshot, "--prompt", "the cat", "--max-new-tokens", "0"], tmp_path)
+    assert rc == 0, text
+    assert "the cat\n" in text
+
+
+@pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
+def test_sample_explains_an_s3_snapshot_it_cannot_read(tmp_path, s3, closed_port, trouble):
+    rc, text = command([*SAMPLE, f"s3://{s3.bucket}/run"], tmp_path, **s3_trouble(trouble, closed_port))
+    assert_one_line_error(rc, text, f"s3://{s3.bucket}/run", *S3_WORDS[trouble])
