@@ -49,7 +49,7 @@ def start(timeout_s: float) -> World:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", gpu_of(local_rank))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -62,6 +62,18 @@ def start(timeout_s: float) -> World:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
         log.debug("joined process group: rank %d of %d, %s on %s", rank, world_size, backend, device)
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def gpu_of(local_rank: int) -> int:
+    """The GPU of the worker with this LOCAL_RANK: its own. More workers than GPUs would share one,
+    slowly or until memory runs out (and NCCL refuses two ranks on one GPU), so that is an error."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this node has {count} visible GPU(s): start at most one worker per GPU "
+            f"(torchrun --nproc-per-node=gpu or at most {count}), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    return local_rank
 
 
 def barrier(world: World) -> None:
@@ -93,3 +105,8 @@ def broadcast_object(obj, world: World):
     box = [obj]
     dist.broadcast_object_list(box, src=0, device=world.device)
     return box[0]
+
+
+def leads_this_generation() -> bool:
+    """Whether this process will lead its generation (rank 0), known before joining the process group."""
+    return os.environ.get("RANK", "0") == "0"

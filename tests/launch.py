@@ -41,6 +41,7 @@ def env() -> dict:
     e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see DESIGN.md: avoids restart and late-join hangs
     e["OMP_NUM_THREADS"] = "1"
     e["PYTHONUNBUFFERED"] = "1"
+    e["CUDA_VISIBLE_DEVICES"] = ""  # the tests are about CPUs and gloo, whatever GPUs this machine has
     return e
 
 
