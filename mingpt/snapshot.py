@@ -25,15 +25,23 @@ from typing import Any, Sequence
 
 import torch
 
-from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 from mingpt.errors import MinGPTError
+from mingpt.lease import RunLease
+from mingpt.model import GPTConfig
+from mingpt.storage import (create_exclusive, explain_storage_error, is_local, open_for_writing, open_fs, redact,
+                            sync_folder)
 
 log = logging.getLogger(__name__)
 
 FORMAT = "mingpt-snapshot"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# The only files a snapshot may hold. A manifest naming anything else (`../../etc/passwd`) is damaged.
+PAYLOAD_FILES = ("model.pt", "optimizer.pt", "scaler.pt", "tokenizer.json")
+REQUIRED_FILES = ("model.pt", "tokenizer.json")  # what sampling needs
 _NAME = re.compile(r"^step-(\d{9})$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 8 << 20
 
 
 class SnapshotError(MinGPTError):
@@ -50,7 +58,7 @@ def _step_of(name: str) -> int:
 
 @dataclass
 class Snapshot:
-    """A committed snapshot: its manifest, and the store it lives in."""
+    """A committed snapshot: its (validated) manifest, and the store it lives in."""
 
     store: "SnapshotStore"
     name: str
@@ -69,20 +77,7 @@ class Snapshot:
         """The bytes of one payload file, after checking its size and sha256 against the manifest."""
         if filename in self._verified:  # read by verify() a moment ago; hand over, do not keep
             return self._verified.pop(filename)
-        entry = self.manifest["files"].get(filename)
-        if entry is None:
-            raise SnapshotError(f"snapshot {self.url} has no file {filename}")
-        path = f"{self.store.path}/{self.name}/{filename}"
-        try:
-            data = self.store.fs.cat_file(path)
-        except FileNotFoundError:
-            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is missing") from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise SnapshotError(
-                f"snapshot {self.url} is damaged: {filename} has {len(data)} bytes and another checksum "
-                f"than the {entry['bytes']} bytes its manifest records"
-            )
-        return data
+        return self._check(filename, keep=True)
 
     def load_tensors(self, filename: str, map_location: Any = "cpu") -> Any:
         """A verified `.pt` payload, loaded without unpickling (`weights_only=True`)."""
@@ -95,17 +90,71 @@ class Snapshot:
                 f"({type(e).__name__}); only weights_only data is ever loaded"
             ) from None
 
-    def verify(self, files: Sequence[str] | None = None) -> None:
+    def verify(self, files: Sequence[str] | None = None, keep: bool = True) -> None:
         """Check the payload files (default: all) against the manifest; SnapshotError when one does not match.
 
-        The checked bytes are kept for the next `read` of each file, so verifying and then
-        loading reads the storage once; `forget` drops what will not be read."""
+        With `keep`, the checked bytes are kept for the next `read` of each file, so verifying and
+        then loading reads the storage once; `forget` drops what will not be read."""
         for filename in files or self.manifest["files"]:
-            self._verified[filename] = self.read(filename)
+            try:
+                data = self._check(filename, keep)
+            except SnapshotError:
+                self.store._good.discard(self._key)
+                raise
+            if keep:
+                self._verified[filename] = data
+        if files is None:
+            self.store._good.add(self._key)
 
     def forget(self) -> None:
         """Drop bytes kept by `verify` that will not be read."""
         self._verified.clear()
+
+    @property
+    def _key(self) -> tuple[str, str]:
+        return self.name, json.dumps(self.manifest["files"], sort_keys=True)
+
+    def _check(self, filename: str, keep: bool) -> bytes:
+        """Stream one file through sha256, reading no more than its recorded size plus one byte.
+
+        Only a regular file of the recorded size is opened at all: a FIFO or a device planted
+        under a payload name would otherwise block or never end."""
+        entry = self.manifest["files"].get(filename)
+        if entry is None:
+            raise SnapshotError(f"snapshot {self.url} has no file {filename}")
+        path = f"{self.store.path}/{self.name}/{filename}"
+        try:
+            info = self.store.fs.info(path)
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is missing") from None
+        if info.get("type") != "file":
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is not a regular file")
+        if info.get("size") != entry["bytes"]:
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} has {info.get('size')} bytes, "
+                                f"its manifest records {entry['bytes']}")
+        sha, chunks, size = hashlib.sha256(), [], 0
+        with self.store.fs.open(path, "rb", block_size=_CHUNK) as f:
+            while size <= entry["bytes"]:
+                chunk = f.read(min(_CHUNK, entry["bytes"] + 1 - size))
+                if not chunk:
+                    break
+                sha.update(chunk)
+                size += len(chunk)
+                if keep:
+                    chunks.append(chunk)
+        if size != entry["bytes"] or sha.hexdigest() != entry["sha256"]:
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} does not match the checksum "
+                                "its manifest records")
+        return b"".join(chunks)
+
+
+@dataclass
+class Listing:
+    """What a snapshot folder holds: commits (oldest first), damaged commits with a reason, debris."""
+
+    committed: list[Snapshot]
+    damaged: list[tuple[str, str]]
+    debris: list[str]
 
 
 class SnapshotStore:
@@ -121,6 +170,8 @@ class SnapshotStore:
         self.path = self.path.rstrip("/")
         # Object stores have no folders; creating one there may create a bucket instead.
         self.local = is_local(self.fs)
+        self.lease: RunLease | None = None  # set by `claim`; saving then checks it still holds the run
+        self._good: set[tuple[str, str]] = set()  # snapshots verified or written by this process
 
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -136,27 +187,48 @@ class SnapshotStore:
         except Exception as e:
             raise SnapshotError(f"cannot write snapshots to {self.url}: {explain_storage_error(e, self.local)}") from None
 
+    def claim(self, timeout_s: float) -> RunLease:
+        """Become the one writer of this run (see mingpt.lease), renewing the claim in the background."""
+        lease = RunLease(self.fs, self.path, self.url, timeout_s)
+        try:
+            lease.acquire()
+        except MinGPTError:
+            raise
+        except Exception as e:
+            raise SnapshotError(f"cannot claim {self.url}: {explain_storage_error(e, self.local)}") from None
+        lease.keep_alive()
+        self.lease = lease
+        return lease
+
     # -- listing -------------------------------------------------------------------------------
 
     def committed(self) -> list[Snapshot]:
-        """Committed snapshots (those with a readable manifest), oldest first. Payloads unchecked."""
-        return self._scan()[0]
+        """Committed snapshots (those with a valid manifest), oldest first. Payloads unchecked."""
+        return self.scan().committed
 
-    def _scan(self) -> tuple[list[Snapshot], list[str]]:
-        """Committed snapshots, oldest first, and the names of folders without a manifest (debris)."""
-        committed, debris = [], []
+    def scan(self) -> Listing:
+        listing = Listing([], [], [])
         for name in self._folder_names():
-            manifest = self._read_manifest(name)
-            if manifest is None:
-                debris.append(name)
+            if not _NAME.match(name):
+                listing.damaged.append((name, "not a snapshot name (step- and 9 digits)"))
+                continue
+            manifest, problem = self._read_manifest(name)
+            if problem:
+                listing.damaged.append((name, problem))
+            elif manifest is None:
+                listing.debris.append(name)
             else:
-                committed.append(Snapshot(self, name, manifest))
-        return sorted(committed, key=lambda s: s.step), debris
+                listing.committed.append(Snapshot(self, name, manifest))
+        listing.committed.sort(key=lambda s: s.step)
+        return listing
 
     def latest(self, files: Sequence[str] | None = None) -> Snapshot | None:
         """The newest committed snapshot whose files (default: all) verify; damaged newer ones are logged
         and skipped."""
-        for snapshot in reversed(self.committed()):
+        listing = self.scan()
+        for name, problem in listing.damaged:
+            log.warning("snapshot %s is damaged (%s); ignoring it", self.url_of(name), problem)
+        for snapshot in reversed(listing.committed):
             try:
                 snapshot.verify(files)
                 return snapshot
@@ -165,9 +237,13 @@ class SnapshotStore:
         return None
 
     def get(self, name: str) -> Snapshot:
-        manifest = self._read_manifest(name)
+        if not _NAME.match(name):
+            raise SnapshotError(f"{self.url_of(name)} is not a snapshot: its name is not step- and 9 digits")
+        manifest, problem = self._read_manifest(name)
+        if problem:
+            raise SnapshotError(f"snapshot {self.url_of(name)} is damaged: {problem}")
         if manifest is None:
-            raise SnapshotError(f"{self.url_of(name)} is not a committed snapshot (no readable {MANIFEST})")
+            raise SnapshotError(f"{self.url_of(name)} is not a committed snapshot (it has no {MANIFEST})")
         return Snapshot(self, name, manifest)
 
     def _folder_names(self) -> list[str]:
@@ -177,83 +253,136 @@ class SnapshotStore:
         except FileNotFoundError:
             return []
         names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
-        return sorted(name for name in names if _NAME.match(name))
+        return sorted(name for name in names if name.startswith("step-"))
 
-    def _read_manifest(self, name: str) -> dict | None:
+    def _read_manifest(self, name: str) -> tuple[dict | None, str | None]:
+        """(manifest, None) for a valid one; (None, None) when there is none (debris); (None, why) when damaged."""
+        path = f"{self.path}/{name}/{MANIFEST}"
         try:
-            manifest = json.loads(self.fs.cat_file(f"{self.path}/{name}/{MANIFEST}"))
+            info = self.fs.info(path)
+            if info.get("type") != "file" or info.get("size", 0) > 1 << 20:
+                return None, f"{MANIFEST} is not a regular file of at most 1 MiB"
+            manifest = json.loads(self.fs.cat_file(path))
         except FileNotFoundError:
-            return None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            log.warning("snapshot %s has a damaged manifest; ignoring it", self.url_of(name))
-            return None
-        valid = (isinstance(manifest, dict) and manifest.get("format") == FORMAT
-                 and manifest.get("version") == FORMAT_VERSION and manifest.get("step") == _step_of(name)
-                 and isinstance(manifest.get("files"), dict))
-        if not valid:
-            log.warning("snapshot %s has a manifest of another format or version; ignoring it", self.url_of(name))
-            return None
-        return manifest
+            return None, None
+        except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+            return None, f"{MANIFEST} is not valid JSON"
+        problem = manifest_problem(manifest, _step_of(name))
+        return (None, problem) if problem else (manifest, None)
 
     # -- writing -------------------------------------------------------------------------------
 
     def save(self, step: int, tensors: dict[str, Any], files: dict[str, bytes], info: dict) -> Snapshot:
         """Commit a snapshot of `step`: each of `tensors` as NAME.pt, each of `files` as is, then the manifest.
 
-        `tensors` must already be on the CPU. A committed snapshot of the same step is kept as it is.
+        `tensors` must already be on the CPU. A committed snapshot of the same step that verifies is
+        kept as it is; a damaged one is replaced. With a lease, nothing is written once it is lost.
         """
         name = snapshot_name(step)
-        existing = self._read_manifest(name)
+        payload = {f"{key}.pt": value for key, value in tensors.items()} | files
+        if set(payload) - set(PAYLOAD_FILES):
+            raise ValueError(f"snapshot files must be among {PAYLOAD_FILES}, got {sorted(payload)}")
+        self._fence()
+        existing = self._replace_damaged_or_keep(name)
         if existing is not None:
-            try:
-                Snapshot(self, name, existing).verify()
-                log.info("snapshot %s is already committed; keeping it", self.url_of(name))
-                return Snapshot(self, name, existing)
-            except SnapshotError as e:  # never keep a damaged commit over good state
-                log.warning("%s; replacing it", e)
-                self._remove(name, f"{self.path}/{name}/{MANIFEST}")
+            return existing
         started = time.perf_counter()
         folder = f"{self.path}/{name}"
-        if name in self._folder_names():  # debris of an interrupted save of this same step
-            self.fs.rm(folder, recursive=True)
         if self.local:
             self.fs.makedirs(folder, exist_ok=True)
+            sync_folder(self.fs, self.path)
         entries = {}
-        payload = {f"{key}.pt": value for key, value in tensors.items()} | files
         for filename, content in payload.items():
             # Streamed: serialised, hashed and written in one pass, never whole in memory.
-            with self.fs.open(f"{folder}/{filename}", "wb") as f:
+            with open_for_writing(self.fs, f"{folder}/{filename}") as f:
                 out = _HashingWriter(f)
                 out.write(content) if isinstance(content, bytes) else torch.save(content, out)
             entries[filename] = out.entry()
+        sync_folder(self.fs, folder)  # payload bytes and names are on the disk before the manifest names them
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "step": step,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **info,
+            **({"writer": {"job": self.lease.job, "generation": self.lease.generation}} if self.lease else {}),
             "files": entries,
         }
-        with self.fs.open(f"{folder}/{MANIFEST}", "wb") as f:  # the commit: one small object, written whole
-            f.write(json.dumps(manifest, indent=2).encode())
+        self._commit(name, json.dumps(manifest, indent=2).encode())
+        snapshot = Snapshot(self, name, manifest)
+        self._good.add(snapshot._key)
         total = sum(e["bytes"] for e in entries.values())
         log.info("snapshot %s committed (%.1f MB in %.2fs)", self.url_of(name), total / 1e6, time.perf_counter() - started)
         try:
-            self._prune()
+            self._prune(name)
         except Exception as e:  # the snapshot is committed; old ones can go next time
             log.warning("could not remove old snapshots from %s: %s", self.url, explain_storage_error(e))
-        return Snapshot(self, name, manifest)
+        return snapshot
 
-    def _prune(self) -> None:
-        """Keep the newest `keep` committed snapshots; remove debris older than the newest commit."""
-        committed, debris = self._scan()
-        if not committed:
+    def _replace_damaged_or_keep(self, name: str) -> Snapshot | None:
+        """A good commit of this step, to keep; else clear the way (damaged commit or debris) and return None."""
+        folder = f"{self.path}/{name}"
+        manifest, problem = self._read_manifest(name)
+        if manifest is not None:
+            snapshot = Snapshot(self, name, manifest)
+            if self._is_good(snapshot, trust_known=False):
+                log.info("snapshot %s is already committed; keeping it", snapshot.url)
+                return snapshot
+            problem = "its files do not match its manifest"
+        if problem:  # never keep a damaged commit over good state
+            log.warning("snapshot %s is damaged (%s); replacing it", self.url_of(name), problem)
+            self._remove(name, f"{folder}/{MANIFEST}")
+        elif name in self._folder_names():  # debris of an interrupted save of this same step
+            self._remove(name)
+        return None
+
+    def _commit(self, name: str, manifest: bytes) -> None:
+        """Publish the manifest with exclusive create: it appears whole, and never over another commit."""
+        path = f"{self.path}/{name}/{MANIFEST}"
+        self._fence()
+        try:
+            create_exclusive(self.fs, path, manifest)
+        except FileExistsError:
+            if self.fs.cat_file(path) == manifest:
+                return  # our own PUT, retried after a cut connection
+            raise SnapshotError(f"{self.url_of(name)} was committed by another writer meanwhile; keeping theirs") \
+                from None
+
+    def _fence(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def _is_good(self, snapshot: Snapshot, trust_known: bool = True) -> bool:
+        if trust_known and snapshot._key in self._good:
+            return True
+        try:
+            snapshot.verify(keep=False)
+            return True
+        except SnapshotError as e:
+            log.warning("%s", e)
+            return False
+
+    def _prune(self, just_committed: str) -> None:
+        """Keep the newest `keep` snapshots that verify and whatever is newer (damaged ones stay there,
+        for inspection); remove the rest, and debris older than the newest commit. Damaged commits
+        never count toward `keep`, and the snapshot just committed is never removed, so a run always
+        ends with a verified snapshot."""
+        listing = self.scan()
+        if not listing.committed:
             return
-        newest = committed[-1].step
-        for snapshot in committed[: -self.keep]:
-            # Manifest first: a deletion cut short leaves debris, never a damaged commit.
-            self._remove(snapshot.name, f"{self.path}/{snapshot.name}/{MANIFEST}")
-        for name in debris:
+        damaged = [Snapshot(self, name, {"step": _step_of(name)}) for name, _ in listing.damaged if _NAME.match(name)]
+        good, older = 0, []
+        for snapshot in sorted(listing.committed + damaged, key=lambda s: s.step, reverse=True):
+            if good >= self.keep:
+                older.append(snapshot)
+            elif snapshot.name == just_committed or (snapshot.manifest.get("files") and self._is_good(snapshot)):
+                good += 1
+        for snapshot in older:
+            if snapshot.name != just_committed:
+                # Manifest first: a deletion cut short leaves debris, never a damaged commit.
+                self._remove(snapshot.name, f"{self.path}/{snapshot.name}/{MANIFEST}")
+        newest = listing.committed[-1].step
+        for name in listing.debris:
             if _step_of(name) < newest:
                 self._remove(name)
 
@@ -264,6 +393,36 @@ class SnapshotStore:
             self.fs.rm(f"{self.path}/{name}", recursive=True)
         except FileNotFoundError:
             pass
+
+
+def manifest_problem(manifest: Any, step: int) -> str | None:
+    """Why `manifest` cannot be trusted as the commit of `step`, in a few words; None when it can."""
+    if not isinstance(manifest, dict):
+        return "the manifest is not a JSON object"
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        return f"the manifest is not {FORMAT} version {FORMAT_VERSION}"
+    if manifest.get("step") != step:
+        return f"the manifest says step {manifest.get('step')!r}, the folder step {step}"
+    if not _is_count(manifest.get("samples_seen")):
+        return "the manifest has no samples_seen count"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or any(name not in files for name in REQUIRED_FILES):
+        return f"the manifest does not list {' and '.join(REQUIRED_FILES)}"
+    for name, entry in files.items():
+        if name not in PAYLOAD_FILES:
+            return f"the manifest names a file {name!r} that snapshots never hold"
+        if not (isinstance(entry, dict) and _is_count(entry.get("bytes"))
+                and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
+            return f"the manifest entry of {name} is not {{bytes, sha256}}"
+    try:
+        GPTConfig(**manifest.get("model_config"))
+    except (TypeError, ValueError) as e:  # not a dict, unknown or missing keys, bad values
+        return f"the manifest's model_config is unusable ({e})"
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class _HashingWriter:
@@ -345,43 +504,52 @@ class SnapshotWriter:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mingpt.snapshot list|verify URL`: each snapshot's step, time, size and state."""
+    """`mingpt-snapshot list|verify URL`: each snapshot's step, time, size and state, and who holds the run.
+
+    Exit status: 0 when every snapshot is fine, 1 when one is damaged or none is committed, 2 when
+    the folder cannot be read."""
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m mingpt.snapshot", description=main.__doc__.split(": ", 1)[1])
+    from mingpt.lease import describe
+
+    parser = argparse.ArgumentParser(prog="mingpt-snapshot", description=main.__doc__.split(": ", 1)[1].split("\n")[0])
     parser.add_argument("command", choices=["list", "verify"], help="list reads manifests; verify also checks every file")
     parser.add_argument("url", help="a snapshot folder: local path or s3://bucket/prefix")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
     try:
         store = SnapshotStore(args.url)
-        committed, debris = store._scan()
-    except Exception as e:
-        print(f"error: cannot read {args.url}: {explain_storage_error(e)}", file=sys.stderr)
+        listing = store.scan()
+        holder = describe(RunLease(store.fs, store.path, store.url, 0, job="-").current())
+    except MinGPTError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [(s.name, s) for s in committed] + [(name, None) for name in debris]
-    damaged = 0
+    except Exception as e:
+        print(f"error: cannot read {redact(args.url)}: {explain_storage_error(e)}", file=sys.stderr)
+        return 2
+    rows = [(s.name, s.step, s.manifest.get("created", "-"), sum(f["bytes"] for f in s.manifest["files"].values()),
+             _state(s, args.command)) for s in listing.committed]
+    rows += [(name, None, "-", None, f"damaged: {problem}") for name, problem in listing.damaged]
+    rows += [(name, _step_of(name), "-", None, "debris (no manifest)") for name in listing.debris]
     print(f"{'snapshot':<16} {'step':>9}  {'created':<24} {'size':>10}  state")
-    for name, snapshot in sorted(rows, key=lambda row: row[0]):
-        if snapshot is None:
-            size = sum(store.fs.du(f"{store.path}/{name}", total=False).values())
-            print(f"{name:<16} {_step_of(name):>9}  {'-':<24} {size / 1e6:>8.1f}MB  debris (no manifest)")
-            continue
-        state = "committed"
-        if args.command == "verify":
-            try:
-                snapshot.verify()
-                snapshot.forget()
-                state = "verified"
-            except SnapshotError as e:
-                damaged += 1
-                state = f"damaged: {e}"
-        size = sum(f["bytes"] for f in snapshot.manifest["files"].values())
-        print(f"{name:<16} {snapshot.step:>9}  {snapshot.manifest.get('created', '-'):<24} {size / 1e6:>8.1f}MB  {state}")
-    if not committed:
-        print(f"no committed snapshot in {args.url}", file=sys.stderr)
-    return 1 if damaged or not committed else 0
+    for name, step, created, size, state in sorted(rows):
+        size_text = "-" if size is None else f"{size / 1e6:.1f}MB"
+        print(f"{name:<16} {'-' if step is None else step:>9}  {created:<24} {size_text:>10}  {state}")
+    print(f"# {holder}")
+    if not listing.committed:
+        print(f"no committed snapshot in {store.url}", file=sys.stderr)
+    return 1 if not listing.committed or any(row[4].startswith("damaged") for row in rows) else 0
+
+
+def _state(snapshot: Snapshot, command: str) -> str:
+    if command != "verify":
+        return "committed"
+    try:
+        snapshot.verify(keep=False)
+        return "verified"
+    except SnapshotError as e:
+        return f"damaged: {e}"
 
 
 if __name__ == "__main__":

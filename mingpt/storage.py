@@ -6,7 +6,10 @@ options (which may hold keys) are never part of a message.
 
 from __future__ import annotations
 
+import io
+import os
 import re
+import uuid
 
 from fsspec.core import url_to_fs
 from fsspec.spec import AbstractFileSystem
@@ -56,3 +59,66 @@ def explain_storage_error(e: BaseException, local: bool = False, setting: str = 
         return (f"cannot reach the storage endpoint ({e}); check the network, and AWS_ENDPOINT_URL_S3 or "
                 "storage_options.client_kwargs.endpoint_url for S3-compatible stores")
     return f"{text}; check that {setting} names a reachable folder or bucket prefix"
+
+
+# -- durable writes ------------------------------------------------------------------------------
+# On local disk a file is only durable once it and the folder entry naming it are fsynced; a
+# rename or link is what makes a finished file appear at once. Object stores make every PUT
+# atomic and durable when it returns, and conditional PUT (`If-None-Match: *`) is their O_EXCL.
+
+
+class _DurableLocalFile(io.FileIO):
+    """A local file that is flushed to the disk (fsync) when it is closed without error."""
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is None:
+            os.fsync(self.fileno())
+        return super().__exit__(exc_type, *rest)
+
+
+def open_for_writing(fs: AbstractFileSystem, path: str):
+    """A binary file to stream a payload into; on local disk its bytes are on the disk once closed."""
+    return _DurableLocalFile(path, "w") if is_local(fs) else fs.open(path, "wb")
+
+
+def sync_folder(fs: AbstractFileSystem, path: str) -> None:
+    """Make the names in a local folder durable (new files, renames, links); nothing to do elsewhere."""
+    if is_local(fs):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write a small file whole, only if nothing exists at `path` yet (FileExistsError otherwise).
+
+    Local disk: the bytes go to a temporary name and are fsynced, then hard-linked to `path`
+    (link fails when `path` exists), so `path` never exists with partial content.
+    Object stores: one PUT with `If-None-Match: *`."""
+    if not is_local(fs):
+        fs.pipe_file(path, data, mode="create")
+        return
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
+    with _DurableLocalFile(tmp, "w") as f:
+        f.write(data)
+    try:
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+    sync_folder(fs, folder)
+
+
+def replace_atomically(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write a small file whole, replacing what is there; a reader sees the old or the new bytes."""
+    if not is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
+    with _DurableLocalFile(tmp, "w") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    sync_folder(fs, folder)

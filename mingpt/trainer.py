@@ -18,6 +18,7 @@ import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -30,6 +31,7 @@ from mingpt.errors import TrainingError
 from mingpt.distributed import World
 from mingpt.model import GPT, GPTConfig
 from mingpt.sampler import GlobalOrder, micro_batches, shard
+from mingpt.lease import LeaseLostError
 from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore, SnapshotWriter
 from mingpt.storage import explain_storage_error
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
@@ -82,22 +84,22 @@ def train(cfg: Config) -> TrainResult:
     """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
     store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
-    data = PreparedData(prepare(cfg.data.corpus, cfg.data.tokenizer, cfg.data.vocab_size,
-                                cfg.data.prepared_dir, cfg.data.val_fraction))
-    train_blocks = data.split("train", cfg.data.block_size)
-    val_blocks = data.split("val", cfg.data.block_size)
-    model_config = cfg.model.build(data.vocab_size, cfg.data.block_size)
-
-    world = distributed.start(cfg.trainer.dist_timeout_s)
-    try:
-        _check_batch(cfg, world)
-        with StopFlag() as stop:
-            trainer = Trainer(cfg, world, store, data, model_config)
-            result = trainer.run(train_blocks, val_blocks, stop)
-        distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
-        return result
-    finally:
-        distributed.stop()
+    # The leader of this generation claims the run before any data work: a second job started
+    # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
+    # can no longer commit (see mingpt.lease).
+    with store.claim(cfg.snapshot.lease_timeout_s) if distributed.leads_this_generation() else nullcontext():
+        data = PreparedData(prepare(cfg.data.corpus, cfg.data.tokenizer, cfg.data.vocab_size,
+                                    cfg.data.prepared_dir, cfg.data.val_fraction))
+        model_config = cfg.model.build(data.vocab_size, cfg.data.block_size)
+        world = distributed.start(cfg.trainer.dist_timeout_s)
+        try:
+            _check_batch(cfg, world)
+            with StopFlag() as stop:
+                result = Trainer(cfg, world, store, data, model_config).run(stop)
+            distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
+            return result
+        finally:
+            distributed.stop()
 
 
 class Trainer:
@@ -106,10 +108,14 @@ class Trainer:
     def __init__(self, cfg: Config, world: World, store: SnapshotStore, data: PreparedData, model_config: GPTConfig):
         t = cfg.trainer
         self.cfg, self.world, self.store, self.data = cfg, world, store, data
+        self.train_blocks = data.split("train", cfg.data.block_size)
+        self.val_blocks = data.split("val", cfg.data.block_size)
         torch.manual_seed(cfg.seed)  # the same initial weights in every process
         self.model = GPT(model_config).to(world.device)
         self.optimizer = torch.optim.AdamW(self.model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                            fused=world.device.type == "cuda")
+        self.autocast, self.scaler = _precision(t.precision, world.device)
+        self.ddp: DDP | None = None
         self.state = TrainState()
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
         self.metrics = _MetricsLog(store, world)
@@ -123,12 +129,28 @@ class Trainer:
             return
         _check_compatible(snapshot, self.model.config, self.data.tokenizer)
         self.model.load_state_dict(snapshot.load_tensors("model.pt", self.world.device))
+        configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(snapshot.load_tensors("optimizer.pt", self.world.device))
+        self._apply_configured(configured)
+        if self.scaler is not None and "scaler.pt" in snapshot.manifest["files"]:
+            self.scaler.load_state_dict(snapshot.load_tensors("scaler.pt"))
         self.state = TrainState(snapshot.manifest["step"], snapshot.manifest["samples_seen"])
         _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
              snapshot.url, self.state.step, self.state.samples_seen, self.world.world_size)
+        changed = _changed_settings(snapshot.manifest.get("config", {}), self.cfg.to_dict())
+        if changed:
+            _log(self.world, "settings changed since that snapshot: %s", ", ".join(changed))
 
-    def run(self, train_blocks: TokenBlocks, val_blocks: TokenBlocks, stop: StopFlag) -> TrainResult:
+    def _apply_configured(self, configured: list[dict]) -> None:
+        """`load_state_dict` brings back the saved betas, weight decay, ...; this run's config wins."""
+        for group, wanted in zip(self.optimizer.param_groups, configured):
+            for key, value in wanted.items():
+                if key != "lr" and group.get(key) != value:  # lr is set every step from the schedule
+                    _log(self.world, "optimizer %s: %s in the snapshot, %s in the config: using the config",
+                         key, group.get(key), value)
+                    group[key] = value
+
+    def run(self, stop: StopFlag) -> TrainResult:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
         self.resume()
         state = self.state
@@ -136,57 +158,44 @@ class Trainer:
             _log(world, "the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
                  state.step, t.max_steps)
             return TrainResult(state.step, None, None)
-
-        autocast, scaler = _precision(t.precision, world.device)
         if t.compile:
             self.model.compile()  # in place, so state-dict keys keep their names (no _orig_mod. prefix)
-        ddp = DDP(self.model, device_ids=[world.device] if world.device.type == "cuda" else None) \
-            if world.distributed else None
-        order = GlobalOrder(len(train_blocks), cfg.seed)
-        tokens_per_step = t.global_batch_size * cfg.data.block_size
+        if world.distributed:
+            self.ddp = DDP(self.model, device_ids=[world.device] if world.device.type == "cuda" else None)
+        order = GlobalOrder(len(self.train_blocks), cfg.seed)
         _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s, %s",
              cfg.model.name, self.model.num_params() / 1e6, self.data.tokenizer.describe(), t.global_batch_size,
-             world.world_size, autocast_name(autocast), world.device.type)
+             world.world_size, autocast_name(self.autocast), world.device.type)
 
-        window_start, window_steps = time.perf_counter(), 0
+        progress = _Progress(t.global_batch_size * cfg.data.block_size)
         while state.step < t.max_steps:
             _set_lr(self.optimizer, cfg, state.step)
-            batch = order.indices(state.samples_seen, t.global_batch_size)
             try:
-                loss_sum = _train_step(cfg, world, self.model, ddp, self.optimizer, scaler, autocast, train_blocks,
-                                       batch, state.samples_seen)
+                loss_sum = self._step(order.indices(state.samples_seen, t.global_batch_size))
                 state.step += 1
                 state.samples_seen += t.global_batch_size
-                # One small collective per step: the global loss, whether any process must stop, and
-                # whether snapshots keep failing (only the leader writes them, so only it knows).
-                failing = float(world.is_leader and self.writer.failed_too_often)
-                loss_total, stops, fatal = distributed.all_reduce_sum([loss_sum, float(stop.requested), failing], world)
+                # One small collective per step: the global loss, whether any process must stop, and two
+                # things only the leader knows: whether snapshots keep failing, whether it lost the run.
+                leader = world.is_leader
+                loss_total, stops, failing, lost = distributed.all_reduce_sum(
+                    [loss_sum, float(stop.requested), float(leader and self.writer.failed_too_often),
+                     float(leader and self.store.lease is not None and self.store.lease.lost)], world)
             except Exception:
                 self.rescue()
                 raise
-            if fatal:
-                self.writer.check()
-                raise SnapshotError("the process writing snapshots could not write them; see its log")
-            window_steps += 1
+            _check_fatal(self.writer, failing, lost)
             self.train_loss = loss_total / t.global_batch_size
             if not math.isfinite(self.train_loss):
                 self.finish()
                 raise TrainingError(f"loss is {self.train_loss} at step {state.step}; lower trainer.lr or raise "
                                     "trainer.warmup_steps, then run again to resume from the last snapshot")
             last = state.step == t.max_steps or stops > 0
+            progress.step()
             if state.step % t.log_every == 0 or last:
-                elapsed = time.perf_counter() - window_start
-                rate = window_steps * tokens_per_step / elapsed
-                eta = (t.max_steps - state.step) * elapsed / window_steps
-                lr = self.optimizer.param_groups[0]["lr"]
-                _log(world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | ETA %s", state.step, t.max_steps,
-                     self.train_loss, lr, rate, _duration(eta))
-                self.metrics.write({"step": state.step, "train_loss": self.train_loss, "lr": lr,
-                                    "tokens_per_s": rate, "world_size": world.world_size})
-                window_start, window_steps = time.perf_counter(), 0
+                self._log_progress(progress)
             # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
             if (t.eval_every and state.step % t.eval_every == 0) or (last and not stops):
-                self.val_loss = evaluate(self.model, val_blocks, cfg, world, autocast)
+                self.val_loss = evaluate(self.model, self.val_blocks, cfg, world, self.autocast)
                 _log(world, "step %d | val loss %.4f", state.step, self.val_loss)
                 self.metrics.write({"step": state.step, "val_loss": self.val_loss})
             if state.step % cfg.snapshot.every == 0 or last:
@@ -199,12 +208,58 @@ class Trainer:
         _log(world, "done: step %d, train loss %.4f, val loss %.4f", state.step, self.train_loss, self.val_loss)
         return TrainResult(state.step, self.train_loss, self.val_loss)
 
+    def _step(self, batch: np.ndarray) -> float:
+        """One optimizer step over this process's slice of the global batch; returns sum(loss * examples)."""
+        t, world = self.cfg.trainer, self.world
+        mine = shard(len(batch), world.world_size, world.rank)
+        pieces = micro_batches(mine.stop - mine.start, t.micro_batch_size)
+        # DDP averages gradients over processes; scaling each micro-batch's mean loss by
+        # (its examples * world size / global batch) makes the result the full-batch gradient,
+        # also when the batch does not split evenly.
+        scale = world.world_size / t.global_batch_size
+        loss_sum = torch.zeros((), device=world.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, piece in enumerate(pieces):
+            first = mine.start + piece.start
+            count = piece.stop - piece.start
+            x, y = self.train_blocks.batch(batch[first : first + count])
+            x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+            # Dropout masks are a function of the data position, not of the process or its history.
+            torch.manual_seed((self.cfg.seed * 1_000_003 + self.state.samples_seen + first) % 2**63)
+            sync = self.ddp is None or i == len(pieces) - 1
+            with (nullcontext() if sync else self.ddp.no_sync()), self.autocast:
+                _, loss = (self.ddp or self.model)(x, y)
+            weighted = loss * (count * scale)
+            (self.scaler.scale(weighted) if self.scaler else weighted).backward()
+            loss_sum += loss.detach().float() * count
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return loss_sum.item()
+
+    def _log_progress(self, progress: "_Progress") -> None:
+        t, step = self.cfg.trainer, self.state.step
+        rate, seconds_per_step = progress.window()
+        lr = self.optimizer.param_groups[0]["lr"]
+        _log(self.world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | ETA %s", step, t.max_steps,
+             self.train_loss, lr, rate, _duration((t.max_steps - step) * seconds_per_step))
+        self.metrics.write({"step": step, "train_loss": self.train_loss, "lr": lr,
+                            "tokens_per_s": rate, "world_size": self.world.world_size})
+
     def save(self) -> None:
         """The leader snapshots alone: every replica holds the same state. Training goes on meanwhile."""
         if not self.world.is_leader:
             return
         self.metrics.flush()
         tensors = {"model": _to_cpu(self.model.state_dict()), "optimizer": _to_cpu(self.optimizer.state_dict())}
+        if self.scaler is not None:  # fp16: the loss scale it found is part of the state
+            tensors["scaler"] = self.scaler.state_dict()
         info = {
             "samples_seen": self.state.samples_seen,
             "model_config": self.model.config.to_dict(),
@@ -229,6 +284,7 @@ class Trainer:
         """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the
         state already counts the step, so this replica is consistent: the leader snapshots it, no
         collectives involved, before the error ends the process and torchrun restarts the group.
+        If a newer generation holds the run already, the store's fence refuses the save.
 
         Only with gloo (and alone): NCCL reports a peer's death late, possibly after the optimizer
         stepped on partly reduced gradients, so there the last periodic snapshot is the safe one."""
@@ -244,41 +300,48 @@ class Trainer:
             log.error("could not save a rescue snapshot: %s", e)
 
 
-def _train_step(cfg: Config, world: World, model: GPT, ddp: DDP | None, optimizer: torch.optim.Optimizer,
-                scaler: torch.amp.GradScaler | None, autocast, blocks: TokenBlocks, batch, position: int) -> float:
-    """One optimizer step over this process's slice of the global batch; returns sum(loss * examples)."""
-    t = cfg.trainer
-    mine = shard(len(batch), world.world_size, world.rank)
-    pieces = micro_batches(mine.stop - mine.start, t.micro_batch_size)
-    # DDP averages gradients over processes; scaling each micro-batch's mean loss by
-    # (its examples * world size / global batch) makes the result the full-batch gradient,
-    # also when the batch does not split evenly.
-    scale = world.world_size / t.global_batch_size
-    loss_sum = torch.zeros((), device=world.device)
-    optimizer.zero_grad(set_to_none=True)
-    for i, piece in enumerate(pieces):
-        first = mine.start + piece.start
-        count = piece.stop - piece.start
-        x, y = blocks.batch(batch[first : first + count])
-        x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
-        # Dropout masks are a function of the data position, not of the process or its history.
-        torch.manual_seed((cfg.seed * 1_000_003 + position + first) % 2**63)
-        sync = ddp is None or i == len(pieces) - 1
-        with (nullcontext() if sync else ddp.no_sync()), autocast:
-            _, loss = (ddp or model)(x, y)
-        weighted = loss * (count * scale)
-        (scaler.scale(weighted) if scaler else weighted).backward()
-        loss_sum += loss.detach().float() * count
-    if scaler:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    if t.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-    if scaler:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    return loss_sum.item()
+class _Progress:
+    """Tokens per second and seconds per step since the last progress line."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.started, self.steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def window(self) -> tuple[float, float]:
+        elapsed = time.perf_counter() - self.started
+        rate = self.steps * self.tokens_per_step / elapsed
+        seconds_per_step = elapsed / max(1, self.steps)
+        self.started, self.steps = time.perf_counter(), 0
+        return rate, seconds_per_step
+
+
+def _check_fatal(writer: SnapshotWriter, failing: float, lost: float) -> None:
+    """Stop every process together when the leader lost the run or cannot write snapshots."""
+    if lost:
+        raise LeaseLostError("another job or a newer generation of this one took over snapshot.dir; this "
+                             "generation stops without writing anything more (the leader's log says who)")
+    if failing:
+        writer.check()
+        raise SnapshotError("the process writing snapshots could not write them; see its log")
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _changed_settings(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for each setting that differs between two `Config.to_dict()` trees."""
+    changed = []
+    for key in sorted(set(saved) | set(now)):
+        old, new = saved.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += _changed_settings(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changed
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 from conftest import s3_keys
 from mingpt.tokenizers import CharTokenizer
 from mingpt.model import GPTConfig
+import mingpt.snapshot as snapshot_module
 from mingpt.snapshot import SnapshotError, SnapshotStore, SnapshotWriter
 from mingpt.storage import explain_storage_error
 
@@ -29,8 +30,16 @@ def state(step: int) -> dict:
             "optimizer": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 0.1}]}}
 
 
+MODEL_CONFIG = GPTConfig(vocab_size=2, block_size=4, n_layer=1, n_head=1, n_embd=4).to_dict()
+TOKENIZER = CharTokenizer(list("ab")).to_json().encode()
+
+
+def info(step: int) -> dict:
+    return {"samples_seen": step * 8, "model_config": MODEL_CONFIG}
+
+
 def save(store: SnapshotStore, step: int):
-    return store.save(step, state(step), {"tokenizer.json": b'{"kind": "char"}'}, {"samples_seen": step * 8})
+    return store.save(step, state(step), {"tokenizer.json": TOKENIZER}, info(step))
 
 
 def corrupt(store: SnapshotStore, step: int, how: str) -> None:
@@ -89,6 +98,11 @@ class _TornFile:
         self.f.close()
 
 
+def write_via_open(fs, path, data):
+    with fs.open(path, "wb") as f:
+        f.write(data)
+
+
 @pytest.mark.parametrize("how", ["before", "midway"])
 @pytest.mark.parametrize("fail_at", range(4))  # model.pt, optimizer.pt, tokenizer.json, manifest.json
 def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(store_url, fail_at, how, monkeypatch):
@@ -106,16 +120,26 @@ def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(sto
                 return _TornFile(real_open(path, mode, **kw))
         return real_open(path, mode, **kw)
 
+    # Payloads go through open_for_writing, the manifest through create_exclusive: route both
+    # through fs.open, so that the fault lands there.
     monkeypatch.setattr(store.fs, "open", failing_open)  # the fs object is shared: patch, then undo
+    monkeypatch.setattr(snapshot_module, "open_for_writing", lambda fs, path: fs.open(path, "wb"))
+    monkeypatch.setattr(snapshot_module, "create_exclusive", write_via_open)
     with pytest.raises(ConnectionError):
         save(store, 20)
     monkeypatch.undo()
     assert writes[-1].endswith(["model.pt", "optimizer.pt", "tokenizer.json", "manifest.json"][fail_at])
-    assert [s.step for s in store.committed()] == [10]  # a torn manifest is debris, not a commit
+    assert [s.step for s in store.committed()] == [10]  # a torn manifest is damaged, never a commit
     assert store.latest().step == 10
     save(store, 30)  # the next commit removes the debris left by the failed step 20
     assert [s.step for s in store.committed()] == [10, 30]
-    assert store._folder_names() == ["step-000000010", "step-000000030"]
+    if fail_at == 3 and how == "midway":  # (only a hand copy can tear a manifest: commits write it whole)
+        assert [name for name, _ in store.scan().damaged] == ["step-000000020"]  # reported, until retention
+        save(store, 40)
+        save(store, 50)
+        assert store._folder_names() == ["step-000000030", "step-000000040", "step-000000050"]
+    else:
+        assert store._folder_names() == ["step-000000010", "step-000000030"]
 
 
 def test_retention_keeps_the_newest_n(store_url):
@@ -129,7 +153,7 @@ def test_retention_keeps_the_newest_n(store_url):
 def test_a_committed_snapshot_is_never_overwritten(store_url):
     store = SnapshotStore(store_url)
     first = save(store, 10)
-    again = store.save(10, {"model": {"w": torch.ones(2)}}, {}, {"samples_seen": 0})
+    again = store.save(10, {"model": {"w": torch.ones(2)}}, {"tokenizer.json": TOKENIZER}, info(0))
     assert again.manifest == first.manifest
     assert torch.equal(store.latest().load_tensors("model.pt")["w"], state(10)["model"]["w"])
 
@@ -170,21 +194,21 @@ def test_writer_counts_consecutive_failures(tmp_path, caplog, monkeypatch):
     def storage_down(*args, **kwargs):
         raise ConnectionError("storage is down")
 
-    monkeypatch.setattr(store.fs, "open", storage_down)
-    writer.save(10, state(10), {}, {"samples_seen": 0})
+    monkeypatch.setattr(snapshot_module, "open_for_writing", storage_down)
+    writer.save(10, state(10), {"tokenizer.json": TOKENIZER}, info(10))
     writer.wait()  # one failure: logged, the job goes on, but it must not end "done" on it
     assert writer.failures == 1 and "SNAPSHOT FAILED at step 10" in caplog.text
     writer.check()
     with pytest.raises(SnapshotError, match="the last snapshot could not be written.*storage is down"):
         writer.check(final=True)
     monkeypatch.undo()
-    writer.save(20, state(20), {}, {"samples_seen": 0})
+    writer.save(20, state(20), {"tokenizer.json": TOKENIZER}, info(20))
     writer.wait()
     assert writer.failures == 0 and store.latest().step == 20  # a success resets the count
     writer.check(final=True)
-    monkeypatch.setattr(store.fs, "open", storage_down)
-    writer.save(30, state(30), {}, {"samples_seen": 0})
-    writer.save(40, state(40), {}, {"samples_seen": 0})  # waits for 30 (failed), then tries 40
+    monkeypatch.setattr(snapshot_module, "open_for_writing", storage_down)
+    writer.save(30, state(30), {"tokenizer.json": TOKENIZER}, info(30))
+    writer.save(40, state(40), {"tokenizer.json": TOKENIZER}, info(40))  # waits for 30 (failed), then tries 40
     writer.wait()
     monkeypatch.undo()
     assert writer.failed_too_often
