@@ -43,7 +43,7 @@ def _read_bytes(source: str) -> bytes:
     try:
         fs, path = open_fs(source)
     except MinGPTError as e:  # an unknown protocol, or its package is missing
-        raise DataError(f"{e}; fix data.corpus (or --corpus)") from None
+        raise DataError(f"{e}; fix data.corpus (or --corpus of mingpt-prepare)") from None
     try:
         with fs.open(path, "rb") as f:
             return f.read()
@@ -56,7 +56,8 @@ def _read_bytes(source: str) -> bytes:
         raise DataError(f"corpus {redact(source)} is a directory; give one text file") from None
     except Exception as e:  # storage clients raise many types (OSError, botocore, aiohttp): explain any
         reason = explain_storage_error(e, local=is_local(fs), setting="data.corpus")
-        raise DataError(f"cannot read corpus {redact(source)}: {reason}") from None
+        raise DataError(f"cannot read the corpus {redact(source)} (data.corpus, or --corpus of mingpt-prepare): "
+                        f"{reason}") from None
 
 
 def _builtin_bytes() -> bytes:

@@ -1,5 +1,6 @@
 """The Hydra application's handling of bad input, Ctrl-C and its own output, as users run it."""
 
+import json
 import re
 import signal
 import subprocess
@@ -34,6 +35,10 @@ def app(tmp_path, *overrides, timeout=120):
         ("model.n_head=5", ["n_embd=48 is not divisible by n_head=5"]),
         ("trainer.no_such_key=1", ["no_such_key"]),
         ("model=gpt-huge", ["gpt-huge", "gpt-mini"]),
+        ("trainer.lr=inf", ["trainer.lr must be a finite number"]),
+        ("model.dropout=nan", ["model.dropout must be a finite number"]),
+        ("seed=-1", ["seed must be an integer in [0, "]),
+        (f"seed={2**63}", ["seed must be an integer in [0, "]),
     ],
 )
 def test_bad_config_fails_before_any_work_naming_the_key(tmp_path, override, words):
@@ -98,3 +103,82 @@ def test_hydra_writes_no_output_folders(tmp_path, procs):
     run(procs, standalone(2), [*SMALL, "trainer.max_steps=3", f"snapshot.dir={tmp_path / 'snap'}",
                                f"data.prepared_dir={tmp_path / 'prepared'}"], "job")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.log", "prepared", "snap"]
+
+
+def test_prepared_dir_of_other_files_is_refused_and_kept(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("hi")
+    result = app(tmp_path, f"data.prepared_dir={folder}")
+    assert result.returncode == 2, result.stderr
+    assert f"{folder} is not empty" in result.stderr and "data.prepared_dir" in result.stderr
+    assert "empty or new folder" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("override", ["data.corpus=foo://x", "snapshot.dir=foo://x"])
+def test_unknown_protocol_is_one_line(tmp_path, override):
+    result = app(tmp_path, override)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line or line.startswith("error")]
+    assert len(errors) == 1 and "foo" in errors[0] and override.split("=")[0] in errors[0], result.stderr
+
+
+@pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
+def test_s3_corpus_it_cannot_read_is_one_line(tmp_path, s3, closed_port, monkeypatch, trouble):
+    from test_cli import S3_WORDS, s3_trouble
+
+    for name, value in s3_trouble(trouble, closed_port).items():
+        monkeypatch.setenv(name, value)
+    result = app(tmp_path, f"data.corpus=s3://{s3.bucket}/corpus.txt")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    words = [f"cannot read the corpus s3://{s3.bucket}/corpus.txt (data.corpus", *S3_WORDS[trouble]]
+    assert all(w in result.stderr for w in words), result.stderr
+    assert not (tmp_path / "prepared").exists()
+
+
+@pytest.mark.parametrize("tampered", ["tokenizer", "tokenizer and meta"])
+def test_tokenizer_smaller_than_the_data_is_a_data_error(tmp_path, corpus_file, tampered):
+    from mingpt.data import prepare
+    from mingpt.tokenizers import CharTokenizer
+
+    prepared = prepare(str(corpus_file), "char", out=tmp_path / "prepared")
+    CharTokenizer(list("ab")).save(str(prepared / "tokenizer.json"))  # 2 ids; the data uses many more
+    if tampered == "tokenizer and meta":  # now only the ids themselves show it
+        meta = json.loads((prepared / "meta.json").read_text())
+        (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": 2}))
+    result = app(tmp_path, f"data.corpus={corpus_file}", "trainer.max_steps=5")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    words = ["vocabulary of 2 but the data was prepared with"] if tampered == "tokenizer" \
+        else ["beyond the tokenizer's vocabulary of 2"]
+    assert all(w in result.stderr for w in [*words, "prepare the data again"]), result.stderr
+
+
+@pytest.mark.parametrize("flag", ["-m", "--multirun"])
+def test_multirun_is_refused_before_anything_is_written(tmp_path, flag):
+    result = subprocess.run([sys.executable, MAIN, flag, "seed=1,2", "trainer.max_steps=2"], cwd=tmp_path, env=env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and flag in result.stderr and "one command per setting" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_second_ctrl_c_ends_at_once_with_one_line(tmp_path, procs, s3):
+    # The server holds the final snapshot's upload, so the job is surely inside its orderly stop
+    # when the second Ctrl-C comes, however fast this machine is.
+    hold = s3.add("PUT", r"/step-\d+/", "hold", count=float("inf"))
+    job = procs.start([sys.executable, MAIN, *SMALL, "trainer.max_steps=100000", "snapshot.every=100000",
+                       f"snapshot.dir=s3://{s3.bucket}/run", f"data.prepared_dir={tmp_path / 'prepared'}"], "job")
+    wait_for(lambda: "step 5/100000" in output(job), 120, "training", [job])
+    job.send_signal(signal.SIGINT)
+    assert hold.holding.wait(timeout=60), output(job)
+    job.send_signal(signal.SIGINT)
+    hold.released.set()
+    assert job.wait(timeout=60) == 130, output(job)
+    text = output(job)
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.rstrip().splitlines()[-1].startswith("interrupted: "), text

@@ -75,7 +75,7 @@ def test_prepare_explains_an_s3_corpus_it_cannot_read(tmp_path, s3, closed_port,
     boto3.client("s3", endpoint_url=s3.endpoint).upload_file(str(tmp_path / "c.txt"), s3.bucket, "c.txt")
     rc, text = command([*PREPARE, "--corpus", f"s3://{s3.bucket}/c.txt", "--out", str(tmp_path / "p")], tmp_path,
                        **s3_trouble(trouble, closed_port))
-    assert_one_line_error(rc, text, f"s3://{s3.bucket}/c.txt", *S3_WORDS[trouble])
+    assert_one_line_error(rc, text, f"s3://{s3.bucket}/c.txt", "--corpus", *S3_WORDS[trouble])
     assert not (tmp_path / "p").exists()
 
 

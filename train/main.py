@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node=2 train/main.py       # one node
     python train/main.py model=gpt-mini trainer.max_steps=2000   # any key of mingpt.config.Config
 
-See the README for multinode and SLURM launching.
+See the README for multinode and SLURM launching. Hydra's multirun (-m) is refused: one job per command.
 """
 
 import logging
@@ -38,5 +38,22 @@ def main(raw: DictConfig) -> None:
         sys.exit(2)
 
 
+def refuse_multirun(args: list[str]) -> None:
+    """Exit 2 on Hydra's -m/--multirun: its sweep would run the jobs one after another in this process
+    (the first one's process group and snapshot folder in the way of the next) and write ./multirun/.
+    Checked before Hydra starts, so nothing is written."""
+    for arg in args:
+        if arg in ("-m", "--multirun") or arg.replace(" ", "").lower() == "hydra.mode=multirun":
+            print(f"error: {arg} (Hydra multirun) is not supported: run one command per setting instead, e.g. "
+                  "`python train/main.py seed=2 snapshot.dir=snapshots/seed2`", file=sys.stderr)
+            sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    refuse_multirun(sys.argv[1:])
+    try:
+        main()
+    except KeyboardInterrupt:  # a second Ctrl-C: the first one's orderly stop was cut short
+        print("interrupted: the last snapshot may not have been written; run the same command to resume from "
+              "the newest committed snapshot", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as shells report a process that Ctrl-C ended
