@@ -175,7 +175,8 @@ class BPETokenizer(_TiktokenBacked):
         ranked = sorted(trainer.get_mergeable_ranks(), key=lambda pair: pair[1])
         if len(ranked) < vocab_size:  # rustbpe stops when no pair occurs twice; say so, or it looks like a bug
             log.warning("the corpus is too small for a BPE vocabulary of %d: training stopped at %d tokens (no pair "
-                        "of tokens left to merge); give a larger corpus or a smaller vocab_size", vocab_size, len(ranked))
+                        "of tokens left to merge); give a larger corpus or a smaller vocab_size",
+                        vocab_size, len(ranked))
         return cls(trainer.get_pattern(), [bytes(token) for token, _ in ranked])
 
     def to_dict(self) -> dict:
