@@ -28,7 +28,7 @@ import torch
 from mingpt.errors import MinGPTError
 from mingpt.lease import RunLease
 from mingpt.model import GPTConfig
-from mingpt.storage import (create_exclusive, explain_storage_error, is_local, open_for_writing, open_fs, redact,
+from mingpt.storage import (create_exclusive, explain_storage_error, is_local, open_exclusive, open_fs, redact,
                             sync_folder)
 
 log = logging.getLogger(__name__)
@@ -293,8 +293,10 @@ class SnapshotStore:
             sync_folder(self.fs, self.path)
         entries = {}
         for filename, content in payload.items():
-            # Streamed: serialised, hashed and written in one pass, never whole in memory.
-            with open_for_writing(self.fs, f"{folder}/{filename}") as f:
+            # Streamed: serialised, hashed and written in one pass, never whole in memory. Created
+            # exclusively: a writer that lost the run while it was frozen cannot overwrite these.
+            self._fence()
+            with open_exclusive(self.fs, f"{folder}/{filename}") as f:
                 out = _HashingWriter(f)
                 out.write(content) if isinstance(content, bytes) else torch.save(content, out)
             entries[filename] = out.entry()

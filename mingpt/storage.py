@@ -76,9 +76,11 @@ class _DurableLocalFile(io.FileIO):
         return super().__exit__(exc_type, *rest)
 
 
-def open_for_writing(fs: AbstractFileSystem, path: str):
-    """A binary file to stream a payload into; on local disk its bytes are on the disk once closed."""
-    return _DurableLocalFile(path, "w") if is_local(fs) else fs.open(path, "wb")
+def open_exclusive(fs: AbstractFileSystem, path: str):
+    """A new binary file to stream into; FileExistsError when `path` exists (at open on local disk, at
+    the final PUT on object stores), so two writers never mix their bytes in one file. On local disk
+    its bytes are on the disk once it is closed."""
+    return _DurableLocalFile(path, "x") if is_local(fs) else fs.open(path, "xb")
 
 
 def sync_folder(fs: AbstractFileSystem, path: str) -> None:

@@ -1,7 +1,10 @@
 """The snapshot store's commit protocol, on local disk and on a real S3 server on loopback."""
 
 import io
+import json
 import logging
+import os
+import re
 import subprocess
 import sys
 
@@ -120,10 +123,10 @@ def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(sto
                 return _TornFile(real_open(path, mode, **kw))
         return real_open(path, mode, **kw)
 
-    # Payloads go through open_for_writing, the manifest through create_exclusive: route both
+    # Payloads go through open_exclusive, the manifest through create_exclusive: route both
     # through fs.open, so that the fault lands there.
     monkeypatch.setattr(store.fs, "open", failing_open)  # the fs object is shared: patch, then undo
-    monkeypatch.setattr(snapshot_module, "open_for_writing", lambda fs, path: fs.open(path, "wb"))
+    monkeypatch.setattr(snapshot_module, "open_exclusive", lambda fs, path: fs.open(path, "wb"))
     monkeypatch.setattr(snapshot_module, "create_exclusive", write_via_open)
     with pytest.raises(ConnectionError):
         save(store, 20)
@@ -194,7 +197,7 @@ def test_writer_counts_consecutive_failures(tmp_path, caplog, monkeypatch):
     def storage_down(*args, **kwargs):
         raise ConnectionError("storage is down")
 
-    monkeypatch.setattr(snapshot_module, "open_for_writing", storage_down)
+    monkeypatch.setattr(snapshot_module, "open_exclusive", storage_down)
     writer.save(10, state(10), {"tokenizer.json": TOKENIZER}, info(10))
     writer.wait()  # one failure: logged, the job goes on, but it must not end "done" on it
     assert writer.failures == 1 and "SNAPSHOT FAILED at step 10" in caplog.text
@@ -206,7 +209,7 @@ def test_writer_counts_consecutive_failures(tmp_path, caplog, monkeypatch):
     writer.wait()
     assert writer.failures == 0 and store.latest().step == 20  # a success resets the count
     writer.check(final=True)
-    monkeypatch.setattr(snapshot_module, "open_for_writing", storage_down)
+    monkeypatch.setattr(snapshot_module, "open_exclusive", storage_down)
     writer.save(30, state(30), {"tokenizer.json": TOKENIZER}, info(30))
     writer.save(40, state(40), {"tokenizer.json": TOKENIZER}, info(40))  # waits for 30 (failed), then tries 40
     writer.wait()
@@ -287,3 +290,151 @@ def test_snapshot_command_lists_and_verifies(store_url):
     assert "verified" in rows["step-000000030"] and "verified" in rows["step-000000010"]
     assert "damaged" in rows["step-000000020"] and "model.pt" in rows["step-000000020"]
     assert "debris" in rows["step-000000040"]
+
+
+# -- manifests that cannot be trusted --------------------------------------------------------------
+
+def _with(manifest: dict, **changes) -> dict:
+    manifest = json.loads(json.dumps(manifest))
+    for key, value in changes.items():
+        if value is DROP:
+            manifest.pop(key)
+        else:
+            manifest[key] = value
+    return manifest
+
+
+DROP = object()
+# name -> (a change to a good manifest, words of the reason given)
+BAD_MANIFESTS = {
+    "escaping-name": (lambda m: _with(m, files={**m["files"], "../../../../etc/passwd": {"bytes": 1, "sha256": "0" * 64}}),
+                      "'../../../../etc/passwd' that snapshots never hold"),
+    "entry-not-object": (lambda m: _with(m, files={**m["files"], "model.pt": "big"}), "entry of model.pt"),
+    "no-model-config": (lambda m: _with(m, model_config=DROP), "model_config is unusable"),
+    "no-samples-seen": (lambda m: _with(m, samples_seen=DROP), "no samples_seen"),
+    "unknown-config-key": (lambda m: _with(m, model_config={**m["model_config"], "n_wings": 2}), "n_wings"),
+    "wrong-step": (lambda m: _with(m, step=999), "says step 999"),
+    "not-json": (lambda m: "{not json", "not valid JSON"),
+}
+
+
+def plant_manifest(store: SnapshotStore, name: str, manifest) -> None:
+    """Copy step 10's payload into folder `name` and give it `manifest`, as a hand edit or a bad copy would."""
+    if store.local:
+        store.fs.makedirs(f"{store.path}/{name}", exist_ok=True)
+    for filename in ("model.pt", "optimizer.pt", "tokenizer.json"):
+        store.fs.pipe_file(f"{store.path}/{name}/{filename}", store.fs.cat_file(f"{store.path}/step-000000010/{filename}"))
+    text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+    store.fs.pipe_file(f"{store.path}/{name}/manifest.json", text.encode())
+
+
+@pytest.mark.parametrize("case", BAD_MANIFESTS)
+def test_an_untrustworthy_manifest_is_damaged_with_a_reason_and_the_store_falls_back(store_url, case, caplog):
+    store = SnapshotStore(store_url)
+    good = save(store, 10).manifest
+    change, reason = BAD_MANIFESTS[case]
+    plant_manifest(store, "step-000000020", change(_with(good, step=20)))
+    with caplog.at_level(logging.WARNING):
+        assert store.latest().step == 10
+    assert "step-000000020 is damaged" in caplog.text and reason in caplog.text
+    with pytest.raises(SnapshotError, match=re.escape(reason)):
+        store.get("step-000000020")
+
+
+def test_a_folder_named_like_a_snapshot_but_not_one_is_damaged(store_url):
+    store = SnapshotStore(store_url)
+    save(store, 10)
+    plant_manifest(store, "step-abc", save(store, 20).manifest)
+    assert store.latest().step == 20
+    assert store.scan().damaged == [("step-abc", "not a snapshot name (step- and 9 digits)")]
+    with pytest.raises(SnapshotError, match="not a snapshot"):
+        store.get("step-abc")
+
+
+@pytest.mark.parametrize("planted", ["fifo", "dev-zero"])
+def test_a_payload_that_is_not_a_regular_file_is_never_read(tmp_path, planted):
+    """A FIFO would block the reader for good; /dev/zero would fill memory. Both must be 'damaged'."""
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    save(store, 10)
+    save(store, 20)
+    target = tmp_path / "snaps" / "step-000000020" / "model.pt"
+    target.unlink()
+    os.mkfifo(target) if planted == "fifo" else target.symlink_to("/dev/zero")
+    result = subprocess.run([sys.executable, "-m", "mingpt.snapshot", "verify", str(tmp_path / "snaps")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    row = next(line for line in result.stdout.splitlines() if line.startswith("step-000000020"))
+    assert "damaged" in row and "model.pt is not a regular file" in row
+    sampled = subprocess.run([sys.executable, "-m", "mingpt.sample", str(tmp_path / "snaps"), "--max-new-tokens", "3"],
+                             capture_output=True, text=True, timeout=60)
+    assert "step-000000020 is damaged: model.pt is not a regular file; falling back" in sampled.stderr
+
+
+def test_snapshot_command_names_each_damaged_manifest_and_fails(store_url):
+    store = SnapshotStore(store_url, keep=100)
+    good = save(store, 10).manifest
+    for step, (change, _) in enumerate(BAD_MANIFESTS.values(), start=2):
+        plant_manifest(store, f"step-{step * 10:09d}", change(_with(good, step=step * 10)))
+    for command in ("list", "verify"):
+        result = subprocess.run([sys.executable, "-m", "mingpt.snapshot", command, store_url],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1, result.stdout
+        rows = [line for line in result.stdout.splitlines() if line.startswith("step-")]
+        assert sum("damaged" in row for row in rows) == len(BAD_MANIFESTS)
+        for (_, reason) in BAD_MANIFESTS.values():
+            assert any(reason in row for row in rows), (reason, result.stdout)
+        assert "Traceback" not in result.stderr
+
+
+# -- retention and durability -------------------------------------------------------------------------
+
+def test_damaged_snapshots_never_count_toward_keep_and_a_new_commit_survives(store_url):
+    """The repro: every snapshot damaged, then a run starting over commits step 10 again. It used to be
+    pruned at once (the damaged 20 and 30 were "the newest two") and the run ended with nothing loadable."""
+    store = SnapshotStore(store_url, keep=2)
+    for step in (10, 20, 30):
+        save(store, step)
+    for step in (20, 30):
+        corrupt(store, step, "truncated")
+    assert store.latest() is None
+    save(store, 10)
+    assert store.latest().step == 10
+    save(store, 20)  # replaces the damaged 20
+    assert [s.step for s in store.committed()] == [10, 20, 30]
+    save(store, 30)
+    assert [s.step for s in store.committed()] == [20, 30] and store.latest().step == 30
+
+
+def test_a_local_commit_is_on_the_disk_before_its_manifest_appears(tmp_path, monkeypatch):
+    """fsync of every payload file and of the folder, then the manifest written under a temporary
+    name, fsynced, and linked into place: a power cut never leaves a manifest without its bytes."""
+    events = []
+    real_fsync, real_link = os.fsync, os.link
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))
+    monkeypatch.setattr(os, "link", lambda src, dst: (events.append(("link", dst)), real_link(src, dst)))
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    save(store, 10)
+    folder = str(tmp_path / "snaps" / "step-000000010")
+    link = events.index(("link", f"{folder}/manifest.json"))
+    synced = [path for kind, path in events[:link] if kind == "fsync"]
+    for name in ("model.pt", "optimizer.pt", "tokenizer.json"):
+        assert f"{folder}/{name}" in synced
+    assert synced.index(folder) > max(synced.index(f"{folder}/{n}") for n in ("model.pt", "optimizer.pt"))
+    assert re.fullmatch(rf"{folder}/\.manifest\.json\.tmp-\w+", synced[-1])  # the manifest's own bytes
+    assert ("fsync", folder) in events[link:]  # and the link itself
+
+
+def test_payloads_and_manifests_are_created_exclusively(store_url):
+    """A writer that lost the run mid-save must not overwrite what the new holder wrote."""
+    from mingpt.storage import create_exclusive, open_exclusive
+
+    store = SnapshotStore(store_url)
+    save(store, 10)
+    folder = f"{store.path}/step-000000010"
+    with pytest.raises(FileExistsError):
+        with open_exclusive(store.fs, f"{folder}/model.pt") as f:
+            f.write(b"someone else's bytes")
+    with pytest.raises(FileExistsError):
+        create_exclusive(store.fs, f"{folder}/manifest.json", b"{}")
+    store.latest().verify()  # untouched

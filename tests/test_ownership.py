@@ -1,0 +1,198 @@
+"""One writer per snapshot folder: real jobs started into a live run, dead and frozen holders,
+another "host" (a UTS namespace with its own host name), and a worker left over from an older
+generation of a torchrun job. Every job here is a real process; faults are real signals."""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import (
+    MAIN, RDZV_CONF, SMALL, Processes, env, free_port, latest_step, manifests, output, torchrun, wait_for, worker,
+)
+from mingpt.lease import RunLease, RunOwnedError
+from mingpt.snapshot import SnapshotStore
+
+HAS_UNSHARE = shutil.which("unshare") is not None and subprocess.run(
+    ["unshare", "--uts", "true"], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Processes(tmp_path)
+    yield p
+    p.close()
+
+
+def job(tmp_path, *extra, steps=100000):
+    """A job that runs until it is stopped, snapshotting every 10 steps."""
+    return [sys.executable, MAIN, *SMALL, f"trainer.max_steps={steps}", "snapshot.every=10", "snapshot.keep=100",
+            f"snapshot.dir={tmp_path / 'snap'}", f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
+
+
+def committed_state(snapdir: Path) -> dict:
+    """Every committed snapshot's manifest bytes, by folder: what nobody may change or delete."""
+    return {p.parent.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(snapdir.glob("step-*/manifest.json"))}
+
+
+def claims(snapdir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((snapdir / "owner").glob("gen-*.json"))]
+
+
+def stop(proc) -> int:
+    proc.send_signal(signal.SIGINT)
+    return proc.wait(timeout=120)
+
+
+def test_a_second_job_into_a_live_run_is_refused_and_changes_nothing(tmp_path, procs):
+    first = procs.start(job(tmp_path), "first")
+    wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first job's snapshot", [first])
+
+    second = subprocess.run(job(tmp_path, "seed=7", "trainer.lr=1e-3"), cwd=tmp_path, env=env(),
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stderr
+    message = [line for line in second.stderr.splitlines() if "in use by another job" in line]
+    assert len(message) == 1 and "Traceback" not in second.stderr
+    assert f"(pid {first.pid}" in message[0] and "host " in message[0] and "another snapshot.dir" in message[0]
+    assert "reusing prepared data" not in second.stderr  # refused before any data work
+
+    assert stop(first) == 0, output(first)[-3000:]
+    assert all(m["config"]["seed"] == 1337 for m in manifests(tmp_path / "snap"))  # only the first job wrote
+    assert claims(tmp_path / "snap")[-1]["released"] is True
+
+    # Once the first job has ended, the same command takes the run over at once, and says what changed.
+    again = subprocess.run(job(tmp_path, "seed=7", steps=latest_step(tmp_path / "snap") + 5), cwd=tmp_path,
+                           env=env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "taking over" in again.stderr and "settings changed since that snapshot: seed: 1337 -> 7" in again.stderr
+
+
+def test_a_dead_holder_on_this_machine_is_taken_over_at_once(tmp_path, procs):
+    first = procs.start(job(tmp_path, "snapshot.lease_timeout_s=3600"), "first")
+    wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first job's snapshot", [first])
+    os.killpg(first.pid, signal.SIGKILL)  # no release, and a claim that would not expire for an hour
+    first.wait(timeout=30)
+    assert claims(tmp_path / "snap")[-1]["released"] is False
+
+    second = subprocess.run(job(tmp_path, steps=latest_step(tmp_path / "snap") + 5), cwd=tmp_path, env=env(),
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert re.search(rf"taking over .* its processes on this machine \({first.pid}\) are gone", second.stderr)
+    assert "resumed from" in second.stderr
+
+
+@pytest.mark.skipif(not HAS_UNSHARE, reason="needs unshare --uts (root) to play another host")
+def test_another_host_waits_for_a_renewing_holder_and_takes_over_a_silent_one(tmp_path, procs):
+    """The holder renews its claim every lease_timeout_s / 4. While it does, a job on another host is
+    refused even long after one timeout; once the holder is frozen (SIGSTOP: alive, but silent), the
+    other host takes over after the timeout. Thawed, the old holder finds itself fenced off: it stops
+    with exit 2 and commits or deletes nothing more."""
+    timeout = 3
+    first = procs.start(job(tmp_path, "model=gpt-micro", f"snapshot.lease_timeout_s={timeout}"), "first")
+    wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first job's snapshot", [first])
+    renewed = claims(tmp_path / "snap")[-1]["renewed"]
+    wait_for(lambda: claims(tmp_path / "snap")[-1]["renewed"] > renewed + timeout, 60, "renewals", [first])
+
+    other_host = ["unshare", "--uts", "sh", "-c", 'hostname other-node && exec "$@"', "sh"]
+    refused = subprocess.run(other_host + job(tmp_path, "model=gpt-micro"), cwd=tmp_path, env=env(),
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "in use by another job" in refused.stderr, refused.stderr[-3000:]
+    assert f"on host {socket.gethostname()} (pid {first.pid})" in refused.stderr
+
+    os.killpg(first.pid, signal.SIGSTOP)
+    try:
+        frozen_at = latest_step(tmp_path / "snap")
+        wait_for(lambda: time.time() - claims(tmp_path / "snap")[-1]["renewed"] > timeout + 0.5, 60,
+                 "the frozen holder's claim to expire")
+        taker = procs.start(other_host + job(tmp_path, "model=gpt-micro", steps=frozen_at + 20), "taker")
+        assert taker.wait(timeout=180) == 0, output(taker)[-3000:]
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    text = output(taker)
+    assert "has not renewed its claim" in text and f"step-{frozen_at:09d}" in text
+    after_takeover = committed_state(tmp_path / "snap")
+
+    assert first.wait(timeout=120) == 2, output(first)[-3000:]
+    assert "taken over by generation 2" in output(first)
+    assert committed_state(tmp_path / "snap") == after_takeover  # the old holder wrote and deleted nothing
+    assert manifests(tmp_path / "snap")[-1]["writer"]["generation"] == 2
+
+
+def test_a_worker_left_from_an_older_generation_cannot_commit(tmp_path, procs):
+    """torchrun's agent is SIGKILLed while its worker lives on (frozen here, so that the new
+    generation is surely first). The agent is started again with the same --rdzv-id: the same job,
+    so it claims the run at once, resumes and finishes. Then the old worker thaws and trains on
+    alone; it must not commit nor delete anything."""
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    agent = torchrun("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zombie-test", f"--rdzv-conf={RDZV_CONF},is_host=false")
+    overrides = [*SMALL, "model=gpt-micro", "snapshot.every=10", "snapshot.keep=100",
+                 f"snapshot.dir={tmp_path / 'snap'}", f"data.prepared_dir={tmp_path / 'prepared'}"]
+    old = procs.start(agent + overrides + ["trainer.max_steps=100000"], "old-agent")
+    wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first generation's snapshot", [old])
+    zombie = worker(old.pid, local_rank=0)
+    os.kill(zombie, signal.SIGSTOP)
+    os.kill(old.pid, signal.SIGKILL)  # the agent alone: its worker lives on in a session of its own
+    old.wait(timeout=30)
+    try:
+        resumed_at = latest_step(tmp_path / "snap")
+        new = procs.start(agent + overrides + ["trainer.max_steps=100000"], "new-agent")
+        wait_for(lambda: latest_step(tmp_path / "snap") >= resumed_at + 20, 120, "the new generation's snapshots",
+                 [new])
+        assert "in use by another job" not in output(new)
+        assert [c["job"] for c in claims(tmp_path / "snap")] == ["torchrun:zombie-test"] * 2  # same job, no wait
+        new.send_signal(signal.SIGTERM)
+        new.wait(timeout=120)
+    finally:
+        os.kill(zombie, signal.SIGCONT)
+    before = committed_state(tmp_path / "snap")
+    wait_for(lambda: not Path(f"/proc/{zombie}").exists() or _zombie_state(zombie), 120, "the old worker to stop")
+    assert committed_state(tmp_path / "snap") == before
+    log = output(old)
+    assert "taken over by generation 2" in log, log[-3000:]
+    assert all(m["writer"]["generation"] == 2 for m in manifests(tmp_path / "snap") if m["step"] > resumed_at)
+    del store
+
+
+def _zombie_state(pid: int) -> bool:
+    """True once `pid` has exited (a defunct entry whose parent is gone counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_of_many_claims_at_once_exactly_one_wins(tmp_path, where, request):
+    url = str(tmp_path / "snap") if where == "local" else f"s3://{request.getfixturevalue('s3').bucket}/run"
+    store = SnapshotStore(url)
+    if where == "local":
+        os.makedirs(store.path)
+    start, results = threading.Barrier(6), []
+
+    def claim(i: int) -> None:
+        lease = RunLease(store.fs, store.path, store.url, timeout_s=60, job=f"job-{i}")
+        start.wait()
+        try:
+            results.append(lease.acquire().generation)
+        except RunOwnedError:
+            results.append(None)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results, key=str) == [1] + [None] * 5
