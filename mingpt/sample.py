@@ -44,9 +44,16 @@ def open_snapshot(url: str) -> Snapshot:
 
 
 def load_for_sampling(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer]:
-    tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+    try:
+        tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+    except ValueError as e:  # JSONDecodeError, or a tokenizer description of no known kind
+        raise SnapshotError(f"snapshot {snapshot.url} has an unusable tokenizer.json ({e})") from None
     model = GPT(GPTConfig(**snapshot.manifest["model_config"]))
-    model.load_state_dict(snapshot.load_tensors("model.pt", device))
+    try:
+        model.load_state_dict(snapshot.load_tensors("model.pt", device))
+    except RuntimeError as e:  # missing, unexpected or misshapen tensors
+        reason = str(e).splitlines()[0]
+        raise SnapshotError(f"snapshot {snapshot.url}: model.pt does not fit its model_config ({reason})") from None
     return model.to(device).eval(), tokenizer
 
 
@@ -117,8 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     except MinGPTError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     print(f"# {snapshot.url} (step {snapshot.step})", file=sys.stderr)
-    generator = torch.Generator(device=device)
+    try:
+        write_samples(model, tokenizer, prompt, args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def write_samples(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor, args: argparse.Namespace) -> None:
+    """Stream `args.num_samples` continuations of `prompt` to stdout, as UTF-8 text."""
+    generator = torch.Generator(device=prompt.device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
     for k in range(args.num_samples):
         if args.num_samples > 1:
@@ -130,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(decoder.decode(tokenizer.decode_bytes(ids.tolist())))
             sys.stdout.flush()
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def explain_storage_error(e: BaseException, local: bool = False, setting: str = 
     if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text \
             or "SignatureDoesNotMatch" in text or "Forbidden" in text:
         return (f"access denied ({e}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE / "
-                "instance role) and that they may read and write this bucket and prefix")
+                "instance role) and that they grant access to this bucket and prefix")
     if name == "NoCredentialsError":
         return "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role"
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") \

@@ -2,6 +2,7 @@
 changed settings: they fall back, replace what is damaged, keep what is good, and say so."""
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -111,3 +112,17 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
     resumed = make(init_scale=65536.0)
     resumed.resume()
     assert resumed.state.step == 3 and resumed.scaler.get_scale() == 37.0
+
+
+def test_ctrl_c_while_sampling_ends_with_one_line(tmp_path):
+    assert app(tmp_path, "trainer.max_steps=5").returncode == 0
+    sampling = subprocess.Popen([sys.executable, "-m", "mingpt.sample", str(tmp_path / "snap"), "--prompt", "a",
+                                 "--max-new-tokens", "100000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env())
+    try:
+        assert sampling.stdout.read(20)  # text is streaming
+        sampling.send_signal(signal.SIGINT)
+        _, err = sampling.communicate(timeout=60)
+    finally:
+        sampling.kill()
+    assert sampling.returncode == 130 and "interrupted" in err.decode() and "Traceback" not in err.decode()

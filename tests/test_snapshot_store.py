@@ -368,6 +368,8 @@ def test_a_payload_that_is_not_a_regular_file_is_never_read(tmp_path, planted):
     sampled = subprocess.run([sys.executable, "-m", "mingpt.sample", str(tmp_path / "snaps"), "--max-new-tokens", "3"],
                              capture_output=True, text=True, timeout=60)
     assert "step-000000020 is damaged: model.pt is not a regular file; falling back" in sampled.stderr
+    # (this store's step 10 holds a stand-in state dict, not a GPT: said in one line)
+    assert sampled.returncode == 2 and "step-000000010: model.pt does not fit its model_config" in sampled.stderr
 
 
 def test_snapshot_command_names_each_damaged_manifest_and_fails(store_url):
