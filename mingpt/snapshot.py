@@ -41,7 +41,7 @@ PAYLOAD_FILES = ("model.pt", "optimizer.pt", "scaler.pt", "tokenizer.json")
 REQUIRED_FILES = ("model.pt", "tokenizer.json")  # what sampling needs
 _NAME = re.compile(r"^step-(\d{9})$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 8 << 20
+_CHUNK = 64 << 20  # hashing reads, and the read-ahead of S3 files
 
 
 class SnapshotError(MinGPTError):
@@ -115,37 +115,47 @@ class Snapshot:
         return self.name, json.dumps(self.manifest["files"], sort_keys=True)
 
     def _check(self, filename: str, keep: bool) -> bytes:
-        """Stream one file through sha256, reading no more than its recorded size plus one byte.
+        """Check one file's sha256, reading no more than its recorded size plus one byte.
 
         Only a regular file of the recorded size is opened at all: a FIFO or a device planted
         under a payload name would otherwise block or never end."""
-        entry = self.manifest["files"].get(filename)
-        if entry is None:
+        if filename not in self.manifest["files"]:
             raise SnapshotError(f"snapshot {self.url} has no file {filename}")
+        path = self._check_size(filename)
+        expected = self.manifest["files"][filename]
+        sha, data, size = hashlib.sha256(), b"", 0
+        with self.store.fs.open(path, "rb", block_size=_CHUNK) as f:
+            if keep:  # one read, bounded by the size just checked (and one byte more, should it grow)
+                data = f.read(expected["bytes"] + 1)
+                sha.update(data)
+                size = len(data)
+            else:  # hashed in chunks: nothing held
+                while size <= expected["bytes"] and (chunk := f.read(_CHUNK)):
+                    sha.update(chunk)
+                    size += len(chunk)
+        if size != expected["bytes"] or sha.hexdigest() != expected["sha256"]:
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} does not match the checksum "
+                                "its manifest records")
+        return data
+
+    def check_sizes(self) -> None:
+        """A quick check without reading: every file is there, a regular file of its recorded size."""
+        for filename in self.manifest["files"]:
+            self._check_size(filename)
+
+    def _check_size(self, filename: str) -> str:
         path = f"{self.store.path}/{self.name}/{filename}"
+        recorded = self.manifest["files"][filename]["bytes"]
         try:
             info = self.store.fs.info(path)
         except FileNotFoundError:
             raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is missing") from None
         if info.get("type") != "file":
             raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is not a regular file")
-        if info.get("size") != entry["bytes"]:
+        if info.get("size") != recorded:
             raise SnapshotError(f"snapshot {self.url} is damaged: {filename} has {info.get('size')} bytes, "
-                                f"its manifest records {entry['bytes']}")
-        sha, chunks, size = hashlib.sha256(), [], 0
-        with self.store.fs.open(path, "rb", block_size=_CHUNK) as f:
-            while size <= entry["bytes"]:
-                chunk = f.read(min(_CHUNK, entry["bytes"] + 1 - size))
-                if not chunk:
-                    break
-                sha.update(chunk)
-                size += len(chunk)
-                if keep:
-                    chunks.append(chunk)
-        if size != entry["bytes"] or sha.hexdigest() != entry["sha256"]:
-            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} does not match the checksum "
-                                "its manifest records")
-        return b"".join(chunks)
+                                f"its manifest records {recorded}")
+        return path
 
 
 @dataclass
@@ -327,7 +337,7 @@ class SnapshotStore:
         manifest, problem = self._read_manifest(name)
         if manifest is not None:
             snapshot = Snapshot(self, name, manifest)
-            if self._is_good(snapshot, trust_known=False):
+            if self._is_good(snapshot, thorough=True):
                 log.info("snapshot %s is already committed; keeping it", snapshot.url)
                 return snapshot
             problem = "its files do not match its manifest"
@@ -354,35 +364,41 @@ class SnapshotStore:
         if self.lease is not None:
             self.lease.check()
 
-    def _is_good(self, snapshot: Snapshot, trust_known: bool = True) -> bool:
-        if trust_known and snapshot._key in self._good:
-            return True
+    def _is_good(self, snapshot: Snapshot, thorough: bool) -> bool:
+        """Whether `snapshot` can be loaded: its checksums (`thorough`), or else what this process knows
+        of it and the sizes of its files, which catch a truncated or missing file without reading it."""
         try:
-            snapshot.verify(keep=False)
+            if thorough:
+                snapshot.verify(keep=False)
+            elif snapshot._key not in self._good:
+                snapshot.check_sizes()
             return True
         except SnapshotError as e:
             log.warning("%s", e)
             return False
 
     def _prune(self, just_committed: str) -> None:
-        """Keep the newest `keep` snapshots that verify and whatever is newer (damaged ones stay there,
-        for inspection); remove the rest, and debris older than the newest commit. Damaged commits
-        never count toward `keep`, and the snapshot just committed is never removed, so a run always
-        ends with a verified snapshot."""
+        """Keep the newest `keep` snapshots not known to be damaged, and whatever is newer (damaged ones
+        stay there, for inspection); remove the rest, and debris older than the newest commit. Damaged
+        commits never count toward `keep`, and the snapshot just committed is never removed, so a run
+        always ends with a verified snapshot. (Older snapshots are checked by the sizes of their files:
+        reading every byte of each at every save would cost more than the save.)"""
         listing = self.scan()
         if not listing.committed:
             return
-        damaged = [Snapshot(self, name, {"step": _step_of(name)}) for name, _ in listing.damaged if _NAME.match(name)]
+        # (step, name, snapshot): damaged commits (no usable manifest) take part by their folder's step.
+        entries = [(s.step, s.name, s) for s in listing.committed]
+        entries += [(_step_of(name), name, None) for name, _ in listing.damaged if _NAME.match(name)]
         good, older = 0, []
-        for snapshot in sorted(listing.committed + damaged, key=lambda s: s.step, reverse=True):
+        for _, name, snapshot in sorted(entries, key=lambda entry: entry[0], reverse=True):
             if good >= self.keep:
-                older.append(snapshot)
-            elif snapshot.name == just_committed or (snapshot.manifest.get("files") and self._is_good(snapshot)):
+                older.append(name)
+            elif name == just_committed or (snapshot is not None and self._is_good(snapshot, thorough=False)):
                 good += 1
-        for snapshot in older:
-            if snapshot.name != just_committed:
+        for name in older:
+            if name != just_committed:
                 # Manifest first: a deletion cut short leaves debris, never a damaged commit.
-                self._remove(snapshot.name, f"{self.path}/{snapshot.name}/{MANIFEST}")
+                self._remove(name, f"{self.path}/{name}/{MANIFEST}")
         newest = listing.committed[-1].step
         for name in listing.debris:
             if _step_of(name) < newest:
