@@ -102,15 +102,12 @@ def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     if not is_local(fs):
         fs.pipe_file(path, data, mode="create")
         return
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
-    with _DurableLocalFile(tmp, "w") as f:
-        f.write(data)
+    tmp = _durable_temporary(path, data)
     try:
         os.link(tmp, path)
     finally:
         os.unlink(tmp)
-    sync_folder(fs, folder)
+    sync_folder(fs, os.path.dirname(path))
 
 
 def replace_atomically(fs: AbstractFileSystem, path: str, data: bytes) -> None:
@@ -118,9 +115,14 @@ def replace_atomically(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     if not is_local(fs):
         fs.pipe_file(path, data)
         return
+    os.replace(_durable_temporary(path, data), path)
+    sync_folder(fs, os.path.dirname(path))
+
+
+def _durable_temporary(path: str, data: bytes) -> str:
+    """`data` in a new, fsynced file beside local `path`, under a hidden temporary name; that name."""
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
-    with _DurableLocalFile(tmp, "w") as f:
+    with _DurableLocalFile(tmp, "x") as f:
         f.write(data)
-    os.replace(tmp, path)
-    sync_folder(fs, folder)
+    return tmp

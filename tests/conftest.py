@@ -8,6 +8,16 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 
 
 @pytest.fixture
+def procs(tmp_path):
+    """Processes a test starts (see launch.Processes); whatever still runs is ended after the test."""
+    from launch import Processes
+
+    started = Processes(tmp_path)
+    yield started
+    started.close()
+
+
+@pytest.fixture
 def corpus_file(tmp_path) -> Path:
     """A small corpus with some non-ASCII text, written by the test itself."""
     lines = [f"Line {i}: the quick brown fox jumps over the lazy dog. Café, naïve, 東京 {i % 7}\n" for i in range(400)]

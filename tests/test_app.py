@@ -8,14 +8,7 @@ import sys
 
 import pytest
 
-from launch import MAIN, SMALL, Processes, env, latest_step, manifests, output, run, standalone, wait_for
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Processes(tmp_path)
-    yield p
-    p.close()
+from launch import MAIN, SMALL, env, latest_step, manifests, output, run, standalone, wait_for
 
 
 def app(tmp_path, *overrides, timeout=120):

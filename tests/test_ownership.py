@@ -19,20 +19,13 @@ import pytest
 import torch
 
 from launch import (
-    MAIN, RDZV_CONF, SMALL, Processes, env, free_port, latest_step, manifests, output, torchrun, wait_for, worker,
+    MAIN, RDZV_CONF, SMALL, env, free_port, latest_step, manifests, output, torchrun, wait_for, worker,
 )
 from mingpt.lease import RunLease, RunOwnedError
 from mingpt.snapshot import SnapshotStore
 
 HAS_UNSHARE = shutil.which("unshare") is not None and subprocess.run(
     ["unshare", "--uts", "true"], capture_output=True).returncode == 0
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Processes(tmp_path)
-    yield p
-    p.close()
 
 
 def job(tmp_path, *extra, steps=100000):

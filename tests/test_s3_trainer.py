@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from conftest import s3_keys
-from launch import MAIN, SMALL, Processes, kill_node, latest_step, output, run, standalone, wait_for
+from launch import MAIN, SMALL, kill_node, latest_step, output, run, standalone, wait_for
 from mingpt.snapshot import SnapshotStore
 from s3server import ACCESS_KEY, SECRET_KEY
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Processes(tmp_path)
-    yield p
-    p.close()
 
 
 def job(tmp_path, url, steps, every=10, extra=()):

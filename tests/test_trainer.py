@@ -11,16 +11,9 @@ import pytest
 import torch
 
 from launch import (
-    RDZV_CONF, SMALL, Processes, children, free_port, kill_node, latest_step, manifests, metrics, output, run,
+    RDZV_CONF, SMALL, children, free_port, kill_node, latest_step, manifests, metrics, output, run,
     standalone, torchrun, wait_for, weights, worker, MAIN,
 )
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Processes(tmp_path)
-    yield p
-    p.close()
 
 
 # A model big enough that steps take tens of milliseconds, so a test can act mid-run.

@@ -8,7 +8,6 @@ See the README for multinode and SLURM launching. Hydra's multirun (-m) is refus
 """
 
 import logging
-import os
 import sys
 
 import hydra
@@ -16,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from mingpt.config import Config, validate
+from mingpt.distributed import leads_this_generation
 from mingpt.errors import MinGPTError
 from mingpt.trainer import train
 
@@ -26,8 +26,7 @@ log = logging.getLogger("mingpt")
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(raw: DictConfig) -> None:
     # One process logs; the others report warnings and errors only.
-    leader = os.environ.get("RANK", "0") == "0"
-    logging.basicConfig(level=logging.INFO if leader else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if leads_this_generation() else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         cfg: Config = OmegaConf.to_object(raw)
