@@ -8,6 +8,7 @@ See the README for multinode and SLURM launching. Hydra's multirun (-m) is refus
 """
 
 import logging
+import os
 import sys
 
 import hydra
@@ -55,4 +56,8 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # a second Ctrl-C: the first one's orderly stop was cut short
         print("interrupted: the last snapshot may not have been written; run the same command to resume from "
               "the newest committed snapshot", file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, as shells report a process that Ctrl-C ended
+        # 128 + SIGINT, as shells report a process that Ctrl-C ended. os._exit, not sys.exit: a background
+        # upload may still be inside a C++ call, and interpreter teardown under it aborts the process.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(130)
