@@ -13,6 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,42 @@ def start(timeout_s: float) -> World:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
         log.debug("joined process group: rank %d of %d, %s on %s", rank, world_size, backend, device)
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def check_store_sharing() -> None:
+    """Stop before any work where torchrun's agents share their rendezvous store with the workers and
+    the launch spans several agents: with torch 2.13 that job deadlocks (see mingpt.elastic). On one
+    agent (standalone), where restarts were measured to work, warn instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    advice = ("launch with mingpt-torchrun (same arguments), or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+              "on every node before torchrun")
+    agents = max(int(os.environ.get("GROUP_WORLD_SIZE", "1")), _max_nodes_of_agent())
+    if agents > 1:
+        raise ConfigError(f"torchrun's agents share their rendezvous store with the workers, which deadlocks "
+                          f"jobs on several nodes (up to {agents} here) with torch 2.13: {advice}")
+    if leads_this_generation():
+        log.warning("torchrun's agent shares its rendezvous store with the workers (restarted workers may hang "
+                    "with torch 2.13): %s", advice)
+
+
+def _max_nodes_of_agent() -> int:
+    """The most nodes the agent that started us allows (torchrun's --nnodes, "2" or "1:4"), read from
+    its command line (torchrun gives workers no variable for it); 1 where that cannot be read."""
+    try:
+        args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return 1
+    nnodes = os.environ.get("PET_NNODES", "1")  # torchrun also reads its options from PET_* variables
+    for arg, following in zip(args, args[1:] + [""]):
+        if arg == "--nnodes":
+            nnodes = following
+        elif arg.startswith("--nnodes="):
+            nnodes = arg.split("=", 1)[1]
+    try:
+        return int(nnodes.split(":")[-1])
+    except ValueError:
+        return 1
 
 
 def gpu_of(local_rank: int) -> int:

@@ -38,7 +38,8 @@ def free_port() -> int:
 
 def env() -> dict:
     e = dict(os.environ)
-    e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see DESIGN.md: avoids restart and late-join hangs
+    # Launched as users type it: mingpt-torchrun sets what torchrun needs, nothing here does.
+    e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     e["OMP_NUM_THREADS"] = "1"
     e["PYTHONUNBUFFERED"] = "1"
     e["CUDA_VISIBLE_DEVICES"] = ""  # the tests are about CPUs and gloo, whatever GPUs this machine has
@@ -83,8 +84,24 @@ def output(proc: subprocess.Popen) -> str:
     return proc.log_path.read_text(errors="replace")
 
 
+BIN = Path(sys.executable).parent  # where pip put the project's console scripts
+
+
 def torchrun(*args: str) -> list[str]:
+    """The trainer under mingpt-torchrun, the launcher the README gives."""
+    return [str(BIN / "mingpt-torchrun"), *args, MAIN]
+
+
+def plain_torchrun(*args: str) -> list[str]:
+    """The trainer under torch's own torchrun, as copied from the PyTorch docs."""
     return [sys.executable, "-m", "torch.distributed.run", *args, MAIN]
+
+
+def rendezvous(procs: "Processes", port: int) -> subprocess.Popen:
+    """mingpt-rendezvous hosting the rendezvous store on `port`, once it listens."""
+    store = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={port}"], f"rendezvous-{port}")
+    wait_for(lambda: "listening" in output(store), 60, "the rendezvous store", [store])
+    return store
 
 
 def standalone(nproc: int, max_restarts: int = 0) -> list[str]:

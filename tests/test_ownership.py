@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from launch import (
-    MAIN, RDZV_CONF, SMALL, env, free_port, latest_step, manifests, output, torchrun, wait_for, worker,
+    MAIN, RDZV_CONF, SMALL, env, free_port, latest_step, manifests, output, rendezvous, torchrun, wait_for, worker,
 )
 from mingpt.lease import RunLease, RunOwnedError
 from mingpt.snapshot import SnapshotStore
@@ -128,7 +127,7 @@ def test_a_worker_left_from_an_older_generation_cannot_commit(tmp_path, procs):
     so it claims the run at once, resumes and finishes. Then the old worker thaws and trains on
     alone; it must not commit nor delete anything."""
     port = free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    rendezvous(procs, port)  # the store outlives the agent that is killed
     agent = torchrun("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zombie-test", f"--rdzv-conf={RDZV_CONF},is_host=false")
     overrides = [*SMALL, "model=gpt-micro", "snapshot.every=10", "snapshot.keep=100",
@@ -156,7 +155,6 @@ def test_a_worker_left_from_an_older_generation_cannot_commit(tmp_path, procs):
     log = output(old)
     assert "taken over by generation 2" in log, log[-3000:]
     assert all(m["writer"]["generation"] == 2 for m in manifests(tmp_path / "snap") if m["step"] > resumed_at)
-    del store
 
 
 def _zombie_state(pid: int) -> bool:

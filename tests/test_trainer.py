@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from launch import (
-    RDZV_CONF, SMALL, children, free_port, kill_node, latest_step, manifests, metrics, output, run,
+    RDZV_CONF, SMALL, children, free_port, kill_node, latest_step, manifests, metrics, output, rendezvous, run,
     standalone, torchrun, wait_for, weights, worker, MAIN,
 )
 
@@ -143,37 +144,45 @@ def test_sampling_needs_no_corpus(tmp_path, procs):
     assert again.stdout == first.stdout  # same seed, same text
 
 
-def test_two_nodes_shrink_and_grow_back(tmp_path, procs):
-    """Two agents on 127.0.0.1 as two nodes; one dies, the other goes on alone; it comes back."""
+@pytest.mark.parametrize("store_host, lost", [("first-agent", "second"), ("mingpt-rendezvous", "first")])
+def test_two_nodes_shrink_and_grow_back(tmp_path, procs, store_host, lost):
+    """Two agents on 127.0.0.1 as two nodes, launched with mingpt-torchrun as the README says (no
+    variable in the environment); one node dies, the other goes on alone; a node comes back.
+    Where the first agent hosts the rendezvous store, only the second may die; where
+    mingpt-rendezvous hosts it, the first may die too."""
     snap = tmp_path / "elastic"
     port = free_port()
-    # The rendezvous store runs in this process, so no agent's death takes it down.
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    conf = RDZV_CONF
+    if store_host == "mingpt-rendezvous":
+        rendezvous(procs, port)
+        conf += ",is_host=false"
     node = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-                    f"--rdzv-conf={RDZV_CONF},is_host=false")
+                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", f"--rdzv-conf={conf}")
     heavier = [*HEAVIER, *KEEP_ALL]
     args = node + overrides(tmp_path, "elastic", ENDLESS_STEPS, every=20, extra=heavier)
-    a = procs.start(args, "node-a")
-    b = procs.start(args, "node-b")
+    first = procs.start(args, "node-a")
+    if store_host == "first-agent":
+        wait_for(lambda: port_listens(port), 60, "the first agent's rendezvous store", [first])
+    second = procs.start(args, "node-b")
     by_world = lambda ws: [m for m in manifests(snap) if m["world_size"] == ws]
-    wait_for(lambda: by_world(2), 120, "a snapshot from two nodes", [a, b])
+    wait_for(lambda: by_world(2), 120, "a snapshot from two nodes", [first, second])
 
-    kill_node(b)
-    b.wait(timeout=30)
+    dead, survivor = (first, second) if lost == "first" else (second, first)
+    kill_node(dead)
+    dead.wait(timeout=30)
     shrunk_from = latest_step(snap)
-    wait_for(lambda: [m for m in by_world(1) if m["step"] > shrunk_from], 120, "a snapshot from one node", [a])
+    wait_for(lambda: [m for m in by_world(1) if m["step"] > shrunk_from], 120, "a snapshot from one node", [survivor])
 
     grown_from = latest_step(snap)
-    b = procs.start(args, "node-b-again")
+    newcomer = procs.start(args, "node-c")
     regrown = lambda: [m for m in by_world(2) if m["step"] > grown_from and m["step"] % 20 == 0]
-    wait_for(regrown, 120, "a periodic snapshot from two nodes again", [a, b])
+    wait_for(regrown, 120, "a periodic snapshot from two nodes again", [survivor, newcomer])
     compared = regrown()[0]["step"]
-    for agent in (a, b):
+    for agent in (survivor, newcomer):
         agent.send_signal(signal.SIGTERM)
-    for agent in (a, b):
+    for agent in (survivor, newcomer):
         agent.wait(timeout=90)  # the workers snapshot and exit; an agent may exit non-zero on SIGTERM
-    del store
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in output(survivor)  # set by mingpt-torchrun, not by us
 
     history = [m for m in metrics(snap) if "train_loss" in m]
     sizes = [m["world_size"] for m in history]
@@ -187,3 +196,8 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs):
     ours = manifest_at(snap, compared)["metrics"]["train_loss"]
     reference = manifest_at(tmp_path / "reference", compared)["metrics"]["train_loss"]
     assert abs(ours - reference) < 0.03 * reference, (ours, reference)
+
+
+def port_listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -1,0 +1,93 @@
+"""Launching as users type it: mingpt-torchrun, plain torchrun's store sharing, mingpt-rendezvous.
+
+The elastic scenarios under mingpt-torchrun (nodes dying and joining, with and without
+mingpt-rendezvous) are in test_trainer.py.
+"""
+
+import logging
+import signal
+
+import pytest
+
+from launch import RDZV_CONF, SMALL, free_port, output, plain_torchrun, rendezvous, wait_for
+from mingpt import distributed
+from mingpt.elastic import QUICK_RENDEZVOUS, merge_rendezvous_conf
+from mingpt.errors import ConfigError
+
+ADVICE = "launch with mingpt-torchrun (same arguments), or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def test_quick_rendezvous_settings_fill_in_under_the_users_own():
+    merged = dict(item.split("=") for item in merge_rendezvous_conf(" last_call_timeout=1, is_host=false").split(","))
+    assert merged == {**QUICK_RENDEZVOUS, "last_call_timeout": "1", "is_host": "false"}
+    assert merge_rendezvous_conf("") == ",".join(f"{k}={v}" for k, v in QUICK_RENDEZVOUS.items())
+
+
+@pytest.fixture
+def shared_store(monkeypatch):
+    """The environment torchrun gives workers while its agents share their store."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("PET_NNODES", raising=False)
+    return monkeypatch
+
+
+def test_store_sharing_over_several_agents_is_refused(shared_store):
+    shared_store.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="mingpt-torchrun"):
+        distributed.check_store_sharing()
+
+
+def test_store_sharing_is_refused_where_more_nodes_may_join(shared_store):
+    shared_store.setenv("GROUP_WORLD_SIZE", "1")
+    shared_store.setenv("PET_NNODES", "1:4")  # torchrun's --nnodes, given as a variable
+    with pytest.raises(ConfigError, match="up to 4"):
+        distributed.check_store_sharing()
+
+
+def test_store_sharing_on_one_agent_is_a_warning(shared_store, caplog):
+    shared_store.setenv("GROUP_WORLD_SIZE", "1")
+    with caplog.at_level(logging.WARNING):
+        distributed.check_store_sharing()
+    assert ADVICE in caplog.text
+    caplog.clear()
+    shared_store.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what mingpt-torchrun's agents say
+    distributed.check_store_sharing()
+    assert caplog.text == ""
+
+
+def _job(tmp_path, steps):
+    return [*SMALL, f"trainer.max_steps={steps}", f"snapshot.dir={tmp_path / 'snap'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}"]
+
+
+def test_plain_torchrun_on_two_agents_stops_at_once_with_one_line(tmp_path, procs):
+    port = free_port()
+    agent = plain_torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+                           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shared-store", f"--rdzv-conf={RDZV_CONF}")
+    nodes = [procs.start(agent + _job(tmp_path, 1000), f"node-{i}") for i in range(2)]
+    for node in nodes:
+        assert node.wait(timeout=120) != 0
+        lines = [line for line in output(node).splitlines() if ADVICE in line]
+        assert len(lines) == 1 and "ERROR" in lines[0], output(node)[-3000:]
+    assert not (tmp_path / "snap").exists()  # stopped before claiming the run or any data work
+
+
+def test_plain_torchrun_standalone_warns_once_and_trains(tmp_path, procs):
+    job = procs.start(plain_torchrun("--standalone", "--nproc-per-node=2") + _job(tmp_path, 2), "standalone")
+    assert job.wait(timeout=180) == 0, output(job)[-3000:]
+    text = output(job)
+    assert text.count(ADVICE) == 1 and "done: step 2" in text
+
+
+def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
+    port = free_port()
+    store = rendezvous(procs, port)
+    assert "--rdzv-endpoint=" in output(store)
+    second = procs.start([*store.args[:1], f"--port={port}"], "second-store")
+    assert second.wait(timeout=60) == 2
+    assert output(second).strip().startswith(f"error: cannot listen on port {port}")
+    assert len(output(second).strip().splitlines()) == 1
+    store.send_signal(signal.SIGTERM)
+    assert store.wait(timeout=30) == 0
+    wait_for(lambda: "stopped by SIGTERM" in output(store), 10, "the store's last line")
