@@ -3,7 +3,8 @@
 torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE. This module reads
 them afresh each start and uses them for two things only: device placement (LOCAL_RANK) and
 picking one process to log and to write snapshots (rank 0 of this generation). Nothing derived
-from them is ever stored.
+from them is ever stored. It also checks, before any work, that the launch cannot deadlock
+(`check_store_sharing`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def env() -> dict:
     e = dict(os.environ)
     # Launched as users type it: mingpt-torchrun sets what torchrun needs, nothing here does.

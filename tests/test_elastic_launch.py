@@ -5,11 +5,15 @@ mingpt-rendezvous) are in test_trainer.py.
 """
 
 import logging
+import os
 import signal
 
 import pytest
 
-from launch import RDZV_CONF, SMALL, free_port, output, plain_torchrun, rendezvous, wait_for
+from launch import (
+    BIN, RDZV_CONF, REPO, SMALL, free_port, manifests, output, plain_torchrun, port_listens, rendezvous,
+    wait_for,
+)
 from mingpt import distributed
 from mingpt.elastic import QUICK_RENDEZVOUS, merge_rendezvous_conf
 from mingpt.errors import ConfigError
@@ -91,3 +95,26 @@ def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
     store.send_signal(signal.SIGTERM)
     assert store.wait(timeout=30) == 0
     wait_for(lambda: "stopped by SIGTERM" in output(store), 10, "the store's last line")
+
+
+def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, procs):
+    """train/slurm.sbatch as sbatch runs it, with stand-ins for SLURM's two commands: `scontrol`
+    names this machine as the first node, `srun` starts the agent line once per node here."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    (shims / "srun").write_text('#!/bin/bash\nshift  # --kill-on-bad-exit\nfor node in $(seq "$SLURM_NNODES"); do '
+                                '"$@" & done\nwait\n')
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    port = free_port()
+    job = procs.start(
+        ["env", f"PATH={shims}:{BIN}:{os.environ['PATH']}", "SLURM_JOB_NODELIST=node[1-2]", "SLURM_NNODES=2",
+         "SLURM_JOB_ID=4242", f"RDZV_PORT={port}", "NPROC_PER_NODE=1",
+         "bash", str(REPO / "train" / "slurm.sbatch"), *_job(tmp_path, 6), "snapshot.every=3"],
+        "sbatch", cwd=REPO)
+    assert job.wait(timeout=240) == 0, output(job)[-4000:]
+    final = manifests(tmp_path / "snap")[-1]
+    assert final["step"] == 6 and final["world_size"] == 2
+    assert "rendezvous store listening on port" in output(job)
+    assert not port_listens(port)  # the script stopped its store on the way out

@@ -4,7 +4,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
@@ -12,8 +11,8 @@ import pytest
 import torch
 
 from launch import (
-    RDZV_CONF, SMALL, children, free_port, kill_node, latest_step, manifests, metrics, output, rendezvous, run,
-    standalone, torchrun, wait_for, weights, worker, MAIN,
+    MAIN, RDZV_CONF, SMALL, children, free_port, kill_node, latest_step, manifests, metrics, output, port_listens,
+    rendezvous, run, standalone, torchrun, wait_for, weights, worker,
 )
 
 
@@ -196,8 +195,3 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, store_host, lost):
     ours = manifest_at(snap, compared)["metrics"]["train_loss"]
     reference = manifest_at(tmp_path / "reference", compared)["metrics"]["train_loss"]
     assert abs(ours - reference) < 0.03 * reference, (ours, reference)
-
-
-def port_listens(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
