@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from mingpt.config import Config, DataConfig, ModelConfig, SnapshotConfig, TrainerConfig
-from mingpt.data import PreparedData, prepare
+from mingpt.data import PreparedData
+from mingpt.prepare import prepare
 from mingpt.model import GPT
 from mingpt.sampler import GlobalOrder
 from mingpt.snapshot import SnapshotStore

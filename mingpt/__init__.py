@@ -1,13 +1,25 @@
-"""mingpt: a GPT, its tokenizers and data, and an elastic fault-tolerant DDP trainer."""
+"""mingpt: a GPT, its tokenizers and data, and an elastic fault-tolerant DDP trainer.
 
-from mingpt.data import PreparedData, TokenBlocks, prepare
-from mingpt.errors import ConfigError, DataError, MinGPTError, TokenizerError
-from mingpt.model import GPT, PRESETS, GPTConfig
-from mingpt.tokenizers import Tokenizer, load_tokenizer, train_tokenizer
+The names below are imported on first use, so that a command that needs none of them (mingpt-prepare,
+a tokenizing worker) starts without importing torch.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "GPT", "GPTConfig", "PRESETS", "Tokenizer", "train_tokenizer", "load_tokenizer",
-    "prepare", "PreparedData", "TokenBlocks", "MinGPTError", "ConfigError", "DataError", "TokenizerError",
-]
+_WHERE = {
+    "GPT": "mingpt.model", "GPTConfig": "mingpt.model", "PRESETS": "mingpt.model",
+    "Tokenizer": "mingpt.tokenizers", "train_tokenizer": "mingpt.tokenizers", "load_tokenizer": "mingpt.tokenizers",
+    "prepare": "mingpt.prepare", "PreparedData": "mingpt.data", "TokenBlocks": "mingpt.data",
+    "MinGPTError": "mingpt.errors", "ConfigError": "mingpt.errors", "DataError": "mingpt.errors",
+    "TokenizerError": "mingpt.errors",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'mingpt' has no attribute {name!r}")
+    return getattr(import_module(_WHERE[name]), name)

@@ -35,11 +35,19 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    corpus: str = "python-docs"  # text file path, fsspec URL, or the built-in python-docs
+    # A file, a folder, a quoted glob, or a list of these; local paths or fsspec URLs (s3://...);
+    # .gz/.bz2/.xz/.zst read as such, .jsonl as one document per line; or the built-in python-docs.
+    corpus: Any = "python-docs"
+    text_field: str = "text"  # the field of each JSONL record that holds its text
     tokenizer: str = "char"  # char, bpe, or a tiktoken encoding name (gpt2, cl100k_base, ...)
     vocab_size: Optional[int] = None  # for bpe
+    bpe_sample_bytes: int = 100_000_000  # bpe is trained on a sample of this many bytes, drawn across the corpus
+    num_workers: int = 0  # processes that tokenize; 0: one per CPU core
     block_size: int = 128
     val_fraction: float = 0.1
+    # random: each training example is a window at an offset drawn from (seed, position);
+    # strided: example i is the i-th block of the token file, in a fresh order each epoch.
+    windows: str = "random"
     prepared_dir: Optional[str] = None  # default: data/<corpus>-<tokenizer>[-<vocab_size>]
 
 
@@ -91,7 +99,8 @@ class Config:
         data = asdict(self)
         data["snapshot"]["storage_options"] = sorted(self.snapshot.storage_options)  # keys only
         data["snapshot"]["dir"] = redact(self.snapshot.dir)
-        data["data"]["corpus"] = redact(self.data.corpus)
+        corpus = self.data.corpus
+        data["data"]["corpus"] = [redact(c) for c in corpus] if isinstance(corpus, (list, tuple)) else redact(corpus)
         return data
 
 
@@ -115,6 +124,11 @@ def validate(cfg: Config) -> None:
         ("data.tokenizer", bool(d.tokenizer), "char, bpe or a tiktoken encoding name"),
         ("data.vocab_size", d.tokenizer != "bpe" or (d.vocab_size or 0) > 256,
          "an integer above 256 when data.tokenizer=bpe (e.g. 4096)"),
+        ("data.corpus", _is_corpus(d.corpus), "a path, URL, glob or python-docs, or a list of them"),
+        ("data.text_field", bool(d.text_field), "the name of the JSONL field holding the text"),
+        ("data.bpe_sample_bytes", d.bpe_sample_bytes >= 1_000_000, "at least 1000000 (1 MB)"),
+        ("data.num_workers", d.num_workers >= 0, ">= 0 (0: one per CPU core)"),
+        ("data.windows", d.windows in ("random", "strided"), "random or strided"),
         ("data.block_size", d.block_size > 0, "a positive integer"),
         ("data.val_fraction", 0.0 < d.val_fraction < 1.0, "in (0, 1)"),
         ("trainer.max_steps", t.max_steps > 0, "a positive integer"),
@@ -143,6 +157,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
     # The model's own checks (sizes, dropout, n_embd divisible by n_head) on the resolved preset sizes.
     m.build(vocab_size=1, block_size=d.block_size)
+
+
+def _is_corpus(corpus: Any) -> bool:
+    sources = list(corpus) if isinstance(corpus, (list, tuple)) else [corpus]
+    return bool(sources) and all(isinstance(source, str) and source for source in sources)
 
 
 def _lookup(cfg: Config, dotted: str):

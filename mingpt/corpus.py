@@ -1,66 +1,250 @@
-"""Reading a text corpus: a local path, any fsspec URL (`s3://...`), or the built-in default.
+"""Corpus sources: what the user names, the files that makes, and their documents, read in pieces.
 
-The built-in corpus, `python-docs`, is the Python language reference that every CPython
-install carries as text (`pydoc_data.topics`, about 0.47 MB of English prose and code),
-so the default job runs on a fresh machine with no network and no downloads.
+`data.corpus` is one of these, or a list of them:
+    a file           corpus.txt, s3://bucket/corpus.txt.gz
+    a folder         every file under it, in sorted path order (names starting with "." skipped)
+    a quoted glob    'corpus/*.jsonl', s3://bucket/shards/part-*.txt
+    python-docs      the built-in corpus: the Python language reference that every CPython install
+                     carries as text (`pydoc_data.topics`, about 0.47 MB), so the default job needs
+                     no network and no downloads
+
+Files ending in .gz, .bz2, .xz (or .zst, with zstandard installed) are decompressed as they are read.
+A text file is one document; a .jsonl file holds one document per line, in the field
+`data.text_field`. Listing the sources reads no content: their sizes and versions (mtime, or the
+ETag on object stores) tell prepared data whether it is still current.
+
+Documents are read in pieces of about `piece_bytes`. A text document larger than that is cut
+where a line break stands between two characters that are not whitespace ("x\\nY"): tokenizers
+split words there anyway, so the pieces encode to the same tokens as the whole document. A line
+with no such place within 4 pieces is cut at any line break, or else anywhere (a minified
+megabyte-long line); only there can tokens differ from encoding the document whole.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
-from dataclasses import dataclass
+import io
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import BinaryIO, Iterator, Sequence
 
 from mingpt.errors import DataError, MinGPTError
 from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 
 BUILTIN_CORPUS = "python-docs"
+PIECE_BYTES = 1 << 20
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
 @dataclass(frozen=True)
-class Corpus:
-    name: str  # what the user gave: a path, a URL or BUILTIN_CORPUS
-    text: str
-    sha256: str  # of the UTF-8 bytes; tells prepared data whether it is still current
-    num_bytes: int
+class Source:
+    """One file of a corpus, as listed: where it is and which version of it."""
+
+    url: str  # a local absolute path, a URL with its protocol, or BUILTIN_CORPUS
+    size: int  # bytes as stored (compressed, where it is)
+    version: str  # changes when the content does: mtime locally, the ETag on object stores
+
+    @property
+    def jsonl(self) -> bool:
+        name = self.url.lower()
+        for suffix in COMPRESSED:
+            name = name.removesuffix(suffix)
+        return name.endswith(".jsonl")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "url": redact(self.url)}
 
 
-def read_corpus(source: str) -> Corpus:
-    """Read a UTF-8 text corpus; raise DataError saying what to do when it is missing, empty or not text."""
-    raw = _builtin_bytes() if source == BUILTIN_CORPUS else _read_bytes(source)
+def as_list(corpus: str | Sequence[str]) -> list[str]:
+    return [corpus] if isinstance(corpus, str) else list(corpus)
+
+
+def list_sources(corpus: str | Sequence[str]) -> list[Source]:
+    """The files of `corpus`, in order; DataError saying what to do where an entry names nothing readable."""
+    sources = [source for entry in as_list(corpus) for source in _expand(entry)]
+    if not sources:
+        raise DataError("data.corpus is an empty list; name at least one file, folder or glob")
+    return sources
+
+
+def _expand(entry: str) -> list[Source]:
+    if entry == BUILTIN_CORPUS:
+        text = builtin_bytes()
+        return [Source(BUILTIN_CORPUS, len(text), hashlib.sha256(text).hexdigest()[:16])]
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"corpus {redact(source)} is not UTF-8 text (bad byte at offset {e.start}); "
-            "convert it to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8`"
-        ) from None
-    if not text.strip():
-        raise DataError(f"corpus {redact(source)} is empty; give a text file with some content")
-    return Corpus(name=source, text=text, sha256=hashlib.sha256(raw).hexdigest(), num_bytes=len(raw))
-
-
-def _read_bytes(source: str) -> bytes:
-    try:
-        fs, path = open_fs(source)
+        fs, path = open_fs(entry)
     except MinGPTError as e:  # an unknown protocol, or its package is missing
         raise DataError(f"{e}; fix data.corpus (or --corpus of mingpt-prepare)") from None
     try:
-        with fs.open(path, "rb") as f:
-            return f.read()
+        fs.invalidate_cache()  # an object store's listing may be cached from before a change
+        if glob.has_magic(path):  # the hidden-file check starts where the pattern does
+            found, what, root = fs.glob(path, detail=True), "glob", re.split(r"[*?[]", path)[0].rsplit("/", 1)[0]
+        elif fs.isdir(path):
+            found, what, root = fs.find(path, detail=True), "folder", path
+        else:
+            found, what, root = {path: fs.info(path)}, "file", path
     except FileNotFoundError:
-        raise DataError(
-            f"corpus {redact(source)} does not exist; give a path or URL of a UTF-8 text file, "
-            f"or {BUILTIN_CORPUS!r} for the built-in corpus"
-        ) from None
-    except IsADirectoryError:
-        raise DataError(f"corpus {redact(source)} is a directory; give one text file") from None
+        raise DataError(f"corpus {redact(entry)} does not exist; give a file, folder or glob of UTF-8 text or "
+                        f"JSONL, or {BUILTIN_CORPUS!r} for the built-in corpus") from None
     except Exception as e:  # storage clients raise many types (OSError, botocore, aiohttp): explain any
         reason = explain_storage_error(e, local=is_local(fs), setting="data.corpus")
-        raise DataError(f"cannot read the corpus {redact(source)} (data.corpus, or --corpus of mingpt-prepare): "
+        raise DataError(f"cannot list the corpus {redact(entry)} (data.corpus, or --corpus of mingpt-prepare): "
                         f"{reason}") from None
+    files = [
+        Source(p if is_local(fs) else fs.unstrip_protocol(p), int(info.get("size") or 0), _version(info))
+        for p, info in sorted(found.items())
+        if info.get("type") == "file" and not _hidden(p, root)
+    ]
+    if not files:
+        raise DataError(f"corpus {what} {redact(entry)} holds no files; check the path (quote a glob, so that the "
+                        "shell does not expand it)")
+    return files
 
 
-def _builtin_bytes() -> bytes:
+def _hidden(path: str, root: str) -> bool:
+    """Whether `path`, found under `root`, is or lies in a hidden file or folder (.git, .DS_Store)."""
+    return any(part.startswith(".") for part in path[len(root):].split("/"))
+
+
+def _version(info: dict) -> str:
+    for key in ("ETag", "etag", "mtime", "LastModified", "last_modified"):
+        if info.get(key) is not None:
+            return str(info[key]).strip('"')
+    return ""
+
+
+def open_source(source: Source) -> BinaryIO:
+    """The content of `source`, decompressed where its name says it is compressed."""
+    if source.url == BUILTIN_CORPUS:
+        return io.BytesIO(builtin_bytes())
+    import fsspec
+    from fsspec.utils import infer_compression
+
+    if source.url.lower().endswith(".zst") and infer_compression(source.url) is None:
+        raise DataError(f"{redact(source.url)} is zstandard-compressed: pip install zstandard, or decompress it")
+    try:
+        return fsspec.open(source.url, "rb", compression="infer").open()
+    except FileNotFoundError:
+        raise DataError(f"corpus file {redact(source.url)} disappeared while being read; run again") from None
+    except (ValueError, ImportError) as e:  # e.g. .zst without zstandard
+        raise DataError(f"cannot read {redact(source.url)}: {e}; install the package it names, or decompress "
+                        "the file") from None
+    except Exception as e:
+        raise DataError(f"cannot read the corpus {redact(source.url)}: "
+                        f"{explain_storage_error(e, setting='data.corpus')}") from None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Consecutive bytes of one source: part of one text document, or whole lines of a JSONL file."""
+
+    source: int  # index into the list of sources
+    offset: int  # of `data` in the (decompressed) source, for error messages
+    data: bytes
+    last: bool  # the source's last piece: a text document ends here
+
+
+def read_pieces(sources: Sequence[Source], digests: dict[int, str] | None = None) -> Iterator[Piece]:
+    """Every source in order, in pieces of about PIECE_BYTES cut at safe places (see the module
+    docstring). Where `digests` is given, it receives each source's sha256 as it is finished."""
+    piece_bytes = PIECE_BYTES
+    for index, source in enumerate(sources):
+        hasher = hashlib.sha256()
+        offset = 0
+        with open_source(source) as f:
+            for data, last in _cut(_read_blocks(f, source, piece_bytes), source.jsonl, piece_bytes):
+                hasher.update(data)
+                yield Piece(index, offset, data, last)
+                offset += len(data)
+        if digests is not None:
+            digests[index] = hasher.hexdigest()
+
+
+def _read_blocks(f: BinaryIO, source: Source, size: int) -> Iterator[bytes]:
+    while True:
+        try:
+            block = f.read(size)
+        except Exception as e:  # a truncated or damaged .gz (OSError, EOFError, zlib.error), a dropped connection
+            raise DataError(f"cannot read {redact(source.url)}: {type(e).__name__}: {e}; if it is compressed, check "
+                            "that it decompresses (e.g. gzip -t)") from None
+        if not block:
+            return
+        yield block
+
+
+def _cut(blocks: Iterator[bytes], jsonl: bool, piece_bytes: int) -> Iterator[tuple[bytes, bool]]:
+    """Re-cut `blocks` into pieces of at least `piece_bytes`, each ending at a safe place."""
+    pending = b""
+    for block in blocks:
+        pending += block
+        while len(pending) >= piece_bytes:
+            end = _safe_end(pending, piece_bytes, jsonl)
+            if end is None:
+                break  # read on: the next block may hold a safe place
+            yield pending[:end], False
+            pending = pending[end:]
+    yield pending, True
+
+
+def _safe_end(data: bytes, start: int, jsonl: bool) -> int | None:
+    """The end of the first piece of `data`: just after a line break at or beyond `start`."""
+    if jsonl:
+        at = data.find(b"\n", start - 1)
+        return at + 1 if at >= 0 else None
+    at = start - 1
+    while True:
+        at = data.find(b"\n", at)
+        if at < 0 or at + 1 >= len(data):
+            break
+        if at > 0 and not data[at - 1 : at].isspace() and not data[at + 1 : at + 2].isspace():
+            return at + 1
+        at += 1
+    if len(data) < 4 * start:
+        return None
+    at = data.find(b"\n", start - 1)  # no such place in 4 pieces: any line break, else anywhere
+    if 0 <= at < len(data) - 1:
+        return at + 1
+    end = start
+    while end < len(data) and (data[end] & 0xC0) == 0x80:  # not inside a UTF-8 character
+        end += 1
+    return end
+
+
+def documents(piece: Piece, jsonl: bool, text_field: str, name: str) -> Iterator[tuple[int, str]]:
+    """The texts in `piece`, each with the byte offset in its source where it starts: one text for a
+    piece of a text document, one per record (line) for JSONL."""
+    if not jsonl:
+        yield piece.offset, _decode(piece.data, name, piece.offset)
+        return
+    start = 0
+    for line in piece.data.split(b"\n"):
+        offset, start = piece.offset + start, start + len(line) + 1
+        if not line.strip():
+            continue
+        where = f"{name}, the record at byte {offset}"
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{where} is not a JSON record ({e}); fix or remove that line") from None
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            fields = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+            raise DataError(f"{where} has no text field {text_field!r}; set data.text_field (--text-field) to the "
+                            f"field holding the text (this record has: {fields})")
+        yield offset, text
+
+
+def _decode(data: bytes, name: str, offset: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"corpus {name} is not UTF-8 text (bad byte at offset {offset + e.start}); convert it to "
+                        "UTF-8, e.g. `iconv -f LATIN1 -t UTF-8`") from None
+
+
+def builtin_bytes() -> bytes:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key].strip() for key in sorted(topics)).encode("utf-8")

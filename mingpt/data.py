@@ -1,226 +1,36 @@
-"""Prepared data: tokenize a corpus once into flat token files, then read examples by memory map.
+"""Reading prepared data (see mingpt.prepare, which writes it): examples by memory map.
 
-A prepared folder holds
-    train.bin, val.bin   the token ids, raw little-endian uint16 (uint32 when the vocabulary needs it)
-    tokenizer.json       the tokenizer (see mingpt.tokenizers)
-    meta.json            what was prepared from what: corpus checksum, tokenizer, counts, dtype
-
-`prepare` reuses a folder whose corpus checksum and tokenizer settings match, and otherwise
-builds a new one under a temporary name and renames it into place, so a reader never sees a
-half-written folder and two processes preparing the same data at once cannot corrupt it.
-It replaces only prepared data (a folder with a mingpt meta.json) or an empty folder: a
-folder holding anything else belongs to someone else and is refused, never deleted.
-
-An example is a block of `block_size` input tokens `x` and the same block shifted by one,
-`y`. Example `i` starts at token `i * stride`; the default stride of one block makes an
-epoch read every token once. Examples are addressed by a global index, so that the order
-is decided elsewhere (by the trainer's sampler) as a pure function of seed and position.
+An example is a window of `block_size` input tokens `x` and the same window shifted by one, `y`.
+Windows are addressed by their token offset, so that which windows a step reads is decided
+elsewhere (by the trainer's sampler) as a pure function of seed and position.
 """
 
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import logging
 import os
-import re
-import shutil
-import time
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from mingpt.corpus import BUILTIN_CORPUS, read_corpus
-from mingpt.storage import redact
 from mingpt.errors import DataError
-from mingpt.tokenizers import Tokenizer, check_bpe_vocab_size, load_tokenizer, train_tokenizer
-
-log = logging.getLogger(__name__)
-
-FORMAT = "mingpt-prepared"
-FORMAT_VERSION = 1
-META_FILE = "meta.json"
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def default_out_dir(corpus: str, tokenizer: str, vocab_size: int | None, root: str = "data") -> Path:
-    """`data/<corpus stem>[-<hash of its location>]-<tokenizer>[-<vocab size>]`, e.g. data/python-docs-char.
-
-    The hash keeps two corpora of the same file name (./input.txt, s3://b/input.txt) apart."""
-    stem = Path(corpus.rstrip("/").split("://")[-1]).stem or "corpus"
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem)
-    if corpus != BUILTIN_CORPUS:
-        location = corpus if "://" in corpus else str(Path(corpus).resolve())
-        stem += "-" + hashlib.sha256(location.encode()).hexdigest()[:8]
-    suffix = f"-{vocab_size}" if tokenizer == "bpe" else ""
-    return Path(root) / f"{stem}-{tokenizer}{suffix}"
-
-
-def prepare(
-    corpus: str = BUILTIN_CORPUS,
-    tokenizer: str = "char",
-    vocab_size: int | None = None,
-    out: str | os.PathLike | None = None,
-    val_fraction: float = 0.1,
-) -> Path:
-    """Tokenize `corpus` into `out` (default: see `default_out_dir`) unless it is already there; return `out`.
-
-    `tokenizer` is 'char', 'bpe' (with `vocab_size`) or a tiktoken encoding name such as 'gpt2'.
-    The last `val_fraction` of the tokens form the validation split.
-    """
-    if tokenizer == "bpe":
-        check_bpe_vocab_size(vocab_size)
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    out = Path(out) if out is not None else default_out_dir(corpus, tokenizer, vocab_size)
-    check_replaceable(out)  # before reading and tokenizing: refusing late wastes the expensive part
-    text = read_corpus(corpus)
-    wanted = {
-        "corpus_sha256": text.sha256,
-        "tokenizer": tokenizer,
-        "requested_vocab_size": vocab_size if tokenizer == "bpe" else None,
-        "val_fraction": val_fraction,
-    }
-    if _matches(out, wanted):
-        log.info("reusing prepared data in %s", out)
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _machine_lock(out.parent):  # processes on one machine prepare once; the others wait, then reuse
-        if _matches(out, wanted):
-            log.info("reusing prepared data in %s, prepared by another process", out)
-            return out
-        _build(corpus, text, tokenizer, vocab_size, val_fraction, wanted, out)
-    return out
-
-
-def _build(corpus: str, text, tokenizer: str, vocab_size: int | None, val_fraction: float, wanted: dict,
-           out: Path) -> None:
-    started = time.perf_counter()
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        tok = train_tokenizer(tokenizer, text.text, vocab_size)
-        tokens = tok.encode_array(text.text)
-        dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-        n_val = int(len(tokens) * val_fraction)
-        splits = {"train": tokens[: len(tokens) - n_val], "val": tokens[len(tokens) - n_val :]}
-        for split, ids in splits.items():
-            ids.astype(dtype).tofile(tmp / f"{split}.bin")
-        tok.save(str(tmp / TOKENIZER_FILE))
-        meta = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            **wanted,
-            "corpus": redact(corpus),
-            "corpus_bytes": text.num_bytes,
-            "vocab_size": tok.vocab_size,
-            "dtype": np.dtype(dtype).name,
-            "train_tokens": len(splits["train"]),
-            "val_tokens": len(splits["val"]),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        _publish(tmp, out, wanted)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info(
-        "prepared %s: %d train + %d val tokens, %s in %.1fs -> %s",
-        redact(corpus), meta["train_tokens"], meta["val_tokens"], tok.describe(), time.perf_counter() - started, out,
-    )
-
-
-@contextmanager
-def _machine_lock(folder: Path):
-    """An exclusive flock on `folder` itself (no lock file to leave behind). Where the file system
-    has no flock, go on without: `_publish` keeps concurrent preparation correct, only slower."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def read_meta(directory: str | os.PathLike) -> dict:
-    """The meta.json of a prepared folder; DataError when it is missing or damaged."""
-    path = Path(directory) / META_FILE
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{directory} is not prepared data (no {META_FILE}); run `python -m mingpt.prepare`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
-        raise DataError(f"{path} is not a mingpt-prepared v{FORMAT_VERSION} description; prepare the data again")
-    return meta
-
-
-def _matches(directory: Path, wanted: dict) -> bool:
-    try:
-        meta = read_meta(directory)
-    except DataError:
-        return False
-    return all(meta.get(key) == value for key, value in wanted.items())
-
-
-def check_replaceable(out: Path) -> None:
-    """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace).
-
-    Anything else may be a user's files: preparing there would delete them."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise DataError(f"the prepared-data folder {out} is a file; choose an empty or new folder "
-                        "(mingpt-prepare --out, or data.prepared_dir for training)")
-    if not any(out.iterdir()):
-        return
-    try:
-        read_meta(out)
-    except DataError:
-        raise DataError(
-            f"{out} is not empty and holds no mingpt prepared data (no valid {META_FILE}); preparing there would "
-            "replace its files, so choose an empty or new folder (mingpt-prepare --out, or data.prepared_dir "
-            "for training)"
-        ) from None
-
-
-def _publish(tmp: Path, out: Path, wanted: dict) -> None:
-    """Move the finished folder `tmp` to `out`, replacing stale data but never a concurrent twin,
-    nor a folder that is not prepared data."""
-    for _ in range(3):
-        try:
-            tmp.rename(out)
-            return
-        except OSError:  # `out` exists and is not empty
-            if _matches(out, wanted):
-                return  # another process prepared the same data first; theirs is as good
-            check_replaceable(out)  # again: files may have appeared since `prepare` checked
-            stale = out.parent / f".{out.name}.stale-{uuid.uuid4().hex[:8]}"
-            try:
-                out.rename(stale)
-            except FileNotFoundError:
-                continue  # someone else moved it meanwhile; try again
-            shutil.rmtree(stale, ignore_errors=True)
-    raise DataError(f"could not replace {out}; is another process preparing different data there?")
-
+from mingpt.prepare import META_FILE, TOKENIZER_FILE, read_meta
+from mingpt.tokenizers import Tokenizer, load_tokenizer
 
 class TokenBlocks:
-    """`(x, y)` blocks of a flat token file, read through a memory map."""
+    """`(x, y)` windows of a flat token file, read through a memory map.
+
+    Examples by index (`batch`, `[i]`) are the fixed blocks `i * stride`: evaluation reads those,
+    so that every evaluation sees the same text. Training reads windows at any token offset
+    (`windows`), chosen by the sampler (mingpt.sampler)."""
 
     def __init__(self, path: str | os.PathLike, dtype: str, block_size: int, stride: int | None = None,
                  vocab_size: int | None = None):
         self.path = Path(path)
         self.block_size = block_size
-        self.vocab_size = vocab_size  # when known, each batch is checked against it (see `batch`)
+        self.vocab_size = vocab_size  # when known, each batch is checked against it (see `windows`)
         self.stride = stride or block_size
         if block_size < 1 or self.stride < 1:
             raise DataError(f"block_size and stride must be positive, got {block_size} and {self.stride}")
@@ -233,6 +43,7 @@ class TokenBlocks:
         # Each example needs block_size + 1 tokens: the inputs and one more target.
         spare = len(self.tokens) - (block_size + 1)
         self.num_examples = spare // self.stride + 1 if spare >= 0 else 0
+        self.num_starts = max(0, spare + 1)  # token offsets where a window fits
         self._offsets = np.arange(block_size + 1)
 
     def __len__(self) -> int:
@@ -243,11 +54,18 @@ class TokenBlocks:
         return x[0], y[0]
 
     def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets (len(indices), block_size) as int64 tensors, in one gather."""
+        """Inputs and targets (len(indices), block_size) of the blocks `indices`, as int64 tensors."""
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size and (indices.min() < 0 or indices.max() >= self.num_examples):
             raise IndexError(f"example index out of range [0, {self.num_examples})")
-        rows = np.asarray(self.tokens[indices[:, None] * self.stride + self._offsets], dtype=np.int64)
+        return self.windows(indices * self.stride)
+
+    def windows(self, starts: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (len(starts), block_size) of the windows at token offsets `starts`, in one gather."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or starts.max() >= self.num_starts):
+            raise IndexError(f"window offset out of range [0, {self.num_starts})")
+        rows = np.asarray(self.tokens[starts[:, None] + self._offsets], dtype=np.int64)
         # An id beyond the vocabulary would fail deep in the embedding (or on a GPU, as a device assert).
         # Checking the gathered batch costs one max; scanning the whole token file at start would not.
         if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:

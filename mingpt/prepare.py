@@ -1,40 +1,517 @@
-"""Command line: tokenize a corpus into a prepared data folder (see mingpt.data).
+"""Prepare data: tokenize a corpus once into flat token files (mingpt.data reads them).
 
-    python -m mingpt.prepare --corpus data/input.txt --tokenizer bpe --vocab-size 4096 --out data/mydata
+    mingpt-prepare --corpus 'corpus/*.jsonl.gz' --tokenizer bpe --vocab-size 32768 --out data/web
+    mingpt-prepare --verify --out data/web      # re-read the corpus: is it still what was prepared?
+
+A prepared folder holds
+    train.bin, val.bin   the token ids, raw little-endian uint16 (uint32 when the vocabulary needs it)
+    tokenizer.json       the tokenizer (see mingpt.tokenizers)
+    meta.json            what was prepared from what: the sources as listed, settings, counts, dtype
+
+Preparation streams. The corpus is read in pieces (see mingpt.corpus), worker processes tokenize
+them, and the tokens are appended to the files in corpus order as they come back, so memory stays
+bounded whatever the corpus size. Every document ends with the tokenizer's end-of-text token.
+A char vocabulary needs one more pass over the corpus (its set of characters); bpe learns its
+merges from a sample of about `bpe_sample_bytes`, drawn across the corpus.
+
+Validation split. One text document (a single file, or the built-in corpus): its last
+`val_fraction` of tokens. Several documents: whole documents, drawn in a fixed seeded order; of
+text files, the last `val_fraction` of them (at least one); of JSONL records, each record with a
+seeded hash below `val_fraction`.
+
+Whether a folder is current is decided from the listing of the sources (paths, sizes, mtimes or
+ETags) and the settings, so a start or restart never reads the corpus. `prepare` builds a new
+folder under a temporary name and renames it into place, so a reader never sees a half-written
+one; it replaces only prepared data or an empty folder, never anything else.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import fcntl
+import hashlib
+import json
 import logging
+import multiprocessing
+import os
+import re
+import shutil
 import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
 
-from mingpt.corpus import BUILTIN_CORPUS
-from mingpt.data import prepare, read_meta
-from mingpt.errors import MinGPTError
+import numpy as np
+
+from mingpt.corpus import BUILTIN_CORPUS, Piece, Source, as_list, documents, list_sources, read_pieces
+from mingpt.errors import DataError, MinGPTError
+from mingpt.progress import Progress
+from mingpt.storage import redact
+from mingpt.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, tokenizer_from_dict
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mingpt-prepared"
+FORMAT_VERSION = 2
+META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
+SPLIT_SEED = 0  # the validation documents do not change with the training seed
+
+
+def prepare(
+    corpus: str | Sequence[str] = BUILTIN_CORPUS,
+    tokenizer: str = "char",
+    vocab_size: int | None = None,
+    out: str | os.PathLike | None = None,
+    val_fraction: float = 0.1,
+    *,
+    text_field: str = "text",
+    bpe_sample_bytes: int = 100_000_000,
+    num_workers: int = 0,
+) -> Path:
+    """Tokenize `corpus` into `out` (default: see `default_out_dir`) unless it is already there; return `out`.
+
+    `tokenizer` is 'char', 'bpe' (with `vocab_size`) or a tiktoken encoding name such as 'gpt2'.
+    `num_workers` processes tokenize (0: one per CPU core).
+    """
+    if tokenizer == "bpe":
+        check_bpe_vocab_size(vocab_size)
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    out = Path(out) if out is not None else default_out_dir(corpus, tokenizer, vocab_size)
+    check_replaceable(out)  # before any reading: refusing late wastes the expensive part
+    sources = list_sources(corpus)
+    wanted = {
+        "sources": [source.to_dict() for source in sources],
+        "tokenizer": tokenizer,
+        "requested_vocab_size": vocab_size if tokenizer == "bpe" else None,
+        "bpe_sample_bytes": bpe_sample_bytes if tokenizer == "bpe" else None,
+        "text_field": text_field if any(source.jsonl for source in sources) else None,
+        "val_fraction": val_fraction,
+    }
+    if _matches(out, wanted):
+        log.info("reusing prepared data in %s", out)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _machine_lock(out.parent, out):  # processes on one machine prepare once; the others wait, then reuse
+        if _matches(out, wanted):
+            log.info("reusing prepared data in %s, prepared by another process", out)
+            return out
+        job = _Job(sources, tokenizer, vocab_size, val_fraction, text_field, bpe_sample_bytes,
+                   num_workers or _cpu_count())
+        job.build(out, {**wanted, "corpus": [redact(entry) for entry in as_list(corpus)]})
+    return out
+
+
+def default_out_dir(corpus: str | Sequence[str], tokenizer: str, vocab_size: int | None, root: str = "data") -> Path:
+    """`data/<corpus name>[-<hash of its location>]-<tokenizer>[-<vocab size>]`, e.g. data/python-docs-char.
+
+    The hash keeps two corpora of the same name (./input.txt, s3://b/input.txt) apart."""
+    entries = as_list(corpus)
+    first = entries[0].rstrip("/").split("://")[-1]
+    if re.search(r"[*?[]", first):  # a glob: name it after its folder
+        first = re.split(r"[*?[]", first)[0].rstrip("/")
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(first).name.split(".")[0]) or "corpus"
+    if entries != [BUILTIN_CORPUS]:
+        locations = [entry if "://" in entry or entry == BUILTIN_CORPUS else str(Path(entry).resolve())
+                     for entry in entries]
+        stem += "-" + hashlib.sha256(json.dumps(locations).encode()).hexdigest()[:8]
+    suffix = f"-{vocab_size}" if tokenizer == "bpe" else ""
+    return Path(root) / f"{stem}-{tokenizer}{suffix}"
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class _Job:
+    """One preparation: the tokenizer, then the token files, in a temporary folder published at the end."""
+
+    def __init__(self, sources: list[Source], tokenizer: str, vocab_size: int | None, val_fraction: float,
+                 text_field: str, bpe_sample_bytes: int, num_workers: int):
+        self.sources, self.kind, self.vocab_size = sources, tokenizer, vocab_size
+        self.val_fraction, self.text_field, self.num_workers = val_fraction, text_field, num_workers
+        self.bpe_sample_bytes = bpe_sample_bytes
+        self.listed_bytes = sum(source.size for source in sources)
+        self.tail_split = len(sources) == 1 and not sources[0].jsonl  # one document
+        self.context = {
+            "names": [redact(source.url) for source in sources],
+            "jsonl": [source.jsonl for source in sources],
+            "text_field": text_field,
+            "val_fraction": val_fraction,
+            "val_sources": [] if self.tail_split else _val_files(sources, val_fraction),
+        }
+
+    def build(self, out: Path, meta: dict) -> None:
+        started = time.perf_counter()
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            tok = self.make_tokenizer()
+            tok.save(str(tmp / TOKENIZER_FILE))
+            dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+            counts, digests, read = self.tokenize(tok, dtype, tmp)
+            meta = {
+                "format": FORMAT, "version": FORMAT_VERSION, **meta,
+                "source_sha256": [digests[i] for i in range(len(self.sources))],
+                "corpus_bytes": read, "split": "tail" if self.tail_split else "documents",
+                "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": np.dtype(dtype).name,
+                "train_tokens": counts["train"], "val_tokens": counts["val"],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            if meta["val_fraction"] > 0 and not counts["val"] and not self.tail_split:
+                raise DataError(f"no document of the corpus fell into the validation split (val_fraction "
+                                f"{self.val_fraction}); give more documents or a larger val_fraction")
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+            _publish(tmp, out, meta)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        seconds = time.perf_counter() - started
+        log.info("prepared %s: %d train + %d val tokens, %s, %.1f MB in %.1fs (%.1f MB/s, %d workers) -> %s",
+                 ", ".join(meta["corpus"]), meta["train_tokens"], meta["val_tokens"], tok.describe(),
+                 read / 1e6, seconds, read / 1e6 / max(seconds, 1e-9), self.num_workers, out)
+
+    def make_tokenizer(self) -> Tokenizer:
+        if self.kind == "char":  # the vocabulary is the corpus's set of characters: one pass to find it
+            with Progress("finding characters", self.listed_bytes) as progress, self.workers() as pool:
+                chars: set[str] = set()
+                for piece, found in pool.map(_chars, read_pieces(self.sources)):
+                    chars.update(found)
+                    progress.update(len(piece.data))
+            if not "".join(chars).strip():
+                raise self.empty()
+            return CharTokenizer(chars)
+        if self.kind == "bpe":
+            return BPETokenizer.train(self.bpe_sample(), self.vocab_size)
+        return tokenizer_from_dict({"format": "mingpt-tokenizer", "version": 1, "kind": "tiktoken",
+                                    "name": self.kind})
+
+    def bpe_sample(self) -> Iterator[str]:
+        """About `bpe_sample_bytes` of text, in pieces drawn by a seeded hash of their number, so from
+        the whole corpus (from its start, when compressed files make the total larger than listed)."""
+        share = min(1.0, self.bpe_sample_bytes / max(self.listed_bytes, 1))
+        chosen = (piece for number, piece in enumerate(read_pieces(self.sources))
+                  if _unit_hash(SPLIT_SEED, "bpe", number) < share)
+        taken = 0
+        with Progress("training bpe on a sample", min(self.bpe_sample_bytes, self.listed_bytes)) as progress, \
+                self.workers() as pool:
+            for piece, texts in pool.map(_texts, chosen):
+                yield from texts
+                taken += len(piece.data)
+                progress.update(len(piece.data))
+                if taken >= self.bpe_sample_bytes:
+                    return
+
+    def tokenize(self, tok: Tokenizer, dtype, folder: Path) -> tuple[dict, dict, int]:
+        """Write train.bin and val.bin; return token counts, each source's sha256 and the bytes read."""
+        counts, digests, read, any_text = {"train": 0, "val": 0}, {}, 0, False
+        files = {split: open(folder / f"{split}.bin", "wb") for split in counts}
+        try:
+            with Progress("tokenizing", self.listed_bytes) as progress, self.workers(tok, dtype) as pool:
+                for piece, (encoded, has_text) in pool.map(_encode, read_pieces(self.sources, digests=digests)):
+                    for split, ids in encoded.items():
+                        ids.tofile(files[split])
+                        counts[split] += len(ids)
+                    read += len(piece.data)
+                    any_text = any_text or has_text
+                    progress.update(len(piece.data))
+        finally:
+            for f in files.values():
+                f.close()
+        if not any_text:
+            raise self.empty()
+        if self.tail_split:
+            counts = _move_tail(folder / "train.bin", folder / "val.bin", np.dtype(dtype), self.val_fraction)
+        return counts, digests, read
+
+    def empty(self) -> DataError:
+        return DataError(f"the corpus ({', '.join(self.context['names'])}) is empty or only whitespace; give text "
+                         "with some content")
+
+    @contextmanager
+    def workers(self, tok: Tokenizer | None = None, dtype=None):
+        context = {**self.context, "tokenizer": tok.to_json() if tok else None, "dtype": dtype}
+        with _Pool(self.num_workers, context) as pool:
+            yield pool
+
+
+class _Pool:
+    """`map` over worker processes, in order, with a bounded number of pieces in flight (memory stays
+    bounded however fast the corpus is read). One worker means no processes: the work runs here.
+
+    Workers are forked: they start at once and share this process's memory. They read and write no
+    files and take no locks, so the threads this process may run (a lease renewer) cannot hurt them."""
+
+    def __init__(self, count: int, context: dict):
+        self.count = count
+        if count > 1 and not multiprocessing.current_process().daemon:  # a daemon (a pool's worker) has no children
+            self.pool = multiprocessing.get_context("fork").Pool(count, initializer=_init_worker,
+                                                                 initargs=(context,))
+        else:
+            _init_worker(context)
+            self.pool = None
+
+    def map(self, fn: Callable[[Piece], object], pieces: Iterable[Piece]) -> Iterator[tuple[Piece, object]]:
+        if self.pool is None:
+            yield from ((piece, fn(piece)) for piece in pieces)
+            return
+        pending: collections.deque = collections.deque()
+        for piece in pieces:
+            pending.append((piece, self.pool.apply_async(fn, (piece,))))
+            if len(pending) >= 2 * self.count:
+                piece, result = pending.popleft()
+                yield piece, result.get()
+        while pending:
+            piece, result = pending.popleft()
+            yield piece, result.get()
+
+    def __enter__(self) -> "_Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+# What each worker process knows: set once by `_init_worker`.
+_worker: dict = {}
+
+
+def _init_worker(context: dict) -> None:
+    _worker.clear()
+    _worker.update(context)
+    if context.get("tokenizer"):
+        _worker["tok"] = tokenizer_from_dict(json.loads(context["tokenizer"]))
+    _worker["val_sources"] = set(context["val_sources"])
+
+
+def _documents(piece: Piece) -> Iterator[tuple[int, str]]:
+    jsonl = _worker["jsonl"][piece.source]
+    return documents(piece, jsonl, _worker["text_field"], _worker["names"][piece.source])
+
+
+def _chars(piece: Piece) -> set[str]:
+    found: set[str] = set()
+    for _, text in _documents(piece):
+        found.update(text)
+    return found
+
+
+def _texts(piece: Piece) -> list[str]:
+    return [text for _, text in _documents(piece)]
+
+
+def _encode(piece: Piece) -> tuple[dict[str, np.ndarray], bool]:
+    """The tokens of `piece` by split, each document (a JSONL record, the end of a text file) ended by
+    end-of-text; and whether it held any text that is not whitespace."""
+    tok: Tokenizer = _worker["tok"]
+    eot = [] if tok.eot_id is None else [tok.eot_id]
+    jsonl = _worker["jsonl"][piece.source]
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    has_text = False
+    for offset, text in _documents(piece):
+        has_text = has_text or not text.isspace() and bool(text)
+        if jsonl:
+            split = "val" if _unit_hash(SPLIT_SEED, piece.source, offset) < _worker["val_fraction"] else "train"
+        else:
+            split = "val" if piece.source in _worker["val_sources"] else "train"
+        parts[split].append(tok.encode_array(text))
+        if jsonl or piece.last:
+            parts[split].append(np.asarray(eot, dtype=np.int64))
+    encoded = {split: np.concatenate(arrays).astype(_worker["dtype"]) for split, arrays in parts.items() if arrays}
+    return encoded, has_text
+
+
+def _unit_hash(*key) -> float:
+    """A number in [0, 1) from `key`, the same on every machine and Python (unlike hash())."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def _val_files(sources: Sequence[Source], val_fraction: float) -> list[int]:
+    """The text files (one document each) of the validation split: the last `val_fraction` of them in
+    a seeded order, at least one where there are two or more and no JSONL records to draw from."""
+    text_files = [i for i, source in enumerate(sources) if not source.jsonl]
+    count = round(val_fraction * len(text_files))
+    if val_fraction > 0 and count == 0 and len(text_files) >= 2 and len(text_files) == len(sources):
+        count = 1
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(text_files))
+    return sorted(text_files[i] for i in order[len(order) - count:]) if count else []
+
+
+def _move_tail(train: Path, val: Path, dtype: np.dtype, val_fraction: float) -> dict:
+    """Move the last `val_fraction` of the tokens of `train` to `val` (a one-document corpus)."""
+    total = train.stat().st_size // dtype.itemsize
+    n_val = int(total * val_fraction)
+    with open(train, "r+b") as src, open(val, "wb") as dst:
+        src.seek((total - n_val) * dtype.itemsize)
+        shutil.copyfileobj(src, dst, 1 << 20)
+        src.truncate((total - n_val) * dtype.itemsize)
+    return {"train": total - n_val, "val": n_val}
+
+
+@contextmanager
+def _machine_lock(folder: Path, out: Path):
+    """An exclusive flock on `folder` itself (no lock file to leave behind). Where the file system
+    has no flock, go on without: `_publish` keeps concurrent preparation correct, only slower."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting: another process on this machine is preparing data in %s", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    """The meta.json of a prepared folder; DataError when it is missing or damaged."""
+    path = Path(directory) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{directory} is not prepared data (no {META_FILE}); run mingpt-prepare") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise DataError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} description; prepare the data again")
+    return meta
+
+
+def _matches(directory: Path, wanted: dict) -> bool:
+    try:
+        meta = read_meta(directory)
+    except DataError:
+        return False
+    return all(meta.get(key) == value for key, value in wanted.items())
+
+
+def check_replaceable(out: Path) -> None:
+    """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace).
+
+    Anything else may be a user's files: preparing there would delete them."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"the prepared-data folder {out} is a file; choose an empty or new folder "
+                        "(mingpt-prepare --out, or data.prepared_dir for training)")
+    if not any(out.iterdir()):
+        return
+    try:
+        meta = json.loads((out / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:  # any version of ours may be replaced
+        raise DataError(
+            f"{out} is not empty and holds no mingpt prepared data (no valid {META_FILE}); preparing there would "
+            "replace its files, so choose an empty or new folder (mingpt-prepare --out, or data.prepared_dir "
+            "for training)"
+        )
+
+
+def _publish(tmp: Path, out: Path, wanted: dict) -> None:
+    """Move the finished folder `tmp` to `out`, replacing stale data but never a concurrent twin,
+    nor a folder that is not prepared data."""
+    for _ in range(3):
+        try:
+            tmp.rename(out)
+            return
+        except OSError:  # `out` exists and is not empty
+            if _matches(out, {key: wanted[key] for key in ("sources", "tokenizer", "val_fraction")}):
+                return  # another process prepared the same data first; theirs is as good
+            check_replaceable(out)  # again: files may have appeared since `prepare` checked
+            stale = out.parent / f".{out.name}.stale-{uuid.uuid4().hex[:8]}"
+            try:
+                out.rename(stale)
+            except FileNotFoundError:
+                continue  # someone else moved it meanwhile; try again
+            shutil.rmtree(stale, ignore_errors=True)
+    raise DataError(f"could not replace {out}; is another process preparing different data there?")
+
+
+def verify(directory: str | os.PathLike) -> list[str]:
+    """Re-list and re-read the corpus a folder was prepared from; what differs, one line each (empty: current)."""
+    meta = read_meta(directory)
+    recorded = [Source(**s) for s in meta["sources"]]
+    problems = []
+    try:
+        listed = {source.url: source for entry in meta["corpus"] for source in list_sources(entry)}
+    except DataError as e:
+        return [str(e)]
+    for source in recorded:
+        now = listed.get(source.url)
+        if now is None:
+            problems.append(f"{source.url}: no longer part of the corpus")
+        elif (now.size, now.version) != (source.size, source.version):
+            problems.append(f"{source.url}: size or version changed ({source.size} B, {source.version} -> "
+                            f"{now.size} B, {now.version})")
+    problems += [f"{url}: new in the corpus" for url in listed if url not in {s.url for s in recorded}]
+    digests: dict[int, str] = {}
+    present = [s for s in recorded if s.url in listed]
+    with Progress("verifying", sum(s.size for s in present)) as progress:
+        for piece in read_pieces(present, digests=digests):
+            progress.update(len(piece.data))
+    expected = dict(zip((s.url for s in recorded), meta["source_sha256"]))
+    for i, source in enumerate(present):
+        if digests[i] != expected[source.url]:
+            problems.append(f"{source.url}: content differs from what was prepared (sha256 {expected[source.url][:12]}"
+                            f"... -> {digests[i][:12]}...)")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mingpt.prepare", description="Tokenize a text corpus into train/val token files."
-    )
-    parser.add_argument("--corpus", default=BUILTIN_CORPUS,
-                        help=f"text file path or fsspec URL (s3://...), or {BUILTIN_CORPUS!r} (default)")
+    parser = argparse.ArgumentParser(prog="mingpt-prepare",
+                                     description="Tokenize a corpus into train/val token files (see mingpt.prepare).")
+    parser.add_argument("--corpus", nargs="+", default=[BUILTIN_CORPUS],
+                        help=f"files, folders or quoted globs, local or fsspec URLs (s3://...), .gz/.bz2/.xz/.zst, "
+                             f".jsonl; or {BUILTIN_CORPUS!r} (default)")
     parser.add_argument("--tokenizer", default="char", help="char (default), bpe, or a tiktoken encoding name such as gpt2")
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size, above 256 (e.g. 4096)")
-    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of tokens for validation (default 0.1)")
+    parser.add_argument("--bpe-sample-bytes", type=int, default=100_000_000,
+                        help="bpe learns its merges from a sample of this many bytes (default 100 MB)")
+    parser.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    parser.add_argument("--val-fraction", type=float, default=0.1, help="share held out for validation (default 0.1)")
+    parser.add_argument("--num-workers", type=int, default=0, help="tokenizing processes (default 0: one per core)")
     parser.add_argument("--out", default=None, help="output folder (default data/<corpus>-<tokenizer>[-<vocab>])")
+    parser.add_argument("--verify", action="store_true",
+                        help="re-read the corpus of an existing prepared folder and report what changed (exit 1)")
     args = parser.parse_args(argv)
+    if args.num_workers < 0:
+        parser.error("--num-workers must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    corpus = args.corpus[0] if len(args.corpus) == 1 else args.corpus
     try:
-        out = prepare(args.corpus, args.tokenizer, args.vocab_size, args.out, args.val_fraction)
+        if args.verify:
+            return _verify_command(Path(args.out) if args.out else default_out_dir(corpus, args.tokenizer,
+                                                                                   args.vocab_size))
+        out = prepare(corpus, args.tokenizer, args.vocab_size, args.out, args.val_fraction, text_field=args.text_field,
+                      bpe_sample_bytes=args.bpe_sample_bytes, num_workers=args.num_workers)
     except MinGPTError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was published; run the same command again", file=sys.stderr)
+        return 130
     meta = read_meta(out)
     print(f"{out}: {meta['train_tokens']} train + {meta['val_tokens']} val tokens "
           f"({meta['dtype']}), tokenizer {meta['tokenizer']} with vocab {meta['vocab_size']}")
     return 0
+
+
+def _verify_command(out: Path) -> int:
+    problems = verify(out)
+    for problem in problems:
+        print(problem)
+    print(f"{out}: {'differs from its corpus' if problems else 'current: every source reads as prepared'}")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

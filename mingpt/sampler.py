@@ -1,12 +1,23 @@
 """Data order as a pure function of (seed, global position), sliced over whatever ranks exist now.
 
 The trainer keeps one cursor, the number of examples consumed so far. Step `s` of a run with
-global batch `G` reads the examples at positions `[cursor, cursor + G)` of an endless stream
-made of one fresh permutation of the dataset per epoch. Each process takes a contiguous slice
-of that batch, so the same examples are read, in the same optimizer steps, at any world size.
+global batch `G` reads the examples at positions `[cursor, cursor + G)` of an endless stream.
+Each process takes a contiguous slice of that batch, so the same examples are read, in the same
+optimizer steps, at any world size.
+
+An example is a window of `block_size + 1` tokens of the training split, named by the token
+offset where it starts. Two orders map positions to offsets (`data.windows`):
+
+    RandomWindows   position p starts at a hash of (seed, p), anywhere in the split: every
+                    offset is a possible window, so a small corpus is not cut into a few
+                    thousand fixed blocks that the model sees again and again
+    StridedWindows  the split cut into blocks `stride` apart, one fresh permutation of them per
+                    epoch (GlobalOrder): each epoch reads every block exactly once
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
@@ -36,6 +47,75 @@ class GlobalOrder:
             out[filled : filled + take] = self.epoch(epoch)[offset : offset + take]
             filled += take
         return out
+
+
+class WindowOrder(Protocol):
+    """Token offsets of the windows at global stream positions [start, start + count)."""
+
+    def starts(self, start: int, count: int) -> np.ndarray: ...
+
+
+class StridedWindows:
+    """Position p reads block GlobalOrder.indices(p) of the split, at token offset index * stride."""
+
+    def __init__(self, num_tokens: int, block_size: int, seed: int, stride: int | None = None):
+        self.stride = stride or block_size
+        spare = num_tokens - (block_size + 1)  # each window needs block_size + 1 tokens
+        if spare < 0:
+            raise ValueError(f"{num_tokens} tokens hold no window of {block_size} + 1")
+        self.order = GlobalOrder(spare // self.stride + 1, seed)
+
+    def starts(self, start: int, count: int) -> np.ndarray:
+        return self.order.indices(start, count) * self.stride
+
+
+# SplitMix64 (Steele, Lea and Flood 2014): a Weyl sequence with step GOLDEN through a 64-bit
+# finalizer. Its i-th output is a function of (state, i) alone, so any position can be drawn
+# without drawing the ones before it, in any order and by any process.
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The SplitMix64 finalizer of each uint64 in `x` (arithmetic wraps modulo 2**64)."""
+    with np.errstate(over="ignore"):
+        x = x.astype(np.uint64, copy=True)
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+class RandomWindows:
+    """Position p starts at output p of a SplitMix64 stream seeded by (seed), reduced to a valid offset.
+
+    Offsets are uniform over [0, num_tokens - block_size - 1], every start from which a window of
+    block_size + 1 tokens fits (the modulo's bias is below num_tokens / 2**64). Positions are drawn
+    with replacement: a window may come twice before another comes once, which at these numbers
+    of possible windows (one per token) matters less than seeing only fixed blocks.
+    """
+
+    def __init__(self, num_tokens: int, block_size: int, seed: int):
+        self.num_starts = num_tokens - block_size  # offsets 0 .. num_tokens - block_size - 1
+        if self.num_starts < 1:
+            raise ValueError(f"{num_tokens} tokens hold no window of {block_size} + 1")
+        self.key = splitmix64(np.array([seed], dtype=np.uint64))[0]  # nearby seeds: unrelated streams
+
+    def starts(self, start: int, count: int) -> np.ndarray:
+        positions = np.arange(start, start + count, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            state = self.key + (positions + np.uint64(1)) * GOLDEN
+        return (splitmix64(state) % np.uint64(self.num_starts)).astype(np.int64)
+
+
+def window_order(kind: str, num_tokens: int, block_size: int, seed: int) -> WindowOrder:
+    """The order `data.windows` names: 'random' or 'strided'."""
+    if kind == "random":
+        return RandomWindows(num_tokens, block_size, seed)
+    if kind == "strided":
+        return StridedWindows(num_tokens, block_size, seed)
+    raise ValueError(f"data.windows must be random or strided, got {kind!r}")
 
 
 def shard(count: int, parts: int, index: int) -> slice:

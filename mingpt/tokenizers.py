@@ -3,6 +3,12 @@
 All three share one small interface (`encode`, `decode`, `vocab_size`, `save`, `load`).
 A saved tokenizer is a small JSON file, never a pickle, so that a snapshot or a
 prepared data folder carries its vocabulary and can be decoded without the corpus.
+
+Each reserves an end-of-text token (`eot_id`, written `<|endoftext|>`), the last id for char and
+bpe, tiktoken's own for its encodings. Prepared data ends every document with it, so that
+documents never run into each other. Text is always encoded as plain text: a corpus that says
+"<|endoftext|>" does not make that token. (Tokenizer files written before it was added load
+without one.)
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import json
 import logging
 import os
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import fsspec
 import numpy as np
@@ -25,6 +31,7 @@ log = logging.getLogger(__name__)
 FORMAT = "mingpt-tokenizer"
 FORMAT_VERSION = 1
 KINDS = ("char", "bpe", "tiktoken")
+EOT = "<|endoftext|>"
 
 # GPT-4's split pattern: words, numbers of up to 3 digits, punctuation runs and whitespace
 # are merged within, never across. rustbpe's default is the same pattern.
@@ -37,6 +44,7 @@ class Tokenizer(ABC):
     """Text to token ids and back."""
 
     kind: str
+    eot_id: int | None  # the end-of-text token, which ends every document of prepared data
 
     @property
     @abstractmethod
@@ -75,25 +83,29 @@ class Tokenizer(ABC):
 
 
 class CharTokenizer(Tokenizer):
-    """One token per character: the sorted set of characters of the corpus."""
+    """One token per character: the sorted set of characters of the corpus, then end-of-text."""
 
     kind = "char"
 
-    def __init__(self, chars: Sequence[str]):
+    def __init__(self, chars: Iterable[str], eot: bool = True):
         chars = sorted(set(chars))
         if not chars or any(len(c) != 1 for c in chars):
             raise TokenizerError("a char vocabulary must be a non-empty list of single characters")
         self.chars = chars
-        self.index = {c: i for i, c in enumerate(chars)}
         self.codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)  # sorted
+        self.eot_id = len(chars) if eot else None
+        self.symbols = chars + [EOT] if eot else chars  # what each id decodes to
 
     @classmethod
-    def train(cls, text: str) -> "CharTokenizer":
-        return cls(sorted(set(text)))
+    def train(cls, texts: str | Iterable[str]) -> "CharTokenizer":
+        chars: set[str] = set()
+        for text in [texts] if isinstance(texts, str) else texts:
+            chars.update(text)
+        return cls(chars)
 
     @property
     def vocab_size(self) -> int:
-        return len(self.chars)
+        return len(self.symbols)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
@@ -115,12 +127,12 @@ class CharTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         try:
-            return "".join(self.chars[i] for i in ids)
+            return "".join(self.symbols[i] for i in ids)
         except IndexError:
             raise TokenizerError(f"token id out of range for a char vocabulary of {self.vocab_size}") from None
 
     def to_dict(self) -> dict:
-        return {"chars": "".join(self.chars)}
+        return {"chars": "".join(self.chars), "eot": self.eot_id is not None}
 
 
 class _TiktokenBacked(Tokenizer):
@@ -154,33 +166,38 @@ class BPETokenizer(_TiktokenBacked):
 
     kind = "bpe"
 
-    def __init__(self, pattern: str, ranks: Sequence[bytes]):
+    def __init__(self, pattern: str, ranks: Sequence[bytes], eot: bool = True):
         self.pattern = pattern
         self.ranks = list(ranks)
+        self.eot_id = len(self.ranks) if eot else None
         self.encoding = tiktoken.Encoding(
             name=f"mingpt-bpe-{len(self.ranks)}",
             pat_str=pattern,
             mergeable_ranks={token: rank for rank, token in enumerate(self.ranks)},
-            special_tokens={},
+            special_tokens={EOT: self.eot_id} if eot else {},
         )
 
     @classmethod
-    def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
+    def train(cls, texts: str | Iterable[str], vocab_size: int) -> "BPETokenizer":
+        """Merges learnt from `texts` (pieces cut between words: see mingpt.corpus), up to a vocabulary
+        of `vocab_size` including end-of-text."""
         import rustbpe
 
         check_bpe_vocab_size(vocab_size)
         logging.getLogger("rustbpe").setLevel(logging.WARNING)  # its INFO is a line per 1% of merges
         trainer = rustbpe.Tokenizer()
-        trainer.train_from_iterator(iter([text]), vocab_size, pattern=BPE_PATTERN)
+        trainer.train_from_iterator(iter([texts] if isinstance(texts, str) else texts), vocab_size - 1,
+                                    pattern=BPE_PATTERN)
         ranked = sorted(trainer.get_mergeable_ranks(), key=lambda pair: pair[1])
-        if len(ranked) < vocab_size:  # rustbpe stops when no pair occurs twice; say so, or it looks like a bug
+        if len(ranked) < vocab_size - 1:  # rustbpe stops when no pair occurs twice; say so, or it looks like a bug
             log.warning("the corpus is too small for a BPE vocabulary of %d: training stopped at %d tokens (no pair "
                         "of tokens left to merge); give a larger corpus or a smaller vocab_size",
-                        vocab_size, len(ranked))
+                        vocab_size, len(ranked) + 1)
         return cls(trainer.get_pattern(), [bytes(token) for token, _ in ranked])
 
     def to_dict(self) -> dict:
-        return {"pattern": self.pattern, "ranks": [base64.b64encode(t).decode("ascii") for t in self.ranks]}
+        return {"pattern": self.pattern, "ranks": [base64.b64encode(t).decode("ascii") for t in self.ranks],
+                "eot": self.eot_id is not None}
 
 
 class TiktokenTokenizer(_TiktokenBacked):
@@ -191,6 +208,8 @@ class TiktokenTokenizer(_TiktokenBacked):
     def __init__(self, name: str):
         self.name = name
         self.encoding = _load_named_encoding(name)
+        # Every named encoding reserves it; an encoding without one still prepares, with documents run together.
+        self.eot_id = self.encoding.encode_single_token(EOT) if EOT in self.encoding.special_tokens_set else None
 
     def to_dict(self) -> dict:
         return {"name": self.name}
@@ -223,12 +242,12 @@ def check_bpe_vocab_size(vocab_size: int | None) -> None:
         )
 
 
-def train_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Tokenizer:
-    """Build a tokenizer of `kind` ('char', 'bpe' or a tiktoken encoding name such as 'gpt2') for `text`."""
+def train_tokenizer(kind: str, texts: str | Iterable[str], vocab_size: int | None = None) -> Tokenizer:
+    """Build a tokenizer of `kind` ('char', 'bpe' or a tiktoken encoding name such as 'gpt2') for `texts`."""
     if kind == "char":
-        return CharTokenizer.train(text)
+        return CharTokenizer.train(texts)
     if kind == "bpe":
-        return BPETokenizer.train(text, vocab_size)
+        return BPETokenizer.train(texts, vocab_size)
     if kind == "tiktoken":
         raise TokenizerError("name the tiktoken encoding itself as the tokenizer, e.g. 'gpt2' or 'cl100k_base'")
     return TiktokenTokenizer(kind)
@@ -242,10 +261,12 @@ def tokenizer_from_dict(payload: dict) -> Tokenizer:
         raise TokenizerError(f"tokenizer file version {payload.get('version')!r} is not supported (expected {FORMAT_VERSION})")
     kind = payload.get("kind")
     try:
+        eot = payload.get("eot", False)  # files written before end-of-text tokens have none
         if kind == "char":
-            return CharTokenizer(list(payload["chars"]))
+            return CharTokenizer(list(payload["chars"]), eot=eot)
         if kind == "bpe":
-            return BPETokenizer(payload["pattern"], [base64.b64decode(t, validate=True) for t in payload["ranks"]])
+            return BPETokenizer(payload["pattern"], [base64.b64decode(t, validate=True) for t in payload["ranks"]],
+                                eot=eot)
         if kind == "tiktoken":
             return TiktokenTokenizer(payload["name"])
     except TokenizerError:

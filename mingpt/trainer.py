@@ -26,11 +26,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mingpt
 from mingpt import distributed
 from mingpt.config import Config
-from mingpt.data import PreparedData, TokenBlocks, prepare
+from mingpt.data import PreparedData, TokenBlocks
+from mingpt.prepare import prepare
 from mingpt.errors import TrainingError
 from mingpt.distributed import World
 from mingpt.model import GPT, GPTConfig
-from mingpt.sampler import GlobalOrder, micro_batches, shard
+from mingpt.sampler import micro_batches, shard, window_order
 from mingpt.lease import LeaseLostError
 from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore, SnapshotWriter
 from mingpt.storage import explain_storage_error
@@ -45,7 +46,7 @@ SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias",
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps taken
-    samples_seen: int = 0  # the data cursor: examples consumed from the global order
+    samples_seen: int = 0  # the data cursor: examples consumed from the global stream (mingpt.sampler)
 
 
 @dataclass
@@ -89,8 +90,10 @@ def train(cfg: Config) -> TrainResult:
     # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
     # can no longer commit (see mingpt.lease).
     with store.claim(cfg.snapshot.lease_timeout_s) if distributed.leads_this_generation() else nullcontext():
-        data = PreparedData(prepare(cfg.data.corpus, cfg.data.tokenizer, cfg.data.vocab_size,
-                                    cfg.data.prepared_dir, cfg.data.val_fraction))
+        d = cfg.data
+        data = PreparedData(prepare(d.corpus, d.tokenizer, d.vocab_size, d.prepared_dir, d.val_fraction,
+                                    text_field=d.text_field, bpe_sample_bytes=d.bpe_sample_bytes,
+                                    num_workers=d.num_workers))
         model_config = cfg.model.build(data.vocab_size, cfg.data.block_size)
         world = distributed.start(cfg.trainer.dist_timeout_s)
         try:
@@ -163,16 +166,18 @@ class Trainer:
             self.model.compile()  # in place, so state-dict keys keep their names (no _orig_mod. prefix)
         if world.distributed:
             self.ddp = DDP(self.model, device_ids=[world.device] if world.device.type == "cuda" else None)
-        order = GlobalOrder(len(self.train_blocks), cfg.seed)
+        # Window offsets are a function of (seed, position) only: any world size reads the same examples.
+        order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
         _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s, %s",
              cfg.model.name, self.model.num_params() / 1e6, self.data.tokenizer.describe(), t.global_batch_size,
              world.world_size, autocast_name(self.autocast), world.device.type)
+        _log(world, "%s", _describe_windows(cfg, self.train_blocks))
 
         progress = _Progress(t.global_batch_size * cfg.data.block_size)
         while state.step < t.max_steps:
             _set_lr(self.optimizer, cfg, state.step)
             try:
-                loss_sum = self._step(order.indices(state.samples_seen, t.global_batch_size))
+                loss_sum = self._step(order.starts(state.samples_seen, t.global_batch_size))
                 state.step += 1
                 state.samples_seen += t.global_batch_size
                 # One small collective per step: the global loss, whether any process must stop, and two
@@ -209,10 +214,11 @@ class Trainer:
         _log(world, "done: step %d, train loss %.4f, val loss %.4f", state.step, self.train_loss, self.val_loss)
         return TrainResult(state.step, self.train_loss, self.val_loss)
 
-    def _step(self, batch: np.ndarray) -> float:
-        """One optimizer step over this process's slice of the global batch; returns sum(loss * examples)."""
+    def _step(self, starts: np.ndarray) -> float:
+        """One optimizer step over this process's slice of the global batch, the windows at token
+        offsets `starts`; returns sum(loss * examples)."""
         t, world = self.cfg.trainer, self.world
-        mine = shard(len(batch), world.world_size, world.rank)
+        mine = shard(len(starts), world.world_size, world.rank)
         pieces = micro_batches(mine.stop - mine.start, t.micro_batch_size)
         # DDP averages gradients over processes; scaling each micro-batch's mean loss by
         # (its examples * world size / global batch) makes the result the full-batch gradient,
@@ -223,7 +229,7 @@ class Trainer:
         for i, piece in enumerate(pieces):
             first = mine.start + piece.start
             count = piece.stop - piece.start
-            x, y = self.train_blocks.batch(batch[first : first + count])
+            x, y = self.train_blocks.windows(starts[first : first + count])
             x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
             # Dropout masks are a function of the data position, not of the process or its history.
             torch.manual_seed((self.cfg.seed * 1_000_003 + self.state.samples_seen + first) % 2**63)
@@ -319,6 +325,18 @@ class _Progress:
         return rate, seconds_per_step
 
 
+def _describe_windows(cfg: Config, blocks: TokenBlocks) -> str:
+    """What the run will read. Progress is in tokens, not epochs: random windows have no epochs."""
+    t = cfg.trainer
+    if cfg.data.windows == "random":
+        kind = f"windows at any of {blocks.num_starts:,} offsets"
+    else:
+        kind = f"{len(blocks):,} fixed blocks, shuffled afresh each epoch,"
+    passes = t.max_steps * t.global_batch_size * cfg.data.block_size / len(blocks.tokens)
+    return (f"data.windows={cfg.data.windows}: {kind} of the {len(blocks.tokens):,} training tokens; "
+            f"{t.max_steps} steps read {passes:.2f}x that many tokens")
+
+
 def _check_fatal(writer: SnapshotWriter, failing: float, lost: float) -> None:
     """Stop every process together when the leader lost the run or cannot write snapshots."""
     if lost:
@@ -347,7 +365,10 @@ def _changed_settings(saved: dict, now: dict, prefix: str = "") -> list[str]:
 
 @torch.no_grad()
 def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocast) -> float:
-    """Mean loss over the first `eval_samples` validation examples, shared among all processes."""
+    """Mean loss over the first `eval_samples` validation blocks, shared among all processes.
+
+    Fixed blocks, whatever `data.windows` says: every evaluation measures the same text, so
+    evaluations of one run, and of runs that sample windows differently, compare."""
     count = min(cfg.trainer.eval_samples, len(blocks))
     mine = shard(count, world.world_size, world.rank)
     model.eval()

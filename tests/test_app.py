@@ -127,26 +127,26 @@ def test_s3_corpus_it_cannot_read_is_one_line(tmp_path, s3, closed_port, monkeyp
     result = app(tmp_path, f"data.corpus=s3://{s3.bucket}/corpus.txt")
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    words = [f"cannot read the corpus s3://{s3.bucket}/corpus.txt (data.corpus", *S3_WORDS[trouble]]
+    words = [f"cannot list the corpus s3://{s3.bucket}/corpus.txt (data.corpus", *S3_WORDS[trouble]]
     assert all(w in result.stderr for w in words), result.stderr
     assert not (tmp_path / "prepared").exists()
 
 
 @pytest.mark.parametrize("tampered", ["tokenizer", "tokenizer and meta"])
 def test_tokenizer_smaller_than_the_data_is_a_data_error(tmp_path, corpus_file, tampered):
-    from mingpt.data import prepare
+    from mingpt.prepare import prepare
     from mingpt.tokenizers import CharTokenizer
 
     prepared = prepare(str(corpus_file), "char", out=tmp_path / "prepared")
-    CharTokenizer(list("ab")).save(str(prepared / "tokenizer.json"))  # 2 ids; the data uses many more
+    CharTokenizer(list("ab")).save(str(prepared / "tokenizer.json"))  # 3 ids (end-of-text too); the data uses more
     if tampered == "tokenizer and meta":  # now only the ids themselves show it
         meta = json.loads((prepared / "meta.json").read_text())
-        (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": 2}))
+        (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": 3}))
     result = app(tmp_path, f"data.corpus={corpus_file}", "trainer.max_steps=5")
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    words = ["vocabulary of 2 but the data was prepared with"] if tampered == "tokenizer" \
-        else ["beyond the tokenizer's vocabulary of 2"]
+    words = ["vocabulary of 3 but the data was prepared with"] if tampered == "tokenizer" \
+        else ["beyond the tokenizer's vocabulary of 3"]
     assert all(w in result.stderr for w in [*words, "prepare the data again"]), result.stderr
 
 

@@ -8,27 +8,30 @@ import numpy as np
 import pytest
 import torch
 
-from mingpt.corpus import BUILTIN_CORPUS, read_corpus
-from mingpt.data import PreparedData, TokenBlocks, default_out_dir, prepare, read_meta
+from mingpt.corpus import builtin_bytes
+from mingpt.data import PreparedData, TokenBlocks
+from mingpt.prepare import default_out_dir, prepare, read_meta
 from mingpt.errors import DataError
 
 
 def test_builtin_corpus_exists_offline_and_is_english_prose():
-    corpus = read_corpus(BUILTIN_CORPUS)
-    assert corpus.num_bytes > 300_000
-    assert "statement" in corpus.text and "def " in corpus.text
+    text = builtin_bytes().decode()
+    assert len(text) > 300_000
+    assert "statement" in text and "def " in text
 
 
 def test_prepare_char_counts_dtype_and_split(corpus_file, tmp_path):
     out = prepare(str(corpus_file), "char", out=tmp_path / "prep", val_fraction=0.1)
     meta = read_meta(out)
     text = corpus_file.read_text(encoding="utf-8")
-    assert meta["train_tokens"] + meta["val_tokens"] == len(text)
-    assert meta["val_tokens"] == int(len(text) * 0.1)
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == len(set(text))
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text) + 1  # one document, one end-of-text
+    assert meta["val_tokens"] == int((len(text) + 1) * 0.1) and meta["split"] == "tail"
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == len(set(text)) + 1
     data = PreparedData(out)
     train = np.fromfile(out / "train.bin", dtype=np.uint16)
     assert data.tokenizer.decode(train.tolist()) == text[: meta["train_tokens"]]
+    val = np.fromfile(out / "val.bin", dtype=np.uint16)
+    assert data.tokenizer.decode(val.tolist()) == text[meta["train_tokens"]:] + "<|endoftext|>"
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
 
@@ -38,7 +41,8 @@ def test_prepare_bpe_round_trips_the_corpus(corpus_file, tmp_path):
     data = PreparedData(out)
     ids = np.fromfile(out / "train.bin", dtype=np.uint16)
     assert data.vocab_size == 400 and data.meta["val_tokens"] == 0
-    assert data.tokenizer.decode(ids.tolist()) == corpus_file.read_text(encoding="utf-8")
+    assert ids[-1] == data.tokenizer.eot_id == 399
+    assert data.tokenizer.decode(ids[:-1].tolist()) == corpus_file.read_text(encoding="utf-8")
 
 
 def test_large_vocabulary_uses_uint32(corpus_file, tmp_path):
@@ -79,6 +83,32 @@ def test_stride_one_addresses_every_offset(tmp_path):
     assert x.tolist() == [15, 16, 17, 18] and y.tolist() == [16, 17, 18, 19]
 
 
+
+def test_windows_at_any_offset_and_blocks_are_windows_at_multiples_of_the_stride(tmp_path):
+    path = tmp_path / "t.bin"
+    np.arange(20, dtype=np.uint16).tofile(path)
+    blocks = TokenBlocks(path, "uint16", block_size=4)
+    assert blocks.num_starts == 16 and len(blocks) == 4
+    x, y = blocks.windows([0, 3, 15])
+    assert x.dtype == torch.int64 and x.shape == y.shape == (3, 4)
+    assert x[1].tolist() == [3, 4, 5, 6] and y[2].tolist() == [16, 17, 18, 19]
+    for a, b in zip(blocks.batch([0, 3]), blocks.windows([0, 12])):
+        assert torch.equal(a, b)
+    for bad in ([16], [-1]):
+        with pytest.raises(IndexError):
+            blocks.windows(bad)
+    assert blocks.windows(np.zeros(0, dtype=np.int64))[0].shape == (0, 4)
+
+
+def test_windows_check_ids_against_the_vocabulary(tmp_path):
+    path = tmp_path / "t.bin"
+    np.array([1, 2, 3, 9, 4, 5], dtype=np.uint16).tofile(path)
+    blocks = TokenBlocks(path, "uint16", block_size=2, vocab_size=8)
+    blocks.windows([0])
+    with pytest.raises(DataError, match="beyond the tokenizer's vocabulary"):
+        blocks.windows([1])
+
+
 def test_prepared_data_is_reused_when_unchanged(corpus_file, tmp_path):
     out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
     stamp = (out / "train.bin").stat().st_mtime_ns
@@ -95,7 +125,7 @@ def test_prepared_data_is_rebuilt_when_corpus_or_tokenizer_changes(corpus_file, 
                            encoding="utf-8")
     prepare(str(corpus_file), "char", out=tmp_path / "prep")
     second = read_meta(out)
-    assert second["corpus_sha256"] != first["corpus_sha256"]
+    assert second["source_sha256"] != first["source_sha256"]
     assert second["train_tokens"] + second["val_tokens"] > first["train_tokens"] + first["val_tokens"]
     assert "¿" in PreparedData(out).tokenizer.chars
     prepare(str(corpus_file), "bpe", vocab_size=300, out=tmp_path / "prep")
@@ -108,8 +138,8 @@ def _prepare_in_child(args):
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("mingpt.data").addHandler(handler)
-    logging.getLogger("mingpt.data").setLevel(logging.INFO)
+    logging.getLogger("mingpt.prepare").addHandler(handler)
+    logging.getLogger("mingpt.prepare").setLevel(logging.INFO)
     barrier.wait()  # all three start at once
     prepare(corpus, "bpe", vocab_size=350, out=out)
     built = any(m.startswith("prepared ") for m in messages)

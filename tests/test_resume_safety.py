@@ -89,7 +89,8 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
 
     import mingpt.trainer as trainer_module
     from mingpt.config import Config
-    from mingpt.data import PreparedData, prepare
+    from mingpt.data import PreparedData
+    from mingpt.prepare import prepare
     from mingpt.distributed import World
     from mingpt.snapshot import SnapshotStore
 

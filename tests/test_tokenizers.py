@@ -8,7 +8,7 @@ import pytest
 
 from conftest import offline_env
 from mingpt.errors import TokenizerError
-from mingpt.tokenizers import BPETokenizer, CharTokenizer, load_tokenizer, train_tokenizer
+from mingpt.tokenizers import BPETokenizer, CharTokenizer, load_tokenizer, tokenizer_from_dict, train_tokenizer
 
 TEXT = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer\n" * 20
 UNICODE = "Grüße aus Köln — 東京タワー, naïve café, emoji 🤖 and tabs\tand\r\nnewlines.  Spaces   too."
@@ -24,8 +24,32 @@ def test_char_vocabulary_is_the_sorted_set_of_characters():
 def test_char_encode_array_agrees_with_the_dictionary():
     tok = train_tokenizer("char", UNICODE)
     ids = tok.encode_array(UNICODE)
-    assert ids.tolist() == [tok.index[c] for c in UNICODE]
+    assert ids.tolist() == [tok.chars.index(c) for c in UNICODE]
     assert tok.decode(ids.tolist()) == UNICODE
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_end_of_text_is_the_last_id_and_never_made_by_text(kind):
+    says = "a corpus that says <|endoftext|> means the text"
+    tok = train_tokenizer(kind, TEXT + says, vocab_size=300)
+    assert tok.eot_id == tok.vocab_size - 1
+    assert tok.decode([tok.eot_id]) == "<|endoftext|>"
+    assert tok.eot_id not in tok.encode(says)
+    assert load_tokenizer_from(tok).eot_id == tok.eot_id
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_tokenizer_files_from_before_end_of_text_load_without_it(kind):
+    new = train_tokenizer(kind, TEXT, vocab_size=300)
+    payload = json.loads(new.to_json())
+    del payload["eot"]
+    old = tokenizer_from_dict(payload)
+    assert old.eot_id is None and old.vocab_size == new.vocab_size - 1  # the ids the old file had, no more
+    assert old.decode(old.encode(TEXT)) == TEXT
+
+
+def load_tokenizer_from(tok):
+    return tokenizer_from_dict(json.loads(tok.to_json()))
 
 
 def test_char_prompt_with_unknown_characters_names_them():

@@ -92,12 +92,14 @@ def test_killed_worker_resumes_bitwise_identical(tmp_path, procs):
     assert loss(snap) == loss(tmp_path / "reference")
 
 
-def test_uneven_shards_and_accumulation_give_the_full_batch_gradient(tmp_path, procs):
+@pytest.mark.parametrize("windows", ["random", "strided"])
+def test_uneven_shards_and_accumulation_give_the_full_batch_gradient(tmp_path, procs, windows):
     """3 processes share 10 examples as 4+3+3, in micro-batches of 2 (accumulated under no_sync):
     the same steps as one process taking all 10 in one pass, up to float summation order."""
-    uneven = ["trainer.global_batch_size=10", "trainer.micro_batch_size=2"]
-    run(procs, standalone(3), overrides(tmp_path, "three", 20, extra=uneven), "three")
-    alone = ["trainer.global_batch_size=10", "trainer.micro_batch_size=10"]
+    uneven = ["trainer.global_batch_size=10", "trainer.micro_batch_size=2", f"data.windows={windows}"]
+    text = run(procs, standalone(3), overrides(tmp_path, "three", 20, extra=uneven), "three")
+    assert f"data.windows={windows}:" in text
+    alone = ["trainer.global_batch_size=10", "trainer.micro_batch_size=10", f"data.windows={windows}"]
     run(procs, [sys.executable, MAIN], overrides(tmp_path, "one", 20, extra=alone), "one")
     three, one = weights(tmp_path / "three", 20), weights(tmp_path / "one", 20)
     for key in one:
