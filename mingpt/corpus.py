@@ -47,6 +47,11 @@ class Source:
     version: str  # changes when the content does: mtime locally, the ETag on object stores
 
     @property
+    def local_plain(self) -> bool:
+        """A local file read as it is stored (not compressed): any process can read a piece of it."""
+        return self.url.startswith("/") and not self.url.lower().endswith(COMPRESSED)
+
+    @property
     def jsonl(self) -> bool:
         name = self.url.lower()
         for suffix in COMPRESSED:
@@ -141,9 +146,22 @@ class Piece:
     """Consecutive bytes of one source: part of one text document, or whole lines of a JSONL file."""
 
     source: int  # index into the list of sources
-    offset: int  # of `data` in the (decompressed) source, for error messages
-    data: bytes
+    offset: int  # of `data` in the (decompressed) source
+    data: bytes  # empty where the receiver reads the bytes from the file itself (see `lean`)
+    size: int  # len(data) as read
     last: bool  # the source's last piece: a text document ends here
+
+    def lean(self) -> "Piece":
+        """This piece without its bytes: for a process that reads them from the same local file."""
+        return Piece(self.source, self.offset, b"", self.size, self.last)
+
+    def read(self, path: str) -> bytes:
+        """The bytes of this piece, from `path` where it was sent lean."""
+        if self.data or not self.size:
+            return self.data
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            return f.read(self.size)
 
 
 def read_pieces(sources: Sequence[Source], digests: dict[int, str] | None = None) -> Iterator[Piece]:
@@ -156,7 +174,7 @@ def read_pieces(sources: Sequence[Source], digests: dict[int, str] | None = None
         with open_source(source) as f:
             for data, last in _cut(_read_blocks(f, source, piece_bytes), source.jsonl, piece_bytes):
                 hasher.update(data)
-                yield Piece(index, offset, data, last)
+                yield Piece(index, offset, data, len(data), last)
                 offset += len(data)
         if digests is not None:
             digests[index] = hasher.hexdigest()

@@ -50,7 +50,9 @@ from mingpt.corpus import BUILTIN_CORPUS, Piece, Source, as_list, documents, lis
 from mingpt.errors import DataError, MinGPTError
 from mingpt.progress import Progress
 from mingpt.storage import redact
-from mingpt.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, tokenizer_from_dict
+from mingpt.tokenizers import (
+    BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, tokenizer_from_dict, train_tokenizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,7 @@ class _Job:
         self.tail_split = len(sources) == 1 and not sources[0].jsonl  # one document
         self.context = {
             "names": [redact(source.url) for source in sources],
+            "paths": [source.url if source.local_plain else None for source in sources],
             "jsonl": [source.jsonl for source in sources],
             "text_field": text_field,
             "val_fraction": val_fraction,
@@ -178,30 +181,30 @@ class _Job:
         if self.kind == "char":  # the vocabulary is the corpus's set of characters: one pass to find it
             with Progress("finding characters", self.listed_bytes) as progress, self.workers() as pool:
                 chars: set[str] = set()
-                for piece, found in pool.map(_chars, read_pieces(self.sources)):
+                for piece, found in pool.map(_chars, self.pieces()):
                     chars.update(found)
-                    progress.update(len(piece.data))
+                    progress.update(piece.size)
             if not "".join(chars).strip():
                 raise self.empty()
             return CharTokenizer(chars)
         if self.kind == "bpe":
             return BPETokenizer.train(self.bpe_sample(), self.vocab_size)
-        return tokenizer_from_dict({"format": "mingpt-tokenizer", "version": 1, "kind": "tiktoken",
-                                    "name": self.kind})
+        return train_tokenizer(self.kind, "")  # a named tiktoken encoding: nothing to learn
 
     def bpe_sample(self) -> Iterator[str]:
         """About `bpe_sample_bytes` of text, in pieces drawn by a seeded hash of their number, so from
         the whole corpus (from its start, when compressed files make the total larger than listed)."""
         share = min(1.0, self.bpe_sample_bytes / max(self.listed_bytes, 1))
-        chosen = (piece for number, piece in enumerate(read_pieces(self.sources))
+        chosen = (piece for number, piece in enumerate(self.pieces())
                   if _unit_hash(SPLIT_SEED, "bpe", number) < share)
         taken = 0
+        # Read here, not in workers: decoding costs less than sending the texts back, and rustbpe uses every core.
         with Progress("training bpe on a sample", min(self.bpe_sample_bytes, self.listed_bytes)) as progress, \
-                self.workers() as pool:
+                self.workers(count=1) as pool:
             for piece, texts in pool.map(_texts, chosen):
                 yield from texts
-                taken += len(piece.data)
-                progress.update(len(piece.data))
+                taken += piece.size
+                progress.update(piece.size)
                 if taken >= self.bpe_sample_bytes:
                     return
 
@@ -210,14 +213,14 @@ class _Job:
         counts, digests, read, any_text = {"train": 0, "val": 0}, {}, 0, False
         files = {split: open(folder / f"{split}.bin", "wb") for split in counts}
         try:
-            with Progress("tokenizing", self.listed_bytes) as progress, self.workers(tok, dtype) as pool:
-                for piece, (encoded, has_text) in pool.map(_encode, read_pieces(self.sources, digests=digests)):
-                    for split, ids in encoded.items():
-                        ids.tofile(files[split])
-                        counts[split] += len(ids)
-                    read += len(piece.data)
+            with Progress("tokenizing", self.listed_bytes) as progress, self.workers(tok, dtype, folder) as pool:
+                for piece, (written, has_text) in pool.map(_encode, self.pieces(digests)):
+                    for split, (part, count) in written.items():
+                        _append(files[split], part)
+                        counts[split] += count
+                    read += piece.size
                     any_text = any_text or has_text
-                    progress.update(len(piece.data))
+                    progress.update(piece.size)
         finally:
             for f in files.values():
                 f.close()
@@ -231,10 +234,18 @@ class _Job:
         return DataError(f"the corpus ({', '.join(self.context['names'])}) is empty or only whitespace; give text "
                          "with some content")
 
+    def pieces(self, digests: dict[int, str] | None = None) -> Iterator[Piece]:
+        """The corpus in pieces, sent lean where workers can read the bytes themselves: a local file that
+        is not compressed (so that its bytes do not go through a pipe, which costs more than reading)."""
+        for piece in read_pieces(self.sources, digests):
+            yield piece.lean() if self.sources[piece.source].local_plain else piece
+
     @contextmanager
-    def workers(self, tok: Tokenizer | None = None, dtype=None):
-        context = {**self.context, "tokenizer": tok.to_json() if tok else None, "dtype": dtype}
-        with _Pool(self.num_workers, context) as pool:
+    def workers(self, tok: Tokenizer | None = None, dtype=None, folder: Path | None = None, count: int = 0):
+        """`count` (default: num_workers) worker processes that know the sources, and the tokenizer and the
+        folder to write tokens to."""
+        context = {**self.context, "tokenizer": tok.to_json() if tok else None, "dtype": dtype, "folder": folder}
+        with _Pool(count or self.num_workers, context) as pool:
             yield pool
 
 
@@ -290,6 +301,7 @@ def _init_worker(context: dict) -> None:
 
 
 def _documents(piece: Piece) -> Iterator[tuple[int, str]]:
+    piece = Piece(piece.source, piece.offset, piece.read(_worker["paths"][piece.source]), piece.size, piece.last)
     jsonl = _worker["jsonl"][piece.source]
     return documents(piece, jsonl, _worker["text_field"], _worker["names"][piece.source])
 
@@ -305,9 +317,10 @@ def _texts(piece: Piece) -> list[str]:
     return [text for _, text in _documents(piece)]
 
 
-def _encode(piece: Piece) -> tuple[dict[str, np.ndarray], bool]:
-    """The tokens of `piece` by split, each document (a JSONL record, the end of a text file) ended by
-    end-of-text; and whether it held any text that is not whitespace."""
+def _encode(piece: Piece) -> tuple[dict[str, tuple[Path, int]], bool]:
+    """Write the tokens of `piece` by split, each document (a JSONL record, the end of a text file) ended
+    by end-of-text, to part files (cheaper than sending them back through a pipe); return each split's
+    part file and token count, and whether the piece held any text that is not whitespace."""
     tok: Tokenizer = _worker["tok"]
     eot = [] if tok.eot_id is None else [tok.eot_id]
     jsonl = _worker["jsonl"][piece.source]
@@ -322,8 +335,21 @@ def _encode(piece: Piece) -> tuple[dict[str, np.ndarray], bool]:
         parts[split].append(tok.encode_array(text))
         if jsonl or piece.last:
             parts[split].append(np.asarray(eot, dtype=np.int64))
-    encoded = {split: np.concatenate(arrays).astype(_worker["dtype"]) for split, arrays in parts.items() if arrays}
-    return encoded, has_text
+    written = {}
+    for split, arrays in parts.items():
+        if arrays:
+            path = _worker["folder"] / f"part-{piece.source}-{piece.offset}.{split}"
+            ids = np.concatenate(arrays).astype(_worker["dtype"])
+            ids.tofile(path)
+            written[split] = (path, len(ids))
+    return written, has_text
+
+
+def _append(out, part: Path) -> None:
+    """Append the part file `part` to the open file `out`, and delete it."""
+    with open(part, "rb") as f:
+        shutil.copyfileobj(f, out, 1 << 20)
+    part.unlink()
 
 
 def _unit_hash(*key) -> float:

@@ -244,3 +244,23 @@ def test_the_trainer_takes_a_hydra_list_of_sources(tmp_path):
     assert "done: step 2" in result.stderr
     found = prepared_documents(tmp_path / "prep")
     assert sorted(found["train"] + found["val"]) == sorted(make_documents(30))
+
+
+def test_a_named_tiktoken_encoding_ends_documents_with_its_own_end_of_text(tmp_path, closed_port):
+    from conftest import offline_env
+
+    plugin = tmp_path / "plugins" / "tiktoken_ext"
+    plugin.mkdir(parents=True)
+    (plugin / "mingpt_test_eot.py").write_text(
+        "def _bytes_eot():\n"
+        "    return {'name': 'bytes_eot', 'pat_str': r'\\S+|\\s+', 'mergeable_ranks': {bytes([b]): b for b in range(256)},"
+        " 'special_tokens': {'<|endoftext|>': 256}}\n"
+        "ENCODING_CONSTRUCTORS = {'bytes_eot': _bytes_eot}\n")
+    write_files(tmp_path / "docs", ["first doc", "second doc"])
+    env = {**offline_env(tmp_path, closed_port), "PYTHONPATH": str(tmp_path / "plugins")}
+    result = subprocess.run([str(Path(sys.executable).parent / "mingpt-prepare"), "--corpus", str(tmp_path / "docs"),
+                             "--tokenizer", "bytes_eot", "--val-fraction", "0", "--out", str(tmp_path / "prep")],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ids = np.fromfile(tmp_path / "prep" / "train.bin", dtype=np.uint16).tolist()
+    assert ids == list(b"first doc") + [256] + list(b"second doc") + [256]
