@@ -448,6 +448,13 @@ def _check_shared(store: SnapshotStore, world: World) -> None:
 
 
 def _check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:
+    saved_tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+    if saved_tokenizer.eot_id is None and tokenizer.eot_id is not None:
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made before tokenizers reserved an end-of-text token, which prepared "
+            f"data now ends every document with ({saved_tokenizer.vocab_size} ids then, {tokenizer.vocab_size} now), "
+            "so it cannot train on: sample it with mingpt-sample, or start a new run in another snapshot.dir"
+        )
     saved = snapshot.manifest["model_config"]
     wanted = model_config.to_dict()
     diffs = [f"{k}={saved.get(k)!r} (config asks for {wanted[k]!r})" for k in SHAPE_KEYS if saved.get(k) != wanted[k]]
@@ -456,7 +463,6 @@ def _check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: To
             f"snapshot {snapshot.url} was made with a different model: {', '.join(diffs)}. "
             "Use the settings of that run, or a new snapshot.dir to start a new run"
         )
-    saved_tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
     if saved_tokenizer.to_dict() != tokenizer.to_dict():
         raise SnapshotError(
             f"snapshot {snapshot.url} was made with another tokenizer ({saved_tokenizer.describe()}) than "

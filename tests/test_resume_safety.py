@@ -127,3 +127,21 @@ def test_ctrl_c_while_sampling_ends_with_one_line(tmp_path):
     finally:
         sampling.kill()
     assert sampling.returncode == 130 and "interrupted" in err.decode() and "Traceback" not in err.decode()
+
+
+def test_a_snapshot_from_before_end_of_text_tokens_is_explained(tmp_path):
+    """A run made by an older version: its tokenizer has no end-of-text id, its model one id fewer."""
+    import hashlib
+
+    assert app(tmp_path, "trainer.max_steps=10").returncode == 0
+    folder = tmp_path / "snap" / "step-000000010"
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    del tokenizer["eot"]
+    data = json.dumps(tokenizer).encode()
+    (folder / "tokenizer.json").write_bytes(data)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["tokenizer.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    result = app(tmp_path, "trainer.max_steps=20")
+    assert result.returncode == 2
+    assert "made before tokenizers reserved an end-of-text token" in result.stderr and "mingpt-sample" in result.stderr
