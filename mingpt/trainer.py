@@ -27,6 +27,7 @@ import mingpt
 from mingpt import distributed
 from mingpt.config import Config
 from mingpt.data import PreparedData, TokenBlocks
+from mingpt.performance import choose_precision, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from mingpt.prepare import prepare
 from mingpt.errors import TrainingError
 from mingpt.distributed import World
@@ -118,13 +119,15 @@ class Trainer:
         self.model = GPT(model_config).to(world.device)
         self.optimizer = torch.optim.AdamW(self.model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                            fused=world.device.type == "cuda")
-        self.autocast, self.scaler = _precision(t.precision, world.device)
+        precision, self.precision_reason = choose_precision(t.precision, world.device)
+        self.autocast, self.scaler = _precision(precision, world.device)
         self.ddp: DDP | None = None
         self.state = TrainState()
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
         self.metrics = _MetricsLog(store, world)
         self.train_loss: float | None = None
         self.val_loss: float | None = None
+        self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
 
     def resume(self) -> None:
         """Load the newest verified snapshot, the same one in every process."""
@@ -168,12 +171,15 @@ class Trainer:
             self.ddp = DDP(self.model, device_ids=[world.device] if world.device.type == "cuda" else None)
         # Window offsets are a function of (seed, position) only: any world size reads the same examples.
         order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
-        _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s, %s",
+        _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s (%s), %s",
              cfg.model.name, self.model.num_params() / 1e6, self.data.tokenizer.describe(), t.global_batch_size,
-             world.world_size, autocast_name(self.autocast), world.device.type)
+             world.world_size, autocast_name(self.autocast), self.precision_reason, world.device.type)
         _log(world, "%s", _describe_windows(cfg, self.train_blocks))
 
         progress = _Progress(t.global_batch_size * cfg.data.block_size)
+        if world.is_leader:  # the one process that reports MFU
+            self.peak, source = peak_flops(world.device, _compute_dtype(self.autocast))
+            _log(world, "MFU is measured against %.1f GFLOP/s per process, from %s", self.peak / 1e9, source)
         while state.step < t.max_steps:
             _set_lr(self.optimizer, cfg, state.step)
             try:
@@ -254,10 +260,14 @@ class Trainer:
         t, step = self.cfg.trainer, self.state.step
         rate, seconds_per_step = progress.window()
         lr = self.optimizer.param_groups[0]["lr"]
-        _log(self.world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | ETA %s", step, t.max_steps,
-             self.train_loss, lr, rate, _duration((t.max_steps - step) * seconds_per_step))
-        self.metrics.write({"step": step, "train_loss": self.train_loss, "lr": lr,
-                            "tokens_per_s": rate, "world_size": self.world.world_size})
+        used = mfu(flops_per_token(self.model.config, self.model.num_params()), rate,
+                   self.peak * self.world.world_size) if self.peak else float("nan")
+        memory = peak_memory_bytes(self.world.device)
+        _log(self.world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | MFU %.1f%% | %.0f MB | ETA %s", step,
+             t.max_steps, self.train_loss, lr, rate, 100 * used, memory / 1e6,
+             _duration((t.max_steps - step) * seconds_per_step))
+        self.metrics.write({"step": step, "train_loss": self.train_loss, "lr": lr, "tokens_per_s": rate,
+                            "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
 
     def save(self) -> None:
         """The leader snapshots alone: every replica holds the same state. Training goes on meanwhile."""
@@ -481,9 +491,7 @@ def _to_cpu(obj):
 
 
 def _precision(precision: str, device: torch.device):
-    """The autocast context and, for fp16 only, a GradScaler."""
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    """The autocast context of 'fp32', 'bf16' or 'fp16' and, for fp16 only, a GradScaler."""
     if precision == "fp32":
         return nullcontext(), None
     if precision == "fp16":
@@ -491,6 +499,10 @@ def _precision(precision: str, device: torch.device):
             raise mingpt.ConfigError("trainer.precision=fp16 needs a GPU; use fp32 or bf16 on CPUs")
         return torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler("cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16), None
+
+
+def _compute_dtype(autocast) -> torch.dtype:
+    return autocast.fast_dtype if isinstance(autocast, torch.autocast) else torch.float32
 
 
 def autocast_name(autocast) -> str:

@@ -1,0 +1,150 @@
+"""How fast training runs against what the hardware can do: precision, model FLOPs, MFU, memory.
+
+MFU (model FLOPs utilisation) = model FLOPs per token x tokens per second / peak FLOP/s, with
+the FLOPs counted as in the PaLM paper and nanoGPT: 6 per parameter per token (forward and
+backward matmuls; position embeddings excluded, the tied token embedding included as the output
+layer) plus 12 x layers x width x sequence length for attention scores and their use. The peak is
+taken from a table for known GPUs (dense bf16/fp16 tensor-core figures from NVIDIA's data sheets)
+and otherwise measured by a short matmul probe in the training precision, once per machine: the
+result is cached in $XDG_CACHE_HOME/mingpt/peak_flops.json (default ~/.cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from mingpt.model import GPTConfig
+
+# Dense (no sparsity) tensor-core TFLOP/s for bf16 and fp16, by a name fragment of
+# torch.cuda.get_device_name(); the first match wins, so more specific names come first.
+GPU_PEAK_TFLOPS = [
+    ("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("GH200", 989), ("B200", 2250),
+    ("A100", 312), ("L40S", 362), ("L4", 121), ("A10", 125),
+]
+
+
+def flops_per_token(config: GPTConfig, params: int) -> int:
+    """Training FLOPs per token of a model with `params` parameters (see the module docstring)."""
+    return 6 * params + 12 * config.n_layer * config.n_embd * config.block_size
+
+
+def mfu(flops_per_token: int, tokens_per_s: float, peak_flops: float) -> float:
+    """The share of `peak_flops` that `tokens_per_s` puts to model use."""
+    return flops_per_token * tokens_per_s / peak_flops
+
+
+def choose_precision(requested: str, device: torch.device) -> tuple[str, str]:
+    """The precision to train in ('fp32', 'bf16' or 'fp16') and why, for `trainer.precision`.
+
+    `auto` takes bf16 autocast on CUDA GPUs that support it. On CPUs it stays fp32: even with
+    native bf16 (AVX512-BF16, AMX), autocast was measured slower for the small presets (gpt-micro,
+    20% slower on the 2-core development machine) and faster only for larger ones (gpt-mini at
+    block 256: +53%), so it is a choice to make per model with trainer.precision=bf16."""
+    if requested != "auto":
+        return requested, "as configured"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"auto: {name} computes in bf16"
+        return "fp32", f"auto: {name} has no bf16"
+    native = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in cpu_flags()]
+    if native:
+        return "fp32", (f"auto: fp32 on CPUs; this one has {', '.join(native)}, so trainer.precision=bf16 may be "
+                        "faster for larger models")
+    return "fp32", "auto: fp32 on CPUs (this one has no native bf16)"
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags of this CPU (Linux's /proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """Peak FLOP/s of one process on `device` in `dtype`, and where the figure comes from."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        name = torch.cuda.get_device_name(device)
+        for fragment, tflops in GPU_PEAK_TFLOPS:
+            if fragment in name:
+                return tflops * 1e12, f"{name}'s data sheet, dense {str(dtype).replace('torch.', '')}"
+    key = f"{_device_name(device)} | {str(dtype).replace('torch.', '')} | {torch.get_num_threads()} threads | " \
+          f"torch {torch.__version__}"
+    cache = _cache_file()
+    try:
+        cached = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)):
+        return float(cached[key]), f"a matmul probe on {key}, cached in {cache}"
+    measured = _probe(device, dtype)
+    _remember(cache, {**(cached if isinstance(cached, dict) else {}), key: measured})
+    return measured, f"a matmul probe on {key}, measured now"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _probe(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, n: int = 1024) -> float:
+    """FLOP/s of n x n matmuls in `dtype`, repeated for about `seconds`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(3):  # warm-up: kernels chosen, caches filled
+        a @ b
+    _sync(device)
+    repeats, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        a @ b
+        repeats += 1
+        if repeats % 8 == 0:
+            _sync(device)
+    _sync(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - started)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mingpt" / "peak_flops.json"
+
+
+def _remember(cache: Path, entries: dict) -> None:
+    """Write the cache atomically; a cache that cannot be written only means probing again next time."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(cache)
+    except OSError:
+        pass
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has used: allocated CUDA memory on a GPU, resident memory on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

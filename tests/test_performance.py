@@ -1,0 +1,84 @@
+"""Precision choice, model FLOPs and MFU, the peak FLOP/s behind it, and what the trainer reports."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch import MAIN, SMALL, env
+from mingpt import performance
+from mingpt.model import GPT, GPTConfig
+from mingpt.performance import choose_precision, flops_per_token, mfu, peak_flops, peak_memory_bytes
+
+
+def test_flops_per_token_of_gpt_nano_by_hand():
+    config = GPTConfig.from_preset("gpt-nano", vocab_size=65, block_size=64)  # 3 layers, 48 wide, no biases
+    d, layers, vocab, block = 48, 3, 65, 64
+    per_layer = 3 * d * d + d * d + 4 * d * d + 4 * d * d + 2 * d  # qkv, projection, MLP in and out, 2 LayerNorms
+    params = layers * per_layer + d + vocab * d  # final LayerNorm; the token embedding, tied to the output layer
+    assert GPT(config).num_params() == params == 86_400
+    assert flops_per_token(config, params) == 6 * params + 12 * layers * d * block == 628_992
+    # 10,000 tokens/s of that model on a 100 GFLOP/s device use 6.3% of it (6.29%).
+    assert mfu(628_992, 10_000, 100e9) == pytest.approx(0.0628992)
+
+
+@pytest.mark.parametrize("requested", ["fp32", "bf16", "fp16"])
+def test_a_configured_precision_is_taken_as_it_is(requested):
+    assert choose_precision(requested, torch.device("cpu")) == (requested, "as configured")
+
+
+@pytest.mark.parametrize("flags, reason", [
+    ({"avx2", "amx_bf16", "avx512_bf16"}, "this one has amx_bf16, avx512_bf16"),
+    ({"avx2"}, "no native bf16"),
+])
+def test_auto_on_a_cpu_is_fp32_and_says_what_the_cpu_has(monkeypatch, flags, reason):
+    monkeypatch.setattr(performance, "cpu_flags", lambda: flags)
+    precision, why = choose_precision("auto", torch.device("cpu"))
+    assert precision == "fp32" and reason in why
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, "bf16"), (False, "fp32")])
+def test_auto_on_a_gpu_takes_bf16_where_it_has_it(monkeypatch, bf16, expected):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA Tesla V100")
+    precision, why = choose_precision("auto", torch.device("cuda", 0))
+    assert precision == expected and "V100" in why
+
+
+def test_known_gpus_take_their_data_sheet_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 PCIe")
+    assert peak_flops(torch.device("cuda", 0), torch.bfloat16) == (756e12, "NVIDIA H100 PCIe's data sheet, dense bfloat16")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    assert peak_flops(torch.device("cuda", 0), torch.float16)[0] == 989e12
+
+
+def test_the_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first, source = peak_flops(torch.device("cpu"), torch.float32)
+    assert first > 1e8 and source.endswith("measured now")
+    monkeypatch.setattr(performance, "_probe", lambda *args: pytest.fail("probed again"))
+    again, source = peak_flops(torch.device("cpu"), torch.float32)
+    assert again == first and "cached in" in source
+    (tmp_path / "mingpt" / "peak_flops.json").write_text("{damaged")
+    monkeypatch.setattr(performance, "_probe", lambda *args: 123e9)
+    assert peak_flops(torch.device("cpu"), torch.float32)[0] == 123e9  # a damaged cache is measured anew
+
+
+def test_the_trainer_reports_mfu_and_memory(tmp_path):
+    result = subprocess.run(
+        [sys.executable, MAIN, *SMALL, "trainer.max_steps=10", f"snapshot.dir={tmp_path / 'snap'}",
+         f"data.prepared_dir={tmp_path / 'prepared'}"],
+        cwd=tmp_path, env={**env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}, capture_output=True, text=True,
+        timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MFU is measured against" in result.stderr and "float32 (auto: fp32 on CPUs" in result.stderr
+    records = [json.loads(line) for line in (tmp_path / "snap" / "metrics.jsonl").read_text().splitlines()]
+    progress = [r for r in records if "train_loss" in r]
+    assert progress and all(0 < r["mfu"] < 1 and r["peak_memory_mb"] > 10 for r in progress)
+    assert "% MFU" not in result.stderr and "| MFU " in result.stderr
+
+
+def test_peak_memory_of_this_process_is_its_resident_high_water_mark():
+    assert peak_memory_bytes(torch.device("cpu")) > 50e6  # torch alone takes more
