@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_samples(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor, args: argparse.Namespace) -> None:
-    """Stream `args.num_samples` continuations of `prompt` to stdout, as UTF-8 text."""
+    """Stream `args.num_samples` continuations of `prompt` to stdout, as UTF-8 text. A continuation ends
+    early where the model ends its document (the end-of-text token), as documents end in training."""
     generator = torch.Generator(device=prompt.device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
     for k in range(args.num_samples):
@@ -147,8 +148,14 @@ def write_samples(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor, args: 
         sys.stdout.write(args.prompt)
         for ids in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, generator=generator):
-            sys.stdout.write(decoder.decode(tokenizer.decode_bytes(ids.tolist())))
+            ids = ids.tolist()
+            ended = tokenizer.eot_id in ids  # the model ended its document: so does the sample
+            if ended:
+                ids = ids[: ids.index(tokenizer.eot_id)]
+            sys.stdout.write(decoder.decode(tokenizer.decode_bytes(ids)))
             sys.stdout.flush()
+            if ended:
+                break
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
 
 

@@ -124,3 +124,23 @@ def test_sample_of_no_new_tokens_prints_the_prompt(tmp_path, snapshot):
 def test_sample_explains_an_s3_snapshot_it_cannot_read(tmp_path, s3, closed_port, trouble):
     rc, text = command([*SAMPLE, f"s3://{s3.bucket}/run"], tmp_path, **s3_trouble(trouble, closed_port))
     assert_one_line_error(rc, text, f"s3://{s3.bucket}/run", *S3_WORDS[trouble])
+
+
+def test_a_sample_ends_where_the_model_ends_its_document(capsys):
+    from types import SimpleNamespace
+
+    import torch
+
+    from mingpt.sample import write_samples
+    from mingpt.tokenizers import CharTokenizer
+
+    tok = CharTokenizer("ab")
+
+    class Model:  # stands in for GPT.stream: "a", "b", end-of-text, then "a" that must not be written
+        def stream(self, prompt, max_new_tokens, **kwargs):
+            yield from (torch.tensor([i]) for i in [0, 1, tok.eot_id, 0])
+
+    args = SimpleNamespace(num_samples=1, prompt="a", max_new_tokens=4, temperature=1.0, top_k=None, top_p=None,
+                           seed=1)
+    write_samples(Model(), tok, torch.tensor([[0]]), args)
+    assert capsys.readouterr().out == "aab\n"

@@ -139,8 +139,9 @@ def test_sampling_needs_no_corpus(tmp_path, procs):
     assert first.returncode == 0, first.stderr
     samples = first.stdout.split("--- sample ")[1:]
     assert len(samples) == 2
+    # Each sample: the prompt and up to 60 characters of the corpus's; fewer where the model ends its document.
     assert all(set(s.split("\n", 1)[1].strip()) <= set("the cat sat on mat.") for s in samples)
-    assert len(samples[0].split("\n", 1)[1].strip()) == len("the ") + 60
+    assert all(len("the ") < len(s.split("\n", 1)[1].strip()) <= len("the ") + 60 for s in samples)
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.stdout == first.stdout  # same seed, same text
 

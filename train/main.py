@@ -35,7 +35,16 @@ def main(raw: DictConfig) -> None:
         train(cfg)
     except MinGPTError as e:
         log.error("%s", e)
-        sys.exit(2)
+        exit_now(2)
+
+
+def exit_now(code: int) -> None:
+    """Exit with `code` once the logs are out. os._exit, not sys.exit: a background snapshot upload may
+    still be inside a C++ call, and interpreter teardown under it aborts the process (SIGABRT)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def refuse_multirun(args: list[str]) -> None:
@@ -56,8 +65,4 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # a second Ctrl-C: the first one's orderly stop was cut short
         print("interrupted: the last snapshot may not have been written; run the same command to resume from "
               "the newest committed snapshot", file=sys.stderr)
-        # 128 + SIGINT, as shells report a process that Ctrl-C ended. os._exit, not sys.exit: a background
-        # upload may still be inside a C++ call, and interpreter teardown under it aborts the process.
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(130)
+        exit_now(130)  # 128 + SIGINT, as shells report a process that Ctrl-C ended
