@@ -40,6 +40,8 @@ import shutil
 import sys
 import time
 import uuid
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -98,7 +100,7 @@ def prepare(
         log.info("reusing prepared data in %s", out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _machine_lock(out.parent, out):  # processes on one machine prepare once; the others wait, then reuse
+    with _machine_lock(out.parent):  # processes on one machine prepare once; the others wait, then reuse
         if _matches(out, wanted):
             log.info("reusing prepared data in %s, prepared by another process", out)
             return out
@@ -253,14 +255,15 @@ class _Pool:
     """`map` over worker processes, in order, with a bounded number of pieces in flight (memory stays
     bounded however fast the corpus is read). One worker means no processes: the work runs here.
 
-    Workers are forked: they start at once and share this process's memory. They read and write no
-    files and take no locks, so the threads this process may run (a lease renewer) cannot hurt them."""
+    Workers are forked: they start at once and share this process's memory. They open only corpus
+    files and their own part files, and take no lock that a thread of this process (a lease
+    renewer) could hold. A worker that dies (killed for memory, say) fails the preparation at once."""
 
     def __init__(self, count: int, context: dict):
         self.count = count
         if count > 1 and not multiprocessing.current_process().daemon:  # a daemon (a pool's worker) has no children
-            self.pool = multiprocessing.get_context("fork").Pool(count, initializer=_init_worker,
-                                                                 initargs=(context,))
+            self.pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"),
+                                            initializer=_init_worker, initargs=(context,))
         else:
             _init_worker(context)
             self.pool = None
@@ -271,21 +274,26 @@ class _Pool:
             return
         pending: collections.deque = collections.deque()
         for piece in pieces:
-            pending.append((piece, self.pool.apply_async(fn, (piece,))))
+            pending.append((piece, self.pool.submit(fn, piece)))
             if len(pending) >= 2 * self.count:
-                piece, result = pending.popleft()
-                yield piece, result.get()
+                yield self._result(*pending.popleft())
         while pending:
-            piece, result = pending.popleft()
-            yield piece, result.get()
+            yield self._result(*pending.popleft())
+
+    def _result(self, piece: Piece, future) -> tuple[Piece, object]:
+        try:
+            return piece, future.result()
+        except BrokenProcessPool:
+            raise DataError(f"a tokenizing worker process died (killed, or out of memory?); nothing was published: "
+                            f"run again, with fewer data.num_workers (--num-workers) than {self.count} if memory "
+                            "is short") from None
 
     def __enter__(self) -> "_Pool":
         return self
 
     def __exit__(self, *exc) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # What each worker process knows: set once by `_init_worker`.
@@ -381,7 +389,7 @@ def _move_tail(train: Path, val: Path, dtype: np.dtype, val_fraction: float) -> 
 
 
 @contextmanager
-def _machine_lock(folder: Path, out: Path):
+def _machine_lock(folder: Path):
     """An exclusive flock on `folder` itself (no lock file to leave behind). Where the file system
     has no flock, go on without: `_publish` keeps concurrent preparation correct, only slower."""
     fd = os.open(folder, os.O_RDONLY)

@@ -4,6 +4,7 @@ import gzip
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -264,3 +265,18 @@ def test_a_named_tiktoken_encoding_ends_documents_with_its_own_end_of_text(tmp_p
     assert result.returncode == 0, result.stderr
     ids = np.fromfile(tmp_path / "prep" / "train.bin", dtype=np.uint16).tolist()
     assert ids == list(b"first doc") + [256] + list(b"second doc") + [256]
+
+
+def _killed(piece):
+    """Run by the forked workers in place of _encode: each dies as if killed for memory."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_mid_preparation_fails_it_at_once_and_publishes_nothing(tmp_path, monkeypatch, small_pieces):
+    from mingpt import prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "_encode", _killed)
+    (tmp_path / "c.txt").write_text("".join(make_documents(40)))
+    with pytest.raises(DataError, match="worker process died.*--num-workers"):
+        prepare(str(tmp_path / "c.txt"), "char", out=tmp_path / "prep", num_workers=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
