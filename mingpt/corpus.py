@@ -28,7 +28,7 @@ import io
 import json
 import re
 from dataclasses import asdict, dataclass
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 from mingpt.errors import DataError, MinGPTError
 from mingpt.storage import explain_storage_error, is_local, open_fs, redact
@@ -178,6 +178,44 @@ def read_pieces(sources: Sequence[Source], digests: dict[int, str] | None = None
                 offset += len(data)
         if digests is not None:
             digests[index] = hasher.hexdigest()
+
+
+def sample_pieces(sources: Sequence[Source], chosen: Callable[[int, int], bool]) -> Iterator[Piece]:
+    """The pieces numbered n of source s where `chosen(s, n)`, each about PIECE_BYTES of whole lines.
+
+    A file stored uncompressed is read only where a piece is chosen (a seek, or a ranged GET on an
+    object store), so sampling a large corpus reads about the sample, not the corpus. A compressed
+    file cannot seek: it is read through, and its cut pieces are chosen the same way."""
+    piece_bytes = PIECE_BYTES
+    for index, source in enumerate(sources):
+        if source.url == BUILTIN_CORPUS or source.url.lower().endswith(COMPRESSED):
+            pieces = (Piece(index, p.offset, p.data, p.size, p.last) for p in read_pieces([source]))
+            yield from (piece for number, piece in enumerate(pieces) if chosen(index, number))
+            continue
+        for number in range(-(-source.size // piece_bytes)):
+            if chosen(index, number):
+                data = _read_range(source, number * piece_bytes, piece_bytes)
+                data = _whole_lines(data, first=number == 0, last=(number + 1) * piece_bytes >= source.size)
+                yield Piece(index, number * piece_bytes, data, len(data), False)
+
+
+def _read_range(source: Source, offset: int, size: int) -> bytes:
+    """`size` bytes of an uncompressed `source` from `offset`: one ranged read on an object store."""
+    fs, path = open_fs(source.url)
+    try:
+        with fs.open(path, "rb", block_size=size) as f:  # an object store fetches these bytes, not 50 MB
+            f.seek(offset)
+            return f.read(size)
+    except Exception as e:
+        raise DataError(f"cannot read the corpus {redact(source.url)}: "
+                        f"{explain_storage_error(e, local=is_local(fs), setting='data.corpus')}") from None
+
+
+def _whole_lines(data: bytes, first: bool, last: bool) -> bytes:
+    """`data` without the partial line it may start with (unless `first`) and end with (unless `last`)."""
+    start = 0 if first else data.find(b"\n") + 1
+    end = len(data) if last else data.rfind(b"\n") + 1
+    return data[start:end] if end > start else b""
 
 
 def _read_blocks(f: BinaryIO, source: Source, size: int) -> Iterator[bytes]:

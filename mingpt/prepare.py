@@ -48,7 +48,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from mingpt.corpus import BUILTIN_CORPUS, Piece, Source, as_list, documents, list_sources, read_pieces
+from mingpt.corpus import (
+    BUILTIN_CORPUS, Piece, Source, as_list, documents, list_sources, read_pieces, sample_pieces,
+)
 from mingpt.errors import DataError, MinGPTError
 from mingpt.progress import Progress
 from mingpt.storage import redact
@@ -194,11 +196,10 @@ class _Job:
         return train_tokenizer(self.kind, "")  # a named tiktoken encoding: nothing to learn
 
     def bpe_sample(self) -> Iterator[str]:
-        """About `bpe_sample_bytes` of text, in pieces drawn by a seeded hash of their number, so from
-        the whole corpus (from its start, when compressed files make the total larger than listed)."""
+        """About `bpe_sample_bytes` of text, in pieces drawn by a seeded hash of their place, so from the
+        whole corpus (from its start, when compressed files make the total larger than listed)."""
         share = min(1.0, self.bpe_sample_bytes / max(self.listed_bytes, 1))
-        chosen = (piece for number, piece in enumerate(self.pieces())
-                  if _unit_hash(SPLIT_SEED, "bpe", number) < share)
+        chosen = sample_pieces(self.sources, lambda source, number: _unit_hash(SPLIT_SEED, "bpe", source, number) < share)
         taken = 0
         # Read here, not in workers: decoding costs less than sending the texts back, and rustbpe uses every core.
         with Progress("training bpe on a sample", min(self.bpe_sample_bytes, self.listed_bytes)) as progress, \

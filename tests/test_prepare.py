@@ -161,6 +161,9 @@ def test_corpus_on_s3(tmp_path, s3, small_pieces):
     glob = prepare(f"s3://{s3.bucket}/corpus/doc-*.txt", "char", out=tmp_path / "glob", val_fraction=0.2)
     assert sorted(sum(prepared_documents(glob).values(), [])) == sorted(docs[:8])
     assert all(source["version"] for source in read_meta(folder)["sources"])  # ETags
+    bpe = prepare(f"s3://{s3.bucket}/corpus", "bpe", vocab_size=300, out=tmp_path / "bpe", val_fraction=0.2,
+                  bpe_sample_bytes=5000)  # a sample read by ranged GETs
+    assert sorted(sum(prepared_documents(bpe).values(), [])) == sorted(docs)
     with pytest.raises(DataError, match="does not exist"):
         prepare(f"s3://{s3.bucket}/nothing.txt", "char", out=tmp_path / "none")
 
@@ -280,3 +283,22 @@ def test_a_worker_killed_mid_preparation_fails_it_at_once_and_publishes_nothing(
     with pytest.raises(DataError, match="worker process died.*--num-workers"):
         prepare(str(tmp_path / "c.txt"), "char", out=tmp_path / "prep", num_workers=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+
+
+def test_the_bpe_sample_of_an_uncompressed_file_reads_about_the_sample(tmp_path, small_pieces):
+    """Pieces are read where they are drawn: sampling 10% of a corpus reads about 10% of it."""
+    from mingpt.corpus import list_sources
+    from mingpt.prepare import _Job
+
+    text = "".join(make_documents(400)).encode()
+    (tmp_path / "c.txt").write_bytes(text)
+    job = _Job(list_sources(str(tmp_path / "c.txt")), "bpe", 300, 0.1, "text", len(text) // 10, 1)
+
+    def bytes_read() -> int:
+        return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
+
+    before = bytes_read()
+    sample = "".join(job.bpe_sample())
+    read = bytes_read() - before
+    assert len(text) // 20 < len(sample.encode()) and read < len(text) // 4, (len(sample), read, len(text))
+    assert sample.replace("\n", "") and all(line in text.decode() for line in sample.splitlines()[:50])
