@@ -14,7 +14,9 @@ the recipe's overrides, evaluating (eval_iters batches per split) and saving ckp
 first and last iteration. This project runs `train/main.py` with the same recipe, evaluation at the
 end only and its default snapshots, on the same corpus prepared once beforehand.
 The jobs run one at a time, interleaved (nanoGPT, project, nanoGPT, ...; --rounds of each), so a
-change in the machine's load falls on both alike.
+change in the machine's load falls on both alike. On the 2-core development machine the same job's
+step time varied by about +-5% from one process to the next, so ratios within that are a tie;
+more --rounds narrow it.
 
 Measured for each job:
 - tokens/s: the median over windows of 10 steps of batch * block * steps / seconds, skipping the

@@ -64,6 +64,12 @@ def test_the_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
     (tmp_path / "mingpt" / "peak_flops.json").write_text("{damaged")
     monkeypatch.setattr(performance, "_probe", lambda *args: 123e9)
     assert peak_flops(torch.device("cpu"), torch.float32)[0] == 123e9  # a damaged cache is measured anew
+    # Probing again (as the trainer does when MFU reads above 100%) keeps the highest figure.
+    monkeypatch.setattr(performance, "_probe", lambda *args: 100e9)
+    assert peak_flops(torch.device("cpu"), torch.float32, measure=True)[0] == 123e9
+    monkeypatch.setattr(performance, "_probe", lambda *args: 200e9)
+    assert peak_flops(torch.device("cpu"), torch.float32, measure=True)[0] == 200e9
+    assert peak_flops(torch.device("cpu"), torch.float32)[0] == 200e9
 
 
 def test_the_trainer_reports_mfu_and_memory(tmp_path):
