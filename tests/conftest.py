@@ -7,6 +7,12 @@ import pytest
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def cache_in_tmp(tmp_path_factory):
+    """Caches the code writes (the peak-FLOP probe's) go to a temporary folder, not the user's home."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture
 def procs(tmp_path):
     """Processes a test starts (see launch.Processes); whatever still runs is ended after the test."""
