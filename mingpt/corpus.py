@@ -27,7 +27,7 @@ import hashlib
 import io
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import BinaryIO, Callable, Iterator, Sequence
 
 from mingpt.errors import DataError, MinGPTError
@@ -47,9 +47,14 @@ class Source:
     version: str  # changes when the content does: mtime locally, the ETag on object stores
 
     @property
+    def seekable(self) -> bool:
+        """Read as it is stored (not compressed, not built in): a piece can be read from its offset."""
+        return self.url != BUILTIN_CORPUS and not self.url.lower().endswith(COMPRESSED)
+
+    @property
     def local_plain(self) -> bool:
-        """A local file read as it is stored (not compressed): any process can read a piece of it."""
-        return self.url.startswith("/") and not self.url.lower().endswith(COMPRESSED)
+        """A seekable local file: any process on this machine can read a piece of it."""
+        return self.seekable and self.url.startswith("/")
 
     @property
     def jsonl(self) -> bool:
@@ -153,31 +158,36 @@ class Piece:
 
     def lean(self) -> "Piece":
         """This piece without its bytes: for a process that reads them from the same local file."""
-        return Piece(self.source, self.offset, b"", self.size, self.last)
+        return replace(self, data=b"")
 
-    def read(self, path: str) -> bytes:
-        """The bytes of this piece, from `path` where it was sent lean."""
+    def filled(self, path: str | None) -> "Piece":
+        """This piece with its bytes: read from the local file `path` where it was sent lean."""
         if self.data or not self.size:
-            return self.data
+            return self
         with open(path, "rb") as f:
             f.seek(self.offset)
-            return f.read(self.size)
+            return replace(self, data=f.read(self.size))
 
 
 def read_pieces(sources: Sequence[Source], digests: dict[int, str] | None = None) -> Iterator[Piece]:
     """Every source in order, in pieces of about PIECE_BYTES cut at safe places (see the module
     docstring). Where `digests` is given, it receives each source's sha256 as it is finished."""
-    piece_bytes = PIECE_BYTES
     for index, source in enumerate(sources):
         hasher = hashlib.sha256()
-        offset = 0
-        with open_source(source) as f:
-            for data, last in _cut(_read_blocks(f, source, piece_bytes), source.jsonl, piece_bytes):
-                hasher.update(data)
-                yield Piece(index, offset, data, len(data), last)
-                offset += len(data)
+        for piece in _pieces(index, source):
+            hasher.update(piece.data)
+            yield piece
         if digests is not None:
             digests[index] = hasher.hexdigest()
+
+
+def _pieces(index: int, source: Source) -> Iterator[Piece]:
+    """All of `source` (number `index` of the corpus), read through, in pieces cut at safe places."""
+    offset = 0
+    with open_source(source) as f:
+        for data, last in _cut(_read_blocks(f, source, PIECE_BYTES), source.jsonl, PIECE_BYTES):
+            yield Piece(index, offset, data, len(data), last)
+            offset += len(data)
 
 
 def sample_pieces(sources: Sequence[Source], chosen: Callable[[int, int], bool]) -> Iterator[Piece]:
@@ -188,9 +198,8 @@ def sample_pieces(sources: Sequence[Source], chosen: Callable[[int, int], bool])
     file cannot seek: it is read through, and its cut pieces are chosen the same way."""
     piece_bytes = PIECE_BYTES
     for index, source in enumerate(sources):
-        if source.url == BUILTIN_CORPUS or source.url.lower().endswith(COMPRESSED):
-            pieces = (Piece(index, p.offset, p.data, p.size, p.last) for p in read_pieces([source]))
-            yield from (piece for number, piece in enumerate(pieces) if chosen(index, number))
+        if not source.seekable:
+            yield from (piece for number, piece in enumerate(_pieces(index, source)) if chosen(index, number))
             continue
         for number in range(-(-source.size // piece_bytes)):
             if chosen(index, number):

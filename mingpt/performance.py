@@ -63,14 +63,19 @@ def choose_precision(requested: str, device: torch.device) -> tuple[str, str]:
 
 
 def cpu_flags() -> set[str]:
-    """The feature flags of this CPU (Linux's /proc/cpuinfo; empty elsewhere)."""
+    """The feature flags of this CPU (empty where unknown)."""
+    return set(_cpuinfo("flags").split())
+
+
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in Linux's /proc/cpuinfo ("" elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            if line.split(":", 1)[0].strip() == field:
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, measure: bool = False) -> tuple[float, str]:
@@ -102,13 +107,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, measure: bool = False) 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def _probe(device: torch.device, dtype: torch.dtype, bursts: int = 5, seconds: float = 0.06, n: int = 1024) -> float:

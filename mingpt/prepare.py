@@ -310,7 +310,7 @@ def _init_worker(context: dict) -> None:
 
 
 def _documents(piece: Piece) -> Iterator[tuple[int, str]]:
-    piece = Piece(piece.source, piece.offset, piece.read(_worker["paths"][piece.source]), piece.size, piece.last)
+    piece = piece.filled(_worker["paths"][piece.source])
     jsonl = _worker["jsonl"][piece.source]
     return documents(piece, jsonl, _worker["text_field"], _worker["names"][piece.source])
 

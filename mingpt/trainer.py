@@ -128,6 +128,7 @@ class Trainer:
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
+        self.flops_per_token = flops_per_token(model_config, self.model.num_params())
 
     def resume(self) -> None:
         """Load the newest verified snapshot, the same one in every process."""
@@ -273,11 +274,10 @@ class Trainer:
         probe again, keeping the higher figure."""
         if not self.peak:
             return float("nan")
-        per_token = flops_per_token(self.model.config, self.model.num_params())
-        used = mfu(per_token, tokens_per_s, self.peak * self.world.world_size)
+        used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.world.world_size)
         if used > 1:
             self.peak, _ = peak_flops(self.world.device, _compute_dtype(self.autocast), measure=True)
-            used = mfu(per_token, tokens_per_s, self.peak * self.world.world_size)
+            used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.world.world_size)
         return used
 
     def save(self) -> None:

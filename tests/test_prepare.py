@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from launch import REPO
 from mingpt import corpus, progress
 from mingpt.corpus import builtin_bytes
 from mingpt.data import PreparedData
 from mingpt.errors import DataError
 from mingpt.prepare import main, prepare, read_meta
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from pss import run_measured  # noqa: E402
 
