@@ -24,6 +24,9 @@ class ModelConfig:
     n_embd: Optional[int] = None
     dropout: float = 0.0
     bias: bool = False
+    # Start a new run from these weights: a Hugging Face GPT-2 folder or a mingpt snapshot (local or a URL).
+    # Its shape replaces the preset's; a run that has snapshots of its own resumes from them instead.
+    init_from: Optional[str] = None
 
     def build(self, vocab_size: int, block_size: int) -> GPTConfig:
         sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd))
@@ -39,7 +42,9 @@ class DataConfig:
     # .gz/.bz2/.xz/.zst read as such, .jsonl as one document per line; or the built-in python-docs.
     corpus: Any = "python-docs"
     text_field: str = "text"  # the field of each JSONL record that holds its text
-    tokenizer: str = "char"  # char, bpe, or a tiktoken encoding name (gpt2, cl100k_base, ...)
+    # char, bpe, a tiktoken encoding name (gpt2, cl100k_base, ...), or a folder with a slash in its name
+    # (./gpt2) holding a Hugging Face tokenizer or a mingpt snapshot's. Default: char, or model.init_from's.
+    tokenizer: str = "char"
     vocab_size: Optional[int] = None  # for bpe
     bpe_sample_bytes: int = 100_000_000  # bpe is trained on a sample of this many bytes, drawn across the corpus
     num_workers: int = 0  # processes that tokenize; 0: one per CPU core
@@ -63,8 +68,8 @@ class TrainerConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    precision: str = "auto"  # auto (bf16 on GPUs that have it, else fp32), fp32, bf16, fp16
-    compile: bool = False  # torch.compile the model
+    precision: str = "auto"  # auto (bf16 where the GPU or CPU computes it natively, else fp32), fp32, bf16, fp16
+    compile: Optional[bool] = None  # torch.compile the model; null (auto): on GPUs only
     eval_every: int = 100  # steps; 0 disables periodic evaluation
     eval_samples: int = 128  # validation examples per evaluation, shared among the processes
     log_every: int = 10

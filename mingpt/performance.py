@@ -41,13 +41,18 @@ def mfu(flops_per_token: int, tokens_per_s: float, peak_flops: float) -> float:
     return flops_per_token * tokens_per_s / peak_flops
 
 
-def choose_precision(requested: str, device: torch.device) -> tuple[str, str]:
+# Below this width bf16 autocast costs more in casts than its matmuls save on a CPU (gpt-nano, 48 wide: 0.90x fp32).
+MIN_BF16_CPU_WIDTH = 128
+
+
+def choose_precision(requested: str, device: torch.device, n_embd: int) -> tuple[str, str]:
     """The precision to train in ('fp32', 'bf16' or 'fp16') and why, for `trainer.precision`.
 
-    `auto` takes bf16 autocast on CUDA GPUs that support it. On CPUs it stays fp32: even with
-    native bf16 (AVX512-BF16, AMX), autocast was measured slower for the small presets (gpt-micro,
-    20% slower on the 2-core development machine) and faster only for larger ones (gpt-mini at
-    block 256: +53%), so it is a choice to make per model with trainer.precision=bf16."""
+    `auto` takes bf16 autocast where the hardware computes bf16 natively: CUDA GPUs that support it,
+    and CPUs with AMX or AVX512-BF16 for models at least MIN_BF16_CPU_WIDTH wide (measured on such a
+    2-core CPU by bench/bench_precision.py: gpt-micro 1.28x and gpt-mini 1.70x the fp32 tokens/s, with
+    attention kept in fp32, see mingpt.model.attention). Elsewhere autocast would emulate bf16, slower
+    than fp32. Weights and optimizer state stay fp32 either way."""
     if requested != "auto":
         return requested, "as configured"
     if device.type == "cuda":
@@ -56,10 +61,23 @@ def choose_precision(requested: str, device: torch.device) -> tuple[str, str]:
             return "bf16", f"auto: {name} computes in bf16"
         return "fp32", f"auto: {name} has no bf16"
     native = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in cpu_flags()]
-    if native:
-        return "fp32", (f"auto: fp32 on CPUs; this one has {', '.join(native)}, so trainer.precision=bf16 may be "
-                        "faster for larger models")
-    return "fp32", "auto: fp32 on CPUs (this one has no native bf16)"
+    if not native:
+        return "fp32", "auto: this CPU has no native bf16 (amx_bf16, avx512_bf16), where bf16 runs slower than fp32"
+    if n_embd < MIN_BF16_CPU_WIDTH:
+        return "fp32", f"auto: a model {n_embd} wide (under {MIN_BF16_CPU_WIDTH}) trains faster in fp32 on CPUs"
+    return "bf16", f"auto: this CPU has native bf16 ({', '.join(native)})"
+
+
+def choose_compile(requested: bool | None, device: torch.device) -> tuple[bool, str]:
+    """Whether to torch.compile the model, and why, for `trainer.compile` (None: decide here).
+
+    On CPUs compiling was measured no faster (gpt-micro 0.94x, gpt-mini 0.97x in bf16, 1.1x slower in
+    fp32 on the 2-core development machine) and costs 15-30 s, so `auto` compiles on GPUs only."""
+    if requested is not None:
+        return requested, "as configured"
+    if device.type == "cuda":
+        return True, "auto: on GPUs"
+    return False, "auto: not on CPUs, where it was measured no faster"
 
 
 def cpu_flags() -> set[str]:

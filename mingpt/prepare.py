@@ -54,6 +54,7 @@ from mingpt.corpus import (
 from mingpt.errors import DataError, MinGPTError
 from mingpt.progress import Progress
 from mingpt.storage import redact
+from mingpt import hf
 from mingpt.tokenizers import (
     BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, tokenizer_from_dict, train_tokenizer,
 )
@@ -80,7 +81,8 @@ def prepare(
 ) -> Path:
     """Tokenize `corpus` into `out` (default: see `default_out_dir`) unless it is already there; return `out`.
 
-    `tokenizer` is 'char', 'bpe' (with `vocab_size`) or a tiktoken encoding name such as 'gpt2'.
+    `tokenizer` is 'char', 'bpe' (with `vocab_size`), a tiktoken encoding name such as 'gpt2', or a folder
+    holding a tokenizer (a Hugging Face one, or a mingpt snapshot's: see mingpt.hf).
     `num_workers` processes tokenize (0: one per CPU core).
     """
     if tokenizer == "bpe":
@@ -126,7 +128,16 @@ def default_out_dir(corpus: str | Sequence[str], tokenizer: str, vocab_size: int
                      for entry in entries]
         stem += "-" + hashlib.sha256(json.dumps(locations).encode()).hexdigest()[:8]
     suffix = f"-{vocab_size}" if tokenizer == "bpe" else ""
-    return Path(root) / f"{stem}-{tokenizer}{suffix}"
+    return Path(root) / f"{stem}-{_tokenizer_label(tokenizer)}{suffix}"
+
+
+def _tokenizer_label(tokenizer: str) -> str:
+    """The tokenizer in a folder name: itself, or for a tokenizer folder its name and a hash of its location."""
+    if not hf.is_path(tokenizer):
+        return tokenizer
+    location = tokenizer if "://" in tokenizer else str(Path(tokenizer).resolve())
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", tokenizer.rstrip("/").rsplit("/", 1)[-1]) or "tokenizer"
+    return f"{name}-{hashlib.sha256(location.encode()).hexdigest()[:8]}"
 
 
 def _cpu_count() -> int:

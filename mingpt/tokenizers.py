@@ -243,13 +243,18 @@ def check_bpe_vocab_size(vocab_size: int | None) -> None:
 
 
 def train_tokenizer(kind: str, texts: str | Iterable[str], vocab_size: int | None = None) -> Tokenizer:
-    """Build a tokenizer of `kind` ('char', 'bpe' or a tiktoken encoding name such as 'gpt2') for `texts`."""
+    """Build a tokenizer of `kind` ('char', 'bpe', a tiktoken encoding name such as 'gpt2', or a folder holding
+    a tokenizer: see mingpt.hf) for `texts`."""
     if kind == "char":
         return CharTokenizer.train(texts)
     if kind == "bpe":
         return BPETokenizer.train(texts, vocab_size)
     if kind == "tiktoken":
         raise TokenizerError("name the tiktoken encoding itself as the tokenizer, e.g. 'gpt2' or 'cl100k_base'")
+    from mingpt import hf  # it builds on this module
+
+    if hf.is_path(kind):
+        return hf.load_tokenizer_folder(kind)
     return TiktokenTokenizer(kind)
 
 

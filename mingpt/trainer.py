@@ -16,7 +16,7 @@ import signal
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -27,13 +27,15 @@ import mingpt
 from mingpt import distributed
 from mingpt.config import Config
 from mingpt.data import PreparedData, TokenBlocks
-from mingpt.performance import choose_precision, flops_per_token, mfu, peak_flops, peak_memory_bytes
+from mingpt.performance import choose_compile, choose_precision, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from mingpt.prepare import prepare
+from mingpt.pretrained import Pretrained, open_pretrained
 from mingpt.errors import TrainingError
 from mingpt.distributed import World
 from mingpt.model import GPT, GPTConfig
 from mingpt.sampler import micro_batches, shard, window_order
 from mingpt.lease import LeaseLostError
+from mingpt.loggers import Loggers
 from mingpt.snapshot import Snapshot, SnapshotError, SnapshotStore, SnapshotWriter
 from mingpt.storage import explain_storage_error
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
@@ -92,39 +94,63 @@ def train(cfg: Config) -> TrainResult:
     # can no longer commit (see mingpt.lease).
     with store.claim(cfg.snapshot.lease_timeout_s) if distributed.leads_this_generation() else nullcontext():
         d = cfg.data
-        data = PreparedData(prepare(d.corpus, d.tokenizer, d.vocab_size, d.prepared_dir, d.val_fraction,
-                                    text_field=d.text_field, bpe_sample_bytes=d.bpe_sample_bytes,
+        pretrained = open_pretrained(cfg.model.init_from, d.block_size) if cfg.model.init_from else None
+        data = PreparedData(prepare(d.corpus, _tokenizer(cfg, pretrained), d.vocab_size, d.prepared_dir,
+                                    d.val_fraction, text_field=d.text_field, bpe_sample_bytes=d.bpe_sample_bytes,
                                     num_workers=d.num_workers))
-        model_config = cfg.model.build(data.vocab_size, cfg.data.block_size)
+        model_config = _model_config(cfg, data, pretrained)
         world = distributed.start(cfg.trainer.dist_timeout_s)
         try:
             _check_batch(cfg, world)
             with StopFlag() as stop:
-                result = Trainer(cfg, world, store, data, model_config).run(stop)
+                result = Trainer(cfg, world, store, data, model_config, pretrained).run(stop)
             distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
             return result
         finally:
             distributed.stop()
 
 
+def _tokenizer(cfg: Config, pretrained: Pretrained | None) -> str:
+    """data.tokenizer, or the tokenizer of model.init_from where data.tokenizer is left at its default."""
+    default = type(cfg.data)().tokenizer
+    if pretrained is None or cfg.data.tokenizer != default:
+        return cfg.data.tokenizer
+    _log_once("data.tokenizer: the tokenizer of model.init_from (%s)", pretrained.tokenizer)
+    return pretrained.tokenizer
+
+
+def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None) -> GPTConfig:
+    if pretrained is None:
+        return cfg.model.build(data.vocab_size, cfg.data.block_size)
+    if pretrained.config.vocab_size != data.vocab_size:
+        raise mingpt.ConfigError(
+            f"model.init_from={pretrained.url} has a vocabulary of {pretrained.config.vocab_size}, the data's "
+            f"tokenizer ({data.tokenizer.describe()}) one of {data.vocab_size}; leave data.tokenizer at its default "
+            "to use the tokenizer that came with the weights")
+    _log_once("model.init_from=%s: %s (instead of model=%s)", pretrained.url, pretrained.describe(), cfg.model.name)
+    return replace(pretrained.config, dropout=cfg.model.dropout)
+
+
 class Trainer:
     """The replica's state (model, optimizer, TrainState) and the loop that advances it."""
 
-    def __init__(self, cfg: Config, world: World, store: SnapshotStore, data: PreparedData, model_config: GPTConfig):
+    def __init__(self, cfg: Config, world: World, store: SnapshotStore, data: PreparedData, model_config: GPTConfig,
+                 pretrained: Pretrained | None = None):
         t = cfg.trainer
-        self.cfg, self.world, self.store, self.data = cfg, world, store, data
+        self.cfg, self.world, self.store, self.data, self.pretrained = cfg, world, store, data, pretrained
         self.train_blocks = data.split("train", cfg.data.block_size)
         self.val_blocks = data.split("val", cfg.data.block_size)
         torch.manual_seed(cfg.seed)  # the same initial weights in every process
         self.model = GPT(model_config).to(world.device)
         self.optimizer = torch.optim.AdamW(self.model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                            fused=True)  # one kernel for all parameters: 2.9 -> 1.2 ms on CPU
-        precision, self.precision_reason = choose_precision(t.precision, world.device)
+        precision, self.precision_reason = choose_precision(t.precision, world.device, model_config.n_embd)
         self.autocast, self.scaler = _precision(precision, world.device)
         self.ddp: DDP | None = None
         self.state = TrainState()
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
-        self.metrics = _MetricsLog(store, world)
+        self.metrics = Loggers(t.loggers, store, world, cfg.to_dict())  # trainer.loggers; the leader's alone
+        self.events: list[tuple[str, str]] = []  # (kind, text): what resume found, marked on the dashboards
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
@@ -134,7 +160,13 @@ class Trainer:
         """Load the newest verified snapshot, the same one in every process."""
         snapshot = _choose_snapshot(self.store, self.world)
         if snapshot is None:
+            if self.pretrained:  # a new run: its weights, a fresh optimizer, step 0
+                self.model.load_state_dict(self.pretrained.load())
+                _log(self.world, "initialised from model.init_from=%s", self.pretrained.url)
             return
+        if self.pretrained:
+            _log(self.world, "model.init_from=%s is not read: this run resumes from its own snapshot",
+                 self.pretrained.url)
         _check_compatible(snapshot, self.model.config, self.data.tokenizer)
         self.model.load_state_dict(snapshot.load_tensors("model.pt", self.world.device))
         configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
@@ -145,6 +177,10 @@ class Trainer:
         self.state = TrainState(snapshot.manifest["step"], snapshot.manifest["samples_seen"])
         _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
              snapshot.url, self.state.step, self.state.samples_seen, self.world.world_size)
+        before, now = snapshot.manifest.get("world_size"), self.world.world_size
+        self.events.append(("restart", f"resumed from step {self.state.step} with {now} process(es)"))
+        if before is not None and before != now:
+            self.events.append(("world_size_change", f"{before} -> {now} processes at step {self.state.step}"))
         changed = _changed_settings(snapshot.manifest.get("config", {}), self.cfg.to_dict())
         if changed:
             _log(self.world, "settings changed since that snapshot: %s", ", ".join(changed))
@@ -166,8 +202,15 @@ class Trainer:
             _log(world, "the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
                  state.step, t.max_steps)
             return TrainResult(state.step, None, None)
-        if t.compile:
-            self.model.compile()  # in place, so state-dict keys keep their names (no _orig_mod. prefix)
+        self.metrics.start(state.step)
+        for kind, text in self.events:
+            self.metrics.mark(state.step, kind, text)
+        use_compile, compile_reason = choose_compile(t.compile, world.device)
+        if use_compile:
+            # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
+            # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds.
+            self.model.compile()
+        _log(world, "torch.compile %s (%s)", "on" if use_compile else "off", compile_reason)
         if world.distributed:
             self.ddp = DDP(self.model, device_ids=[world.device] if world.device.type == "cuda" else None)
         # Window offsets are a function of (seed, position) only: any world size reads the same examples.
@@ -210,7 +253,7 @@ class Trainer:
             if (t.eval_every and state.step % t.eval_every == 0) or (last and not stops):
                 self.val_loss = evaluate(self.model, self.val_blocks, cfg, world, self.autocast)
                 _log(world, "step %d | val loss %.4f", state.step, self.val_loss)
-                self.metrics.write({"step": state.step, "val_loss": self.val_loss})
+                self.metrics.log(state.step, {"val_loss": self.val_loss})
             if state.step % cfg.snapshot.every == 0 or last:
                 self.save()
             if stops > 0:
@@ -266,8 +309,8 @@ class Trainer:
         _log(self.world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | MFU %.1f%% | %.0f MB | ETA %s", step,
              t.max_steps, self.train_loss, lr, rate, 100 * used, memory / 1e6,
              _duration((t.max_steps - step) * seconds_per_step))
-        self.metrics.write({"step": step, "train_loss": self.train_loss, "lr": lr, "tokens_per_s": rate,
-                            "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
+        self.metrics.log(step, {"train_loss": self.train_loss, "lr": lr, "tokens_per_s": rate,
+                                "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
 
     def _mfu(self, tokens_per_s: float) -> float:
         """MFU of this run (leader only; NaN elsewhere). Above 100% the peak was probed on a busy machine:
@@ -302,7 +345,7 @@ class Trainer:
         """Wait for the snapshot in flight: the job must not end before it is committed, nor end
         "done" when it was not. Every process learns the outcome, so all exit alike."""
         self.writer.wait()
-        self.metrics.flush()
+        self.metrics.close()
         failed = float(self.world.is_leader and self.writer.failures > 0)
         if distributed.all_reduce_sum([failed], self.world)[0]:
             self.writer.check(final=True)
@@ -520,39 +563,14 @@ def autocast_name(autocast) -> str:
     return str(autocast.fast_dtype).replace("torch.", "") if isinstance(autocast, torch.autocast) else "float32"
 
 
-class _MetricsLog:
-    """Appends one JSON line per record to metrics.jsonl beside the snapshots (leader only).
-
-    Local files get each record at once; object stores, which rewrite a file to append to it,
-    get the records in batches when a snapshot is written and at the end.
-    """
-
-    def __init__(self, store: SnapshotStore, world: World):
-        self.path = f"{store.path}/metrics.jsonl"
-        self.fs = store.fs
-        self.enabled = world.is_leader
-        self.batched = not store.local
-        self.pending: list[str] = []
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            self.pending.append(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-            if not self.batched:
-                self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        try:
-            with self.fs.open(self.path, "a") as f:
-                f.write("".join(self.pending))
-            self.pending.clear()
-        except Exception as e:  # metrics are a convenience; a storage hiccup must not stop training
-            log.warning("could not append to %s: %s", self.path, e)
-
-
 def _log(world: World, message: str, *args) -> None:
     if world.is_leader:
+        log.info(message, *args)
+
+
+def _log_once(message: str, *args) -> None:
+    """_log before the process group exists."""
+    if distributed.leads_this_generation():
         log.info(message, *args)
 
 

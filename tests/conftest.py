@@ -9,8 +9,10 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 
 @pytest.fixture(autouse=True, scope="session")
 def cache_in_tmp(tmp_path_factory):
-    """Caches the code writes (the peak-FLOP probe's) go to a temporary folder, not the user's home."""
+    """Caches the code writes (the peak-FLOP probe's) go to a temporary folder, not the user's home,
+    and Hugging Face's libraries never reach for the network: every model a test uses is made here."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 @pytest.fixture

@@ -21,10 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "train" / "main.py")
 
 # Small and quick, but with steps long enough that a test can act between snapshots.
+# fp32 on every machine: tests compare runs that split a batch differently, which agree to fp32
+# rounding; bf16 autocast (what `auto` picks on CPUs with native bf16) has tests of its own.
 SMALL = [
     "model=gpt-nano", "data.block_size=32", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
     "trainer.warmup_steps=5", "trainer.lr=3e-3", "trainer.log_every=5", "trainer.eval_every=0",
-    "trainer.eval_samples=32", "trainer.dist_timeout_s=30",
+    "trainer.eval_samples=32", "trainer.dist_timeout_s=30", "trainer.precision=fp32",
 ]
 
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"

@@ -2,9 +2,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mingpt.errors import ConfigError
-from mingpt.model import GPT, PRESETS, GPTConfig, sample_next
+from mingpt.model import GPT, PRESETS, GPTConfig, attention, sample_next
 
 
 def tiny(vocab=17, block=16, **kw) -> GPT:
@@ -168,3 +169,11 @@ def test_dropout_acts_in_training_only():
     assert not torch.equal(model(idx)[0], model(idx)[0])
     model.eval()
     assert torch.equal(model(idx)[0], model(idx)[0])
+
+
+def test_attention_on_a_cpu_computes_bf16_inputs_in_fp32():
+    q, k, v = (torch.randn(2, 3, 16, 8).to(torch.bfloat16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attention(q, k, v, is_causal=True, dropout_p=0.0)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected.to(torch.bfloat16))
