@@ -1,12 +1,12 @@
 """The GPU benchmark behind bench/gpu.sh: the trainer on every GPU of one machine, one table.
 
-    bash bench/gpu.sh                     # gpt2 (124M), bf16 and compile as `auto` picks them on a GPU
+    bash bench/gpu.sh                     # gpt2 (124M), compiled, in the precision `auto` picks (bf16)
     python bench/bench_gpu.py --cpu       # the same jobs on a small model with gloo, to check the script
 
 Three jobs, each `mingpt-torchrun --standalone --nproc-per-node=<GPUs> train/main.py` on the
 built-in corpus with its BPE vocabulary (data=python-docs-bpe, trained offline), so nothing is
 downloaded:
-1. train: the model with precision and compile left at auto (bf16, compiled, on NCCL), --steps
+1. train: the model compiled, with precision left at auto (bf16 on such GPUs), on NCCL, --steps
    steps, a snapshot every 50. From metrics.jsonl: median tokens/s, MFU and peak memory; the time
    to the first progress line (start-up and compiling); the async snapshot stall, as the extra time
    of the 10-step windows that hold a snapshot over the median of the others.
@@ -146,7 +146,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "mingpt.prepare", "--corpus", "python-docs", "--tokenizer", "bpe",
                         "--vocab-size", "2048", "--out", str(work / "data")], check=True, capture_output=True)
         steps = f"trainer.max_steps={args.steps}"
-        compiled, first_compiled, text = train(nproc, common, work, "train", [steps])
+        compiled, first_compiled, text = train(nproc, common, work, "train", [steps, "trainer.compile=true"])
         eager, first_eager, _ = train(nproc, common, work, "eager", [steps, "trainer.compile=false"])
         recovery = kill_and_recover(nproc, common, work)
     setting = re.search(r"\d+ process\(es\), (\w+ \([^)]*\))", text)

@@ -3,9 +3,12 @@
     python bench/bench_vs_nanogpt.py --nanogpt /tmp/nanogpt              # 2000 steps, 2 rounds (~10 min)
     python bench/bench_vs_nanogpt.py --nanogpt /tmp/nanogpt --steps 200 --rounds 1   # a quick look
 
-The recipe (nanoGPT's README for CPUs): 4 layers, 4 heads, width 128, block 64, batch 12, fp32,
+The recipe (nanoGPT's README for CPUs): 4 layers, 4 heads, width 128, block 64, batch 12,
 lr 1e-3 with 100 warm-up steps and cosine decay to 1e-4 at the last step, AdamW beta2 0.99, weight
-decay 0.1, gradient clipping at 1.0, dropout 0, no torch.compile, no bias.
+decay 0.1, gradient clipping at 1.0, dropout 0, no bias. nanoGPT runs it in fp32 without
+torch.compile, as its README says for CPUs; the project with its defaults for that model size
+(trainer.precision and trainer.compile left at auto: on a CPU with native bf16, bf16 autocast and
+no compile). Each project round prints the precision it chose.
 
 nanoGPT runs from its own checkout (--nanogpt, never copied into this project): its
 data/shakespeare_char/prepare.py runs in a scratch folder, on an input.txt written there from
@@ -236,7 +239,9 @@ def main() -> None:
         snap_dir = workdir / f"project-{r}"
         wall = run_project(prepared, snap_dir, corpus, args.steps)
         jobs.append(Job("project", r, project_rate(snap_dir, args.steps), wall, project_val_loss(snap_dir, text)))
-        print(f"project round {r}: {jobs[-1].tokens_per_s:,.0f} tokens/s, {wall:.1f} s", flush=True)
+        chosen = re.search(r"process\(es\), (\w+ \([^)]*\))", (workdir / f"project-{r}.log").read_text())
+        print(f"project round {r}: {jobs[-1].tokens_per_s:,.0f} tokens/s, {wall:.1f} s, "
+              f"{chosen[1] if chosen else 'precision not logged'}", flush=True)
     print(f"val loss: {len(text):,} held-out characters, {(len(text) - 1) // BLOCK:,} windows of {BLOCK}")
     print_table(jobs)
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from mingpt.storage import redact
 from mingpt.errors import ConfigError
+from mingpt.loggers import check_loggers
 from mingpt.model import PRESETS, GPTConfig
 
 
@@ -73,6 +74,8 @@ class TrainerConfig:
     eval_every: int = 100  # steps; 0 disables periodic evaluation
     eval_samples: int = 128  # validation examples per evaluation, shared among the processes
     log_every: int = 10
+    # Where metrics go, from jsonl (metrics.jsonl beside the snapshots), tensorboard, wandb (see mingpt.loggers).
+    loggers: List[str] = field(default_factory=lambda: ["jsonl"])
     dist_timeout_s: int = 300  # a collective that waits longer fails, and torchrun restarts the workers
 
 
@@ -160,6 +163,7 @@ def validate(cfg: Config) -> None:
     for key, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
+    check_loggers(t.loggers)  # known names, their packages installed
     # The model's own checks (sizes, dropout, n_embd divisible by n_head) on the resolved preset sizes.
     m.build(vocab_size=1, block_size=d.block_size)
 

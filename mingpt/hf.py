@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import logging
 import re
 import sys
 
@@ -28,9 +27,8 @@ import torch
 
 from mingpt.errors import ConfigError, MinGPTError, TokenizerError
 from mingpt.model import GPT, GPTConfig
+from mingpt.storage import explain_storage_error, redact
 from mingpt.tokenizers import EOT, BPETokenizer, CharTokenizer, Tokenizer, TiktokenTokenizer, tokenizer_from_dict
-
-log = logging.getLogger(__name__)
 
 # GPT-2's pre-tokenizer: what HF's ByteLevel(use_regex=True) splits words with.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -145,8 +143,8 @@ def _to_bpe(vocab: dict[str, int], merges: list, pattern: str, added: dict[str, 
 
 
 def tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, bytes]:
-    """Hugging Face tokenizer files of the same vocabulary: tokenizer.json (and for BPE also vocab.json and
-    merges.txt); AutoTokenizer encodes text to the same ids."""
+    """Hugging Face tokenizer files of the same vocabulary: tokenizer.json (and, for GPT-2's split pattern,
+    vocab.json and merges.txt); AutoTokenizer encodes text to the same ids."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "clean_up_tokenization_spaces": False}
     if tokenizer.eot_id is not None:
         config.update(eos_token=EOT, bos_token=EOT)
@@ -165,10 +163,12 @@ def tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, bytes]:
             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             {**byte_level, "use_regex": False}]}
         fast = _tokenizer_json(vocab, merges, tokenizer, pre=pre, decoder={**byte_level, "use_regex": True})
-        slow_vocab = {**vocab, **({EOT: tokenizer.eot_id} if tokenizer.eot_id is not None else {})}
-        return {"tokenizer.json": _dumps(fast), "vocab.json": _dumps(slow_vocab),
-                "merges.txt": ("#version: 0.2\n" + "\n".join(merges) + "\n").encode(),
-                "tokenizer_config.json": _dumps(config)}
+        files = {"tokenizer.json": _dumps(fast), "tokenizer_config.json": _dumps(config)}
+        if pattern == GPT2_PATTERN:  # the slow files imply GPT-2's split pattern: for any other they would mislead
+            slow_vocab = {**vocab, **({EOT: tokenizer.eot_id} if tokenizer.eot_id is not None else {})}
+            files.update({"vocab.json": _dumps(slow_vocab),
+                          "merges.txt": ("#version: 0.2\n" + "\n".join(merges) + "\n").encode()})
+        return files
     raise TokenizerError(f"no Hugging Face form for a {tokenizer.describe()} tokenizer")
 
 
@@ -287,17 +287,23 @@ def hf_files(model: GPT) -> dict[str, bytes]:
 
 def export(snapshot_url: str, out: str) -> list[str]:
     """Write the model and tokenizer of a snapshot as a Hugging Face folder; the names of the files written."""
-    from mingpt.sample import load_for_sampling, open_snapshot
+    from mingpt.sample import open_for_sampling
 
-    model, tokenizer = load_for_sampling(open_snapshot(snapshot_url), torch.device("cpu"))
+    _, model, tokenizer = open_for_sampling(snapshot_url, torch.device("cpu"))
     files = {**hf_files(model), **tokenizer_files(tokenizer, model.config.block_size)}
-    fs, path = _fs(out)
-    if fs.exists(path) and fs.ls(path):
-        raise ConfigError(f"{out} exists and is not empty; give a new folder")
-    fs.makedirs(path, exist_ok=True)
-    for name, data in files.items():
-        with fs.open(f"{path}/{name}", "wb") as f:
-            f.write(data)
+    try:
+        fs, path = _fs(out)
+        if fs.exists(path) and fs.ls(path):
+            raise ConfigError(f"{out} exists and is not empty; give a new folder")
+        fs.makedirs(path, exist_ok=True)
+        for name, data in files.items():
+            with fs.open(f"{path}/{name}", "wb") as f:
+                f.write(data)
+    except MinGPTError:
+        raise
+    except Exception as e:  # storage clients raise many types: explain any in one line
+        reason = explain_storage_error(e, local="://" not in out, setting="the OUT argument")
+        raise ConfigError(f"cannot write {redact(out)}: {reason}") from None
     return sorted(files)
 
 
@@ -314,7 +320,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {', '.join(names)} to {args.out}")
     return 0
-
-
-def describe_init(config: GPTConfig) -> str:
-    return f"{config.n_layer} layers, {config.n_head} heads, {config.n_embd} wide, vocab {config.vocab_size}"

@@ -50,7 +50,7 @@ def choose_precision(requested: str, device: torch.device, n_embd: int) -> tuple
 
     `auto` takes bf16 autocast where the hardware computes bf16 natively: CUDA GPUs that support it,
     and CPUs with AMX or AVX512-BF16 for models at least MIN_BF16_CPU_WIDTH wide (measured on such a
-    2-core CPU by bench/bench_precision.py: gpt-micro 1.28x and gpt-mini 1.70x the fp32 tokens/s, with
+    2-core CPU by bench/bench_precision.py: gpt-micro 1.33x and gpt-mini 1.70x the fp32 tokens/s, with
     attention kept in fp32, see mingpt.model.attention). Elsewhere autocast would emulate bf16, slower
     than fp32. Weights and optimizer state stay fp32 either way."""
     if requested != "auto":
@@ -62,17 +62,18 @@ def choose_precision(requested: str, device: torch.device, n_embd: int) -> tuple
         return "fp32", f"auto: {name} has no bf16"
     native = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in cpu_flags()]
     if not native:
-        return "fp32", "auto: this CPU has no native bf16 (amx_bf16, avx512_bf16), where bf16 runs slower than fp32"
+        return "fp32", "auto: this CPU has neither amx_bf16 nor avx512_bf16, and emulated bf16 runs slower than fp32"
     if n_embd < MIN_BF16_CPU_WIDTH:
-        return "fp32", f"auto: a model {n_embd} wide (under {MIN_BF16_CPU_WIDTH}) trains faster in fp32 on CPUs"
-    return "bf16", f"auto: this CPU has native bf16 ({', '.join(native)})"
+        return "fp32", f"auto: a model {n_embd} wide, under {MIN_BF16_CPU_WIDTH}, trains faster in fp32 on CPUs"
+    return "bf16", "auto: this CPU computes bf16 natively with " + " and ".join(native)
 
 
 def choose_compile(requested: bool | None, device: torch.device) -> tuple[bool, str]:
     """Whether to torch.compile the model, and why, for `trainer.compile` (None: decide here).
 
-    On CPUs compiling was measured no faster (gpt-micro 0.94x, gpt-mini 0.97x in bf16, 1.1x slower in
-    fp32 on the 2-core development machine) and costs 15-30 s, so `auto` compiles on GPUs only."""
+    On CPUs compiling was measured no faster: 0.90-1.03x the eager tokens/s of gpt-nano to gopher-44m in the
+    precision `auto` takes for each (bench/bench_precision.py), for 13-28 s of compiling per start; so
+    `auto` compiles on GPUs only."""
     if requested is not None:
         return requested, "as configured"
     if device.type == "cuda":

@@ -9,7 +9,6 @@ a snapshot of its own, every restart resumes from it and never reads init_from a
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -19,8 +18,6 @@ from mingpt import hf
 from mingpt.errors import ConfigError
 from mingpt.model import GPTConfig
 from mingpt.snapshot import SnapshotError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -30,10 +30,10 @@ def test_a_configured_precision_is_taken_as_it_is(requested):
 
 
 @pytest.mark.parametrize("flags, width, expected, reason", [
-    ({"avx2", "amx_bf16", "avx512_bf16"}, 128, "bf16", "native bf16 (amx_bf16, avx512_bf16)"),
-    ({"avx2", "avx512_bf16"}, 768, "bf16", "native bf16 (avx512_bf16)"),
-    ({"avx2", "avx512_bf16"}, 48, "fp32", "48 wide (under 128) trains faster in fp32"),
-    ({"avx2"}, 768, "fp32", "no native bf16"),
+    ({"avx2", "amx_bf16", "avx512_bf16"}, 128, "bf16", "natively with amx_bf16 and avx512_bf16"),
+    ({"avx2", "avx512_bf16"}, 768, "bf16", "natively with avx512_bf16"),
+    ({"avx2", "avx512_bf16"}, 48, "fp32", "48 wide, under 128, trains faster in fp32"),
+    ({"avx2"}, 768, "fp32", "neither amx_bf16 nor avx512_bf16"),
 ])
 def test_auto_on_a_cpu_takes_bf16_where_it_is_native_and_pays(monkeypatch, flags, width, expected, reason):
     monkeypatch.setattr(performance, "cpu_flags", lambda: flags)

@@ -1,0 +1,109 @@
+"""mingpt-plot: reading metrics.jsonl (the last record of a step wins, restarts found) and drawing it."""
+
+import builtins
+import json
+import signal
+import subprocess
+import sys
+
+from launch import BIN, MAIN, SMALL, latest_step, run, wait_for
+from mingpt import plot
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def progress(step, time, loss=3.0, world_size=1, rate=1000.0):
+    """A progress record; 10 steps of 100 tokens take 1 s at the default rate."""
+    return {"time": time, "step": step, "train_loss": loss, "lr": 1e-3, "tokens_per_s": rate,
+            "world_size": world_size}
+
+
+def write_metrics(folder, records, tail=""):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return folder
+
+
+def test_the_last_record_of_a_step_wins_and_a_cut_line_is_skipped(tmp_path):
+    records = [progress(10, 1.0, 2.5), progress(20, 2.0, 2.4), {"time": 2.1, "step": 20, "val_loss": 2.6},
+               progress(30, 3.0, 2.3),
+               # killed after step 30, resumed from the step-20 snapshot: steps 30 and 40 by the new process
+               progress(30, 20.0, 2.2), progress(40, 21.0, 2.1), {"time": 21.1, "step": 40, "val_loss": 2.0}]
+    run_dir = write_metrics(tmp_path / "run", records, tail='{"time": 22.0, "step": 50, "train_lo')
+    data = plot.curves(plot.read_records(str(run_dir)))
+    assert data.train_loss == {10: 2.5, 20: 2.4, 30: 2.2, 40: 2.1}
+    assert data.val_loss == {20: 2.6, 40: 2.0}
+    assert [(m.step, m.kind) for m in data.marks] == [(30, "restart")]
+
+
+def test_restarts_and_world_size_changes_are_found():
+    records = [progress(s, s / 10) for s in (10, 20, 30)]
+    records += [progress(33, 3.3)]  # SIGTERM: the process stops at step 33 ...
+    records += [progress(s, 10 + s / 10, world_size=2) for s in (40, 50)]  # ... and two processes go on
+    records += [{"time": 15.05, "step": 50, "val_loss": 2.0}]  # an evaluation is no restart
+    records += [progress(60, 30.0, world_size=2)]  # stopped at a multiple of log_every: only the pause tells
+    records += [progress(70, 31.0, world_size=2), progress(80, 32.0, world_size=2)]
+    marks = [(m.step, m.kind, m.text) for m in plot.find_marks(records)]
+    assert marks == [(33, "restart", "restart"), (33, "world_size_change", "1 -> 2 processes"),
+                     (50, "restart", "14 s pause")]
+
+
+def test_an_uninterrupted_run_has_no_marks():
+    records = [progress(s, s / 10 + (0.3 if s > 50 else 0)) for s in range(10, 110, 10)]  # an evaluation
+    # The machine 20 times slower for a while (another job): a long interval, but a rate as low.
+    records += [progress(110, 31.0, rate=50.0), progress(120, 51.0, rate=50.0), progress(130, 52.0)]
+    assert plot.find_marks(records) == []
+
+
+def test_missing_matplotlib_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    run_dir = write_metrics(tmp_path / "run", [progress(10, 1.0)])
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert plot.main([str(run_dir), "-o", str(tmp_path / "loss.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == 'error: mingpt-plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)\n'
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_a_folder_without_metrics_is_an_error(tmp_path, capsys):
+    assert plot.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "loss.png")]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_plot_reads_a_run_in_s3(tmp_path, s3, capsys):
+    import boto3
+
+    lines = "".join(json.dumps(progress(s, s / 10)) + "\n" for s in (10, 20, 30)).encode()
+    boto3.client("s3", endpoint_url=s3.endpoint).put_object(Bucket=s3.bucket, Key="run/metrics.jsonl", Body=lines)
+    out = tmp_path / "s3.png"
+    assert plot.main([f"s3://{s3.bucket}/run", "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(PNG)
+
+
+def test_mingpt_plot_draws_a_restarted_run(tmp_path, procs):
+    """A real run stopped with SIGTERM and resumed, then the command as a user types it."""
+    snap = tmp_path / "snap"
+    args = [*SMALL, "trainer.eval_every=20", "snapshot.every=20", f"snapshot.dir={snap}",
+            f"data.prepared_dir={tmp_path / 'prepared'}"]
+    first = procs.start([sys.executable, MAIN, *args, "trainer.max_steps=100000000"], "first")
+    wait_for(lambda: latest_step(snap) >= 20, 120, "the step-20 snapshot", [first])
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+    stopped = latest_step(snap)
+    run(procs, [sys.executable, MAIN], [*args, f"trainer.max_steps={stopped + 30}"], "again")
+
+    data = plot.curves(plot.read_records(str(snap)))
+    assert [m.kind for m in data.marks] == ["restart"] and data.marks[0].step == stopped
+    assert max(data.train_loss) == stopped + 30 and data.val_loss
+    done = subprocess.run([str(BIN / "mingpt-plot"), str(snap)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{tmp_path / 'loss.png'}\n"
+    picture = (tmp_path / "loss.png").read_bytes()
+    assert picture.startswith(PNG) and len(picture) > 10_000
