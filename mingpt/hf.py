@@ -255,8 +255,9 @@ def load_hf_weights(url: str, config: GPTConfig) -> dict[str, torch.Tensor]:
     return state
 
 
-def hf_files(model: GPT) -> dict[str, bytes]:
-    """config.json and model.safetensors of `model` as a transformers GPT2LMHeadModel."""
+def hf_files(model: GPT, eot_id: int | None) -> dict[str, bytes]:
+    """config.json and model.safetensors of `model` as a transformers GPT2LMHeadModel; `generate` stops at
+    the end-of-text token `eot_id`, as mingpt-sample does."""
     from safetensors.torch import save
 
     c = model.config
@@ -264,7 +265,8 @@ def hf_files(model: GPT) -> dict[str, bytes]:
               "n_positions": c.block_size, "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
               "n_head": c.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.0,
               "embd_pdrop": 0.0, "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
-              "tie_word_embeddings": c.tie_weights, "torch_dtype": "float32"}
+              "tie_word_embeddings": c.tie_weights, "torch_dtype": "float32", "bos_token_id": eot_id,
+              "eos_token_id": eot_id}
     tensors = {}
     for key, tensor in model.state_dict().items():
         if key == "lm_head.weight" and c.tie_weights:
@@ -290,7 +292,7 @@ def export(snapshot_url: str, out: str) -> list[str]:
     from mingpt.sample import open_for_sampling
 
     _, model, tokenizer = open_for_sampling(snapshot_url, torch.device("cpu"))
-    files = {**hf_files(model), **tokenizer_files(tokenizer, model.config.block_size)}
+    files = {**hf_files(model, tokenizer.eot_id), **tokenizer_files(tokenizer, model.config.block_size)}
     try:
         fs, path = _fs(out)
         if fs.exists(path) and fs.ls(path):

@@ -160,8 +160,8 @@ def test_an_exported_snapshot_computes_and_generates_as_in_mingpt(tmp_path, proc
                              text=True, timeout=120)
     assert sampled.returncode == 0, sampled.stderr
     generated = model.generate(torch.tensor([tok.encode(prompt)]), max_new_tokens=20, do_sample=False,
-                               pad_token_id=tok.eos_token_id)
-    assert tok.decode(generated[0]) in sampled.stdout
+                               pad_token_id=tok.eos_token_id)  # both stop early at end-of-text
+    assert tok.decode(generated[0], skip_special_tokens=True) in sampled.stdout
     # And the export loads back as a starting point.
     run(procs, [sys.executable, MAIN], [*common, f"model.init_from={out}", "trainer.max_steps=1",
                                         f"snapshot.dir={tmp_path / 'again'}"], "back")
@@ -173,3 +173,25 @@ def test_export_refuses_a_folder_that_is_not_empty(tmp_path):
     done = subprocess.run([str(BIN / "mingpt-export"), str(tmp_path / "nothing"), str(tmp_path / "out")], env=env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_fine_tuning_from_a_mingpt_snapshot_takes_its_weights_and_tokenizer_only(tmp_path, procs):
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    base = [*SMALL, f"data.corpus={tmp_path / 'corpus.txt'}"]
+    run(procs, [sys.executable, MAIN], [*base, "trainer.max_steps=20", f"snapshot.dir={tmp_path / 'base'}",
+                                        f"data.prepared_dir={tmp_path / 'prepared'}"], "base")
+    # Another corpus; the tokenizer of the snapshot (its characters), block 16 of its 32 positions.
+    (tmp_path / "other.txt").write_text(TEXT[::-1])
+    tuned = [*base, f"data.corpus={tmp_path / 'other.txt'}", f"model.init_from={tmp_path / 'base'}",
+             "data.block_size=16", "trainer.max_steps=1", "trainer.log_every=1", f"snapshot.dir={tmp_path / 'tuned'}",
+             f"data.prepared_dir={tmp_path / 'other-prepared'}"]
+    text = run(procs, [sys.executable, MAIN], tuned, "tuned")
+    assert "data.tokenizer: the tokenizer of model.init_from" in text and "step-000000020" in text
+    from mingpt.sample import load_for_sampling, open_snapshot
+
+    model, _ = load_for_sampling(open_snapshot(str(tmp_path / "base")), torch.device("cpu"))
+    x, y = first_batch(tmp_path / "other-prepared", 16, 8)
+    with torch.no_grad():
+        expected = model(x, y)[1].item()
+    assert metrics(tmp_path / "tuned")[0]["train_loss"] == pytest.approx(expected, rel=1e-5)
+    assert [m["step"] for m in metrics(tmp_path / "tuned") if "train_loss" in m] == [1]  # from step 0

@@ -117,9 +117,10 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
 
 def test_ctrl_c_while_sampling_ends_with_one_line(tmp_path):
     assert app(tmp_path, "trainer.max_steps=5").returncode == 0
+    # Endless: a sample ends early where the model writes end-of-text, so ask for endlessly many samples.
     sampling = subprocess.Popen([sys.executable, "-m", "mingpt.sample", str(tmp_path / "snap"), "--prompt", "a",
-                                 "--max-new-tokens", "100000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env())
+                                 "--max-new-tokens", "1000", "--num-samples", "100000000"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env())
     try:
         assert sampling.stdout.read(20)  # text is streaming
         sampling.send_signal(signal.SIGINT)
