@@ -154,11 +154,15 @@ def draw(data: Curves, title: str, out: str, plt) -> None:
         if points:
             steps = sorted(points)
             loss_axis.plot(steps, [points[s] for s in steps], style, lw=1.2, ms=3, label=name)
+    at_step: dict[int, list] = {}  # a restart and a world-size change at one step share a line and a label
     for mark in data.marks:
-        restart = mark.kind == "restart"
-        loss_axis.axvline(mark.step, color="tab:red" if restart else "tab:purple", ls="--" if restart else ":", lw=1)
-        loss_axis.annotate(f" {mark.text}", (mark.step, 0.98), xycoords=("data", "axes fraction"), rotation=90,
-                           va="top", fontsize=7, color="tab:red" if restart else "tab:purple")
+        at_step.setdefault(mark.step, []).append(mark)
+    for step, marks in at_step.items():
+        restart = any(mark.kind == "restart" for mark in marks)
+        color = "tab:red" if restart else "tab:purple"
+        loss_axis.axvline(step, color=color, ls="--" if restart else ":", lw=1)
+        loss_axis.annotate(" " + ", ".join(mark.text for mark in marks), (step, 0.98), rotation=90, va="top",
+                           xycoords=("data", "axes fraction"), fontsize=7, color=color)
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("loss")
     loss_axis.set_title(title, fontsize=10)
