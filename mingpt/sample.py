@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import json
 import logging
 import math
+import signal
 import sys
+import threading
+from typing import Iterator
 
 import torch
 
@@ -136,28 +140,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def ctrl_c_flag() -> Iterator[threading.Event]:
+    """Ctrl-C as a flag that the sampling loop checks between tokens. A KeyboardInterrupt raised wherever
+    the signal happens to land can be lost (CI once saw samples go on streaming after SIGINT); a flag
+    cannot."""
+    flag = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def write_samples(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor, args: argparse.Namespace) -> None:
     """Stream `args.num_samples` continuations of `prompt` to stdout, as UTF-8 text. A continuation ends
     early where the model ends its document (the end-of-text token), as documents end in training."""
     generator = torch.Generator(device=prompt.device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
-    for k in range(args.num_samples):
-        if args.num_samples > 1:
-            print(f"\n--- sample {k + 1} ---", flush=True)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        sys.stdout.write(args.prompt)
-        for ids in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, generator=generator):
-            ids = ids.tolist()
-            ended = tokenizer.eot_id in ids  # the model ended its document: so does the sample
-            if ended:
-                ids = ids[: ids.index(tokenizer.eot_id)]
-            sys.stdout.write(decoder.decode(tokenizer.decode_bytes(ids)))
-            sys.stdout.flush()
-            if ended:
-                break
-        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
-
+    with ctrl_c_flag() as ctrl_c:
+        for k in range(args.num_samples):
+            if args.num_samples > 1:
+                print(f"\n--- sample {k + 1} ---", flush=True)
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            sys.stdout.write(args.prompt)
+            for ids in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p, generator=generator):
+                if ctrl_c.is_set():
+                    raise KeyboardInterrupt
+                ids = ids.tolist()
+                ended = tokenizer.eot_id in ids  # the model ended its document: so does the sample
+                if ended:
+                    ids = ids[: ids.index(tokenizer.eot_id)]
+                sys.stdout.write(decoder.decode(tokenizer.decode_bytes(ids)))
+                sys.stdout.flush()
+                if ended:
+                    break
+            sys.stdout.write(decoder.decode(b"", final=True) + "\n")
 
 if __name__ == "__main__":
     sys.exit(main())
