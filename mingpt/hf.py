@@ -22,12 +22,11 @@ import json
 import re
 import sys
 
-import fsspec
 import torch
 
 from mingpt.errors import ConfigError, MinGPTError, TokenizerError
 from mingpt.model import GPT, GPTConfig
-from mingpt.storage import explain_storage_error, redact
+from mingpt.storage import explain_storage_error, open_fs, redact
 from mingpt.tokenizers import EOT, BPETokenizer, CharTokenizer, Tokenizer, TiktokenTokenizer, tokenizer_from_dict
 
 # GPT-2's pre-tokenizer: what HF's ByteLevel(use_regex=True) splits words with.
@@ -43,7 +42,7 @@ def is_path(spec: str) -> bool:
 
 
 def _fs(url: str):
-    return fsspec.core.url_to_fs(url.rstrip("/"))
+    return open_fs(url.rstrip("/"))
 
 
 def _read(fs, path: str) -> bytes:

@@ -41,7 +41,7 @@ def open_pretrained(url: str, block_size: int) -> Pretrained:
 
     try:
         snapshot = open_snapshot(url)
-    except (SnapshotError, FileNotFoundError, OSError):
+    except (SnapshotError, OSError):
         raise ConfigError(f"model.init_from={url} is neither a Hugging Face GPT-2 folder (no config.json there) "
                           "nor a mingpt snapshot or run folder") from None
     saved = GPTConfig(**snapshot.manifest["model_config"])

@@ -178,5 +178,6 @@ def write_samples(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor, args: 
                     break
             sys.stdout.write(decoder.decode(b"", final=True) + "\n")
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -115,7 +115,7 @@ def _tokenizer(cfg: Config, pretrained: Pretrained | None) -> str:
     default = type(cfg.data)().tokenizer
     if pretrained is None or cfg.data.tokenizer != default:
         return cfg.data.tokenizer
-    _log_once("data.tokenizer: the tokenizer of model.init_from (%s)", pretrained.tokenizer)
+    _log_if_leading("data.tokenizer: the tokenizer of model.init_from (%s)", pretrained.tokenizer)
     return pretrained.tokenizer
 
 
@@ -127,7 +127,8 @@ def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None
             f"model.init_from={pretrained.url} has a vocabulary of {pretrained.config.vocab_size}, the data's "
             f"tokenizer ({data.tokenizer.describe()}) one of {data.vocab_size}; leave data.tokenizer at its default "
             "to use the tokenizer that came with the weights")
-    _log_once("model.init_from=%s: %s (instead of model=%s)", pretrained.url, pretrained.describe(), cfg.model.name)
+    _log_if_leading("model.init_from=%s: %s (instead of model=%s)", pretrained.url, pretrained.describe(),
+                    cfg.model.name)
     return replace(pretrained.config, dropout=cfg.model.dropout)
 
 
@@ -568,8 +569,8 @@ def _log(world: World, message: str, *args) -> None:
         log.info(message, *args)
 
 
-def _log_once(message: str, *args) -> None:
-    """_log before the process group exists."""
+def _log_if_leading(message: str, *args) -> None:
+    """_log before the process group exists: in the process that will lead this generation."""
     if distributed.leads_this_generation():
         log.info(message, *args)
 
