@@ -143,7 +143,7 @@ def main() -> None:
                   f"data.prepared_dir={work / 'data'}", f"trainer.micro_batch_size={args.micro_batch}",
                   f"trainer.global_batch_size={nproc * args.micro_batch}", f"trainer.log_every={WINDOW}",
                   "trainer.eval_every=0", f"snapshot.every={EVERY}", "snapshot.keep=2"]
-        subprocess.run([sys.executable, "-m", "mingpt.prepare", "--corpus", "python-docs", "--tokenizer", "bpe",
+        subprocess.run([sys.executable, "-m", "mingpt.cli.prepare", "--corpus", "python-docs", "--tokenizer", "bpe",
                         "--vocab-size", "2048", "--out", str(work / "data")], check=True, capture_output=True)
         steps = f"trainer.max_steps={args.steps}"
         compiled, first_compiled, text = train(nproc, common, work, "train", [steps, "trainer.compile=true"])

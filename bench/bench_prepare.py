@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from mingpt.corpus import builtin_bytes  # noqa: E402
+from mingpt.data.corpus import builtin_bytes  # noqa: E402
 from pss import run_measured  # noqa: E402
 
 PREPARE = str(Path(sys.executable).parent / "mingpt-prepare")

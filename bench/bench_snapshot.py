@@ -19,8 +19,9 @@ import time
 import torch
 
 from mingpt.model import GPT, GPTConfig
-from mingpt.snapshot import SnapshotStore, SnapshotWriter
-from mingpt.trainer import _to_cpu
+from mingpt.checkpoint.store import SnapshotStore
+from mingpt.checkpoint.writer import SnapshotWriter
+from mingpt.training.checkpointer import _to_cpu
 
 
 def gpt_state(preset: str) -> tuple[GPT, torch.optim.Optimizer]:

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from mingpt.config import Config, DataConfig, ModelConfig, SnapshotConfig, TrainerConfig
-from mingpt.data import PreparedData
-from mingpt.prepare import prepare
+from mingpt.training.config import Config, DataConfig, ModelConfig, SnapshotConfig, TrainerConfig
+from mingpt.data.prepared import PreparedData
+from mingpt.data.prepare import prepare
 from mingpt.model import GPT
-from mingpt.sampler import GlobalOrder
-from mingpt.snapshot import SnapshotStore
-from mingpt.trainer import train
+from mingpt.data.sampler import GlobalOrder
+from mingpt.checkpoint.store import SnapshotStore
+from mingpt.training.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def main() -> None:
     torch.set_num_threads(2)
     workdir = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     cfg = make_config(workdir, "single", args.steps, args.model)
-    prepare(cfg.data.corpus, cfg.data.tokenizer, None, cfg.data.prepared_dir)
+    prepare(cfg.data)
     tokens_per_step = cfg.trainer.global_batch_size * cfg.data.block_size
     print(f"torch {torch.__version__}; {args.model}, block 128, global batch 32, {args.steps} steps; {workdir}")
 

@@ -82,9 +82,9 @@ def prepare_nanogpt(checkout: Path, corpus: Path, workdir: Path) -> Path:
 
 
 def prepare_project(corpus: Path, workdir: Path) -> Path:
-    from mingpt.prepare import prepare
+    from mingpt.data.prepare import PrepareConfig, prepare
 
-    return Path(prepare(str(corpus), "char", None, str(workdir / "project-data")))
+    return Path(prepare(PrepareConfig(corpus=str(corpus), prepared_dir=str(workdir / "project-data"))))
 
 
 def run_logged(cmd: list[str], cwd: Path, log: Path) -> float:
@@ -147,7 +147,7 @@ def project_rate(snap_dir: Path, steps: int) -> float:
 def held_out_text(corpus: Path, prepared: Path) -> str:
     """The text neither side trained on: after nanoGPT's split (90% of characters) and the project's
     (its train tokens; one document, so one token per character from the start)."""
-    from mingpt.prepare import read_meta
+    from mingpt.data.prepared import read_meta
 
     text = corpus.read_text()
     return text[max(int(0.9 * len(text)), read_meta(prepared)["train_tokens"]):]
@@ -166,9 +166,9 @@ def windowed_loss(model: torch.nn.Module, ids: torch.Tensor, batch: int = 64) ->
 
 
 def project_val_loss(snap_dir: Path, text: str) -> float:
-    from mingpt.sample import open_for_sampling
+    from mingpt.checkpoint.load import open_model
 
-    _, model, tokenizer = open_for_sampling(str(snap_dir), torch.device("cpu"))
+    _, model, tokenizer = open_model(str(snap_dir), torch.device("cpu"))
     return windowed_loss(model, torch.tensor(tokenizer.encode(text)))
 
 

@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 _WHERE = {
     "GPT": "mingpt.model", "GPTConfig": "mingpt.model", "PRESETS": "mingpt.model",
     "Tokenizer": "mingpt.tokenizers", "train_tokenizer": "mingpt.tokenizers", "load_tokenizer": "mingpt.tokenizers",
-    "prepare": "mingpt.prepare", "PreparedData": "mingpt.data", "TokenBlocks": "mingpt.data",
+    "prepare": "mingpt.data.prepare", "PrepareConfig": "mingpt.data.prepare",
+    "PreparedData": "mingpt.data.prepared", "TokenBlocks": "mingpt.data.prepared",
     "MinGPTError": "mingpt.errors", "ConfigError": "mingpt.errors", "DataError": "mingpt.errors",
     "TokenizerError": "mingpt.errors",
 }

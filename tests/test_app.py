@@ -134,10 +134,10 @@ def test_s3_corpus_it_cannot_read_is_one_line(tmp_path, s3, closed_port, monkeyp
 
 @pytest.mark.parametrize("tampered", ["tokenizer", "tokenizer and meta"])
 def test_tokenizer_smaller_than_the_data_is_a_data_error(tmp_path, corpus_file, tampered):
-    from mingpt.prepare import prepare
+    from mingpt.data.prepare import PrepareConfig, prepare
     from mingpt.tokenizers import CharTokenizer
 
-    prepared = prepare(str(corpus_file), "char", out=tmp_path / "prepared")
+    prepared = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prepared"))
     CharTokenizer(list("ab")).save(str(prepared / "tokenizer.json"))  # 3 ids (end-of-text too); the data uses more
     if tampered == "tokenizer and meta":  # now only the ids themselves show it
         meta = json.loads((prepared / "meta.json").read_text())

@@ -8,7 +8,7 @@ import pytest
 
 from launch import MAIN, SMALL, env
 
-PREPARE = [sys.executable, "-m", "mingpt.prepare"]
+PREPARE = [sys.executable, "-m", "mingpt.cli.prepare"]
 SAMPLE = [sys.executable, "-m", "mingpt.sample"]
 
 
@@ -131,7 +131,7 @@ def test_a_sample_ends_where_the_model_ends_its_document(capsys):
 
     import torch
 
-    from mingpt.sample import write_samples
+    from mingpt.cli.sample import write_samples
     from mingpt.tokenizers import CharTokenizer
 
     tok = CharTokenizer("ab")

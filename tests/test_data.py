@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from mingpt.corpus import builtin_bytes
-from mingpt.data import PreparedData, TokenBlocks
-from mingpt.prepare import default_out_dir, prepare, read_meta
+from mingpt.data.corpus import builtin_bytes
+from mingpt.data.prepared import PreparedData, TokenBlocks
+from mingpt.data.prepare import PrepareConfig, default_out_dir, prepare
+from mingpt.data.prepared import read_meta
 from mingpt.errors import DataError
 
 
@@ -21,7 +22,7 @@ def test_builtin_corpus_exists_offline_and_is_english_prose():
 
 
 def test_prepare_char_counts_dtype_and_split(corpus_file, tmp_path):
-    out = prepare(str(corpus_file), "char", out=tmp_path / "prep", val_fraction=0.1)
+    out = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep", val_fraction=0.1))
     meta = read_meta(out)
     text = corpus_file.read_text(encoding="utf-8")
     assert meta["train_tokens"] + meta["val_tokens"] == len(text) + 1  # one document, one end-of-text
@@ -37,7 +38,8 @@ def test_prepare_char_counts_dtype_and_split(corpus_file, tmp_path):
 
 
 def test_prepare_bpe_round_trips_the_corpus(corpus_file, tmp_path):
-    out = prepare(str(corpus_file), "bpe", vocab_size=400, out=tmp_path / "prep", val_fraction=0.0)
+    out = prepare(PrepareConfig(corpus=str(corpus_file), tokenizer="bpe", vocab_size=400, prepared_dir=tmp_path / "prep",
+                                val_fraction=0.0))
     data = PreparedData(out)
     ids = np.fromfile(out / "train.bin", dtype=np.uint16)
     assert data.vocab_size == 400 and data.meta["val_tokens"] == 0
@@ -50,7 +52,7 @@ def test_large_vocabulary_uses_uint32(corpus_file, tmp_path):
     chars = "".join(chr(c) for c in range(0x100, 0x100 + 70_000) if not 0xD800 <= c < 0xE000)
     path = tmp_path / "wide.txt"
     path.write_text(chars * 2, encoding="utf-8")
-    out = prepare(str(path), "char", out=tmp_path / "wide")
+    out = prepare(PrepareConfig(corpus=str(path), prepared_dir=tmp_path / "wide"))
     meta = read_meta(out)
     assert meta["vocab_size"] > 2**16 and meta["dtype"] == "uint32"
     data = PreparedData(out)
@@ -59,7 +61,7 @@ def test_large_vocabulary_uses_uint32(corpus_file, tmp_path):
 
 
 def test_blocks_are_aligned_and_shifted_by_one(corpus_file, tmp_path):
-    data = PreparedData(prepare(str(corpus_file), "char", out=tmp_path / "prep"))
+    data = PreparedData(prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep")))
     train = data.split("train", block_size=32)
     tokens = np.fromfile(data.directory / "train.bin", dtype=np.uint16).astype(np.int64)
     assert len(train) == (len(tokens) - 33) // 32 + 1
@@ -110,25 +112,26 @@ def test_windows_check_ids_against_the_vocabulary(tmp_path):
 
 
 def test_prepared_data_is_reused_when_unchanged(corpus_file, tmp_path):
-    out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    out = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep"))
     stamp = (out / "train.bin").stat().st_mtime_ns
     inode = (out / "train.bin").stat().st_ino
-    again = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    again = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep"))
     assert again == out
     assert (out / "train.bin").stat().st_ino == inode and (out / "train.bin").stat().st_mtime_ns == stamp
 
 
 def test_prepared_data_is_rebuilt_when_corpus_or_tokenizer_changes(corpus_file, tmp_path):
-    out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    out = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep"))
     first = read_meta(out)
     corpus_file.write_text(corpus_file.read_text(encoding="utf-8") + "A brand new line with new letters: QZ¿\n",
                            encoding="utf-8")
-    prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep"))
     second = read_meta(out)
     assert second["source_sha256"] != first["source_sha256"]
     assert second["train_tokens"] + second["val_tokens"] > first["train_tokens"] + first["val_tokens"]
     assert "¿" in PreparedData(out).tokenizer.chars
-    prepare(str(corpus_file), "bpe", vocab_size=300, out=tmp_path / "prep")
+    prepare(PrepareConfig(corpus=str(corpus_file), tokenizer="bpe", vocab_size=300,
+                          prepared_dir=tmp_path / "prep"))
     assert read_meta(out)["tokenizer"] == "bpe"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "stale folders left behind"
 
@@ -138,10 +141,10 @@ def _prepare_in_child(args):
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("mingpt.prepare").addHandler(handler)
-    logging.getLogger("mingpt.prepare").setLevel(logging.INFO)
+    logging.getLogger("mingpt.data.prepare").addHandler(handler)
+    logging.getLogger("mingpt.data.prepare").setLevel(logging.INFO)
     barrier.wait()  # all three start at once
-    prepare(corpus, "bpe", vocab_size=350, out=out)
+    prepare(PrepareConfig(corpus=corpus, tokenizer="bpe", vocab_size=350, prepared_dir=out))
     built = any(m.startswith("prepared ") for m in messages)
     return built, read_meta(out)["created"], (Path(out) / "train.bin").stat().st_ino
 
@@ -174,7 +177,7 @@ def test_bad_corpora_are_refused_and_leave_nothing(tmp_path, content, message):
     if content is not None:
         path.write_bytes(content)
     with pytest.raises(DataError, match=message):
-        prepare(str(path), "char", out=tmp_path / "prep")
+        prepare(PrepareConfig(corpus=str(path), prepared_dir=tmp_path / "prep"))
     assert not (tmp_path / "prep").exists()
     assert [p.name for p in tmp_path.iterdir()] == ([] if content is None else ["corpus.txt"])
 
@@ -182,7 +185,7 @@ def test_bad_corpora_are_refused_and_leave_nothing(tmp_path, content, message):
 def test_corpus_shorter_than_a_block_is_explained(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("just a few words here, forty characters", encoding="utf-8")
-    data = PreparedData(prepare(str(path), "char", out=tmp_path / "prep"))
+    data = PreparedData(prepare(PrepareConfig(corpus=str(path), prepared_dir=tmp_path / "prep")))
     with pytest.raises(DataError, match="train split.*fewer than one block of 64.*smaller block_size"):
         data.split("train", 64)
     with pytest.raises(DataError, match="val split.*val_fraction"):
@@ -190,7 +193,7 @@ def test_corpus_shorter_than_a_block_is_explained(tmp_path):
 
 
 def test_truncated_token_file_is_detected(corpus_file, tmp_path):
-    out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    out = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep"))
     with open(out / "train.bin", "r+b") as f:
         f.truncate(1000)
     with pytest.raises(DataError, match="damaged"):
@@ -200,7 +203,7 @@ def test_truncated_token_file_is_detected(corpus_file, tmp_path):
 def test_missing_or_damaged_meta(tmp_path, corpus_file):
     with pytest.raises(DataError, match="not prepared data.*mingpt.prepare"):
         PreparedData(tmp_path)
-    out = prepare(str(corpus_file), "char", out=tmp_path / "prep")
+    out = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep"))
     (out / "meta.json").write_text("{not json")
     with pytest.raises(DataError, match="damaged"):
         PreparedData(out)
@@ -220,7 +223,7 @@ def test_default_out_dir_names(tmp_path, monkeypatch):
 
 
 def test_prepare_command_line(tmp_path, corpus_file, capsys):
-    from mingpt.prepare import main
+    from mingpt.cli.prepare import main
 
     assert main(["--corpus", str(corpus_file), "--tokenizer", "bpe", "--vocab-size", "300",
                  "--out", str(tmp_path / "p")]) == 0

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mingpt import distributed
+from mingpt.training import distributed
 from mingpt.errors import ConfigError
 
 

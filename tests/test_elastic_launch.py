@@ -14,8 +14,8 @@ from launch import (
     BIN, RDZV_CONF, REPO, SMALL, free_port, manifests, output, plain_torchrun, port_listens, rendezvous,
     wait_for,
 )
-from mingpt import distributed
-from mingpt.elastic import QUICK_RENDEZVOUS, merge_rendezvous_conf
+from mingpt.training import distributed
+from mingpt.training.launcher import QUICK_RENDEZVOUS, merge_rendezvous_conf
 from mingpt.errors import ConfigError
 
 ADVICE = "launch with mingpt-torchrun (same arguments), or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"

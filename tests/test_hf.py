@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from launch import BIN, MAIN, SMALL, env, metrics, run, standalone
-from mingpt import hf
-from mingpt.data import PreparedData
+from mingpt.interop import hf
+from mingpt.tokenizers import huggingface, load_tokenizer_folder
+from mingpt.data.prepared import PreparedData
 from mingpt.errors import TokenizerError
-from mingpt.sampler import window_order
+from mingpt.data.sampler import window_order
 from mingpt.tokenizers import EOT, BPETokenizer, CharTokenizer
 
 transformers = pytest.importorskip("transformers")  # a test extra: installed by .ci/run
@@ -49,7 +50,7 @@ def gpt2_folder(path, vocab_size: int, n_positions: int = 64):
 def test_a_hugging_face_byte_level_bpe_converts_to_the_same_ids(tmp_path):
     tok = hf_bpe()
     tok.save(str(tmp_path / "tokenizer.json"))
-    ours = hf.load_tokenizer_folder(str(tmp_path))
+    ours = load_tokenizer_folder(str(tmp_path))
     assert ours.vocab_size == tok.get_vocab_size() and ours.eot_id == tok.token_to_id(EOT)
     for text in [TEXT[:2000], *SAMPLES]:
         assert ours.encode(text) == tok.encode(text).ids
@@ -59,11 +60,11 @@ def test_a_hugging_face_byte_level_bpe_converts_to_the_same_ids(tmp_path):
     tok.model.save(str(slow))
     vocab = json.loads((slow / "vocab.json").read_text())
     (slow / "vocab.json").write_text(json.dumps({**vocab, EOT: tok.token_to_id(EOT)}))
-    assert hf.load_tokenizer_folder(str(slow)).encode(TEXT[:2000]) == ours.encode(TEXT[:2000])
+    assert load_tokenizer_folder(str(slow)).encode(TEXT[:2000]) == ours.encode(TEXT[:2000])
     # Exported again, GPT-2's split pattern also gets the slow files, which give the same ids.
     again = tmp_path / "again"
     again.mkdir()
-    for name, data in hf.tokenizer_files(ours, max_length=64).items():
+    for name, data in huggingface.tokenizer_files(ours, max_length=64).items():
         (again / name).write_bytes(data)
     from_files = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(str(again / "vocab.json"),
                                                                       str(again / "merges.txt")))
@@ -79,14 +80,14 @@ def test_tokenizers_that_would_give_other_ids_are_refused(tmp_path):
     tok.train_from_iterator([TEXT], trainer)  # <pad> takes id 0, before the bytes
     tok.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(TokenizerError, match="ids do not follow the merge order"):
-        hf.load_tokenizer_folder(str(tmp_path))
+        load_tokenizer_folder(str(tmp_path))
 
 
 @pytest.mark.parametrize("make", [lambda: CharTokenizer.train(TEXT + "".join(SAMPLES)), lambda: BPETokenizer.train(TEXT, 400)],
                          ids=["char", "bpe"])
 def test_exported_tokenizers_encode_and_decode_as_ours_in_transformers(tmp_path, make):
     ours = make()
-    for name, data in hf.tokenizer_files(ours, max_length=64).items():
+    for name, data in huggingface.tokenizer_files(ours, max_length=64).items():
         (tmp_path / name).write_bytes(data)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
     for text in [TEXT[:2000], *SAMPLES]:
@@ -94,7 +95,7 @@ def test_exported_tokenizers_encode_and_decode_as_ours_in_transformers(tmp_path,
         assert theirs.encode(text) == ids
         assert theirs.decode(ids) == text
     assert theirs.eos_token_id == ours.eot_id
-    assert hf.load_tokenizer_folder(str(tmp_path)).to_dict() == ours.to_dict()  # and back, as it was
+    assert load_tokenizer_folder(str(tmp_path)).to_dict() == ours.to_dict()  # and back, as it was
 
 
 def first_batch(prepared, block_size: int, batch: int, seed: int = 1337):
@@ -146,9 +147,9 @@ def test_an_exported_snapshot_computes_and_generates_as_in_mingpt(tmp_path, proc
     assert done.returncode == 0, done.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    from mingpt.sample import load_for_sampling, open_snapshot
+    from mingpt.checkpoint.load import load_model, open_snapshot
 
-    ours, our_tok = load_for_sampling(open_snapshot(str(tmp_path / "run")), torch.device("cpu"))
+    ours, our_tok = load_model(open_snapshot(str(tmp_path / "run")), torch.device("cpu"))
     ids = torch.tensor([our_tok.encode(TEXT[:200])[:32]])
     assert tok.encode(TEXT[:200])[:32] == ids[0].tolist()
     with torch.no_grad():
@@ -187,9 +188,9 @@ def test_fine_tuning_from_a_mingpt_snapshot_takes_its_weights_and_tokenizer_only
              f"data.prepared_dir={tmp_path / 'other-prepared'}"]
     text = run(procs, [sys.executable, MAIN], tuned, "tuned")
     assert "data.tokenizer: the tokenizer of model.init_from" in text and "step-000000020" in text
-    from mingpt.sample import load_for_sampling, open_snapshot
+    from mingpt.checkpoint.load import load_model, open_snapshot
 
-    model, _ = load_for_sampling(open_snapshot(str(tmp_path / "base")), torch.device("cpu"))
+    model, _ = load_model(open_snapshot(str(tmp_path / "base")), torch.device("cpu"))
     x, y = first_batch(tmp_path / "other-prepared", 16, 8)
     with torch.no_grad():
         expected = model(x, y)[1].item()

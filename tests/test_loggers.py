@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from launch import MAIN, SMALL, children, latest_step, metrics, run, standalone, wait_for
-from mingpt import loggers
-from mingpt.config import Config, TrainerConfig, validate
+from mingpt.metrics import loggers
+from mingpt.rundir import RunDir
+from mingpt.training.config import Config, TrainerConfig, validate
 from mingpt.errors import ConfigError
 
 ENDLESS_STEPS = 100_000_000
@@ -135,14 +136,13 @@ def test_a_logger_that_cannot_be_imported_at_start_is_a_config_error(monkeypatch
         return real(name, *args)
 
     monkeypatch.setattr(importlib, "import_module", failing)
-    store = type("Store", (), {"local": True, "path": str(tmp_path), "url": str(tmp_path)})()
     with pytest.raises(ConfigError, match=r'pip install -e "\.\[tensorboard\]"'):
-        loggers.TensorBoardLogger(store, {}).start(0)
+        loggers.TensorBoardLogger(RunDir(str(tmp_path)), {}).start(0)
 
 
 def test_tensorboard_for_a_snapshot_dir_in_s3_writes_here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    store = type("Store", (), {"local": False, "path": "bucket/runs/a", "url": "s3://bucket/runs/a"})()
+    store = RunDir("s3://bucket/runs/a")
     logger = loggers.TensorBoardLogger(store, {})
     assert logger.folder == str(tmp_path / "tensorboard" / "bucket" / "runs" / "a")
     logger.start(0)

@@ -20,8 +20,8 @@ import pytest
 from launch import (
     MAIN, RDZV_CONF, SMALL, env, free_port, latest_step, manifests, output, rendezvous, torchrun, wait_for, worker,
 )
-from mingpt.lease import RunLease, RunOwnedError
-from mingpt.snapshot import SnapshotStore
+from mingpt.checkpoint.lease import RunLease, RunOwnedError
+from mingpt.checkpoint.store import SnapshotStore
 
 HAS_UNSHARE = shutil.which("unshare") is not None and subprocess.run(
     ["unshare", "--uts", "true"], capture_output=True).returncode == 0

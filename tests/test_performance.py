@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from launch import MAIN, SMALL, env
-from mingpt import performance
+from mingpt.training import performance, precision
 from mingpt.model import GPT, GPTConfig
-from mingpt.performance import choose_compile, choose_precision, flops_per_token, mfu, peak_flops, peak_memory_bytes
+from mingpt.training.performance import flops_per_token, mfu, peak_flops, peak_memory_bytes
+from mingpt.training.precision import choose_compile, choose_precision
 
 
 def test_flops_per_token_of_gpt_nano_by_hand():
@@ -36,7 +37,7 @@ def test_a_configured_precision_is_taken_as_it_is(requested):
     ({"avx2"}, 768, "fp32", "neither amx_bf16 nor avx512_bf16"),
 ])
 def test_auto_on_a_cpu_takes_bf16_where_it_is_native_and_pays(monkeypatch, flags, width, expected, reason):
-    monkeypatch.setattr(performance, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
     precision, why = choose_precision("auto", torch.device("cpu"), width)
     assert precision == expected and reason in why
 

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 from launch import BIN, MAIN, SMALL, latest_step, run, wait_for
-from mingpt import plot
+from mingpt.cli import plot as plot_command
+from mingpt.metrics import plot
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -65,14 +66,14 @@ def test_missing_matplotlib_is_one_line_naming_the_extra(tmp_path, monkeypatch, 
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    assert plot.main([str(run_dir), "-o", str(tmp_path / "loss.png")]) == 2
+    assert plot_command.main([str(run_dir), "-o", str(tmp_path / "loss.png")]) == 2
     err = capsys.readouterr().err
     assert err == 'error: mingpt-plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)\n'
     assert not (tmp_path / "loss.png").exists()
 
 
 def test_a_folder_without_metrics_is_an_error(tmp_path, capsys):
-    assert plot.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "loss.png")]) == 2
+    assert plot_command.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "loss.png")]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
@@ -82,7 +83,7 @@ def test_plot_reads_a_run_in_s3(tmp_path, s3, capsys):
     lines = "".join(json.dumps(progress(s, s / 10)) + "\n" for s in (10, 20, 30)).encode()
     boto3.client("s3", endpoint_url=s3.endpoint).put_object(Bucket=s3.bucket, Key="run/metrics.jsonl", Body=lines)
     out = tmp_path / "s3.png"
-    assert plot.main([f"s3://{s3.bucket}/run", "-o", str(out)]) == 0
+    assert plot_command.main([f"s3://{s3.bucket}/run", "-o", str(out)]) == 0
     assert out.read_bytes().startswith(PNG)
 
 

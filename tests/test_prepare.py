@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from launch import REPO
-from mingpt import corpus, progress
-from mingpt.corpus import builtin_bytes
-from mingpt.data import PreparedData
+from mingpt.data import corpus, progress
+from mingpt.data.corpus import builtin_bytes
+from mingpt.data.prepared import PreparedData
 from mingpt.errors import DataError
-from mingpt.prepare import main, prepare, read_meta
+from mingpt.cli.prepare import main
+from mingpt.data.prepare import PrepareConfig, prepare
+from mingpt.data.prepared import read_meta
 
 sys.path.insert(0, str(REPO / "bench"))
 from pss import run_measured  # noqa: E402
@@ -83,7 +85,7 @@ def test_every_source_kind_gives_every_document_whole(tmp_path, small_pieces, la
     (root / ".hidden-notes.txt").write_text("not part of the corpus")
     source = {"glob": str(root / "doc-*.txt"), "list": [str(root / f"doc-{i:03d}.txt") for i in range(24)]}.get(
         layout, str(root))
-    out = prepare(source, "char", out=tmp_path / "prep", val_fraction=0.2, num_workers=2)
+    out = prepare(PrepareConfig(corpus=source, prepared_dir=tmp_path / "prep", val_fraction=0.2, num_workers=2))
     found = prepared_documents(out)
     assert sorted(found["train"] + found["val"]) == sorted(docs)  # each document whole, none run together
     assert found["val"] and found["train"]
@@ -96,8 +98,8 @@ def test_tokens_equal_encoding_each_document_whole(tmp_path, small_pieces):
     path.write_text(doc)
     ids = {}
     for workers in (1, 2):
-        out = prepare(str(path), "bpe", vocab_size=400, out=tmp_path / f"prep-{workers}", val_fraction=0.0,
-                      num_workers=workers)
+        out = prepare(PrepareConfig(corpus=str(path), tokenizer="bpe", vocab_size=400, val_fraction=0.0,
+                                    prepared_dir=tmp_path / f"prep-{workers}", num_workers=workers))
         data = PreparedData(out)
         ids[workers] = np.fromfile(out / "train.bin", dtype=np.uint16).tolist()
         assert ids[workers] == data.tokenizer.encode(doc) + [data.tokenizer.eot_id]
@@ -107,34 +109,36 @@ def test_tokens_equal_encoding_each_document_whole(tmp_path, small_pieces):
 def test_a_line_longer_than_four_pieces_is_cut_and_still_decodes(tmp_path, small_pieces):
     doc = "start\n" + "é" * 10_000 + "\nend\n"  # 20 KB on one line: cut inside it, between characters
     (tmp_path / "long.txt").write_text(doc)
-    out = prepare(str(tmp_path / "long.txt"), "char", out=tmp_path / "prep", val_fraction=0.0)
+    out = prepare(PrepareConfig(corpus=str(tmp_path / "long.txt"), prepared_dir=tmp_path / "prep", val_fraction=0.0))
     assert prepared_documents(out)["train"] == [doc]
 
 
 def test_validation_takes_whole_documents_in_a_fixed_order(tmp_path):
     docs = make_documents(20)
     write_files(tmp_path / "files", docs)
-    out = prepare(str(tmp_path / "files"), "char", out=tmp_path / "a", val_fraction=0.1)
+    out = prepare(PrepareConfig(corpus=str(tmp_path / "files"), prepared_dir=tmp_path / "a", val_fraction=0.1))
     found = prepared_documents(out)
     assert len(found["val"]) == 2 and len(found["train"]) == 18 and read_meta(out)["split"] == "documents"
-    again = prepare(str(tmp_path / "files"), "char", out=tmp_path / "b", val_fraction=0.1, num_workers=1)
+    again = prepare(PrepareConfig(corpus=str(tmp_path / "files"), prepared_dir=tmp_path / "b", val_fraction=0.1,
+                                  num_workers=1))
     assert prepared_documents(again) == found
     # JSONL records: each one drawn by a seeded hash; about val_fraction of them.
     write_jsonl(tmp_path / "records.jsonl", make_documents(400))
-    records = prepared_documents(prepare(str(tmp_path / "records.jsonl"), "char", out=tmp_path / "c",
-                                         val_fraction=0.2))
+    records = prepared_documents(prepare(PrepareConfig(corpus=str(tmp_path / "records.jsonl"), prepared_dir=tmp_path / "c",
+                                                       val_fraction=0.2)))
     assert 40 <= len(records["val"]) <= 120 and len(records["val"]) + len(records["train"]) == 400
 
 
 def test_jsonl_text_field_and_bad_records_are_explained(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", make_documents(5), field="content")
     with pytest.raises(DataError, match=r"no text field 'text'.*data.text_field.*id, content"):
-        prepare(str(tmp_path / "a.jsonl"), "char", out=tmp_path / "prep")
-    out = prepare(str(tmp_path / "a.jsonl"), "char", out=tmp_path / "prep", text_field="content", val_fraction=0.5)
+        prepare(PrepareConfig(corpus=str(tmp_path / "a.jsonl"), prepared_dir=tmp_path / "prep"))
+    out = prepare(PrepareConfig(corpus=str(tmp_path / "a.jsonl"), prepared_dir=tmp_path / "prep", text_field="content",
+                                val_fraction=0.5))
     assert sorted(sum(prepared_documents(out).values(), [])) == sorted(make_documents(5))
     (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     with pytest.raises(DataError, match=r"b.jsonl, the record at byte 17 is not a JSON record"):
-        prepare(str(tmp_path / "b.jsonl"), "char", out=tmp_path / "prep2")
+        prepare(PrepareConfig(corpus=str(tmp_path / "b.jsonl"), prepared_dir=tmp_path / "prep2"))
     assert not (tmp_path / "prep2").exists()
 
 
@@ -144,7 +148,7 @@ def test_jsonl_text_field_and_bad_records_are_explained(tmp_path):
 def test_sources_that_name_nothing_are_explained(tmp_path, entry, message):
     (tmp_path / "empty-folder").mkdir()
     with pytest.raises(DataError, match=message):
-        prepare(str(tmp_path / entry), "char", out=tmp_path / "prep")
+        prepare(PrepareConfig(corpus=str(tmp_path / entry), prepared_dir=tmp_path / "prep"))
 
 
 def test_corpus_on_s3(tmp_path, s3, small_pieces):
@@ -156,23 +160,26 @@ def test_corpus_on_s3(tmp_path, s3, small_pieces):
         client.put_object(Bucket=s3.bucket, Key=f"corpus/doc-{i:03d}.txt", Body=doc.encode())
     lines = "".join(json.dumps({"text": doc}) + "\n" for doc in docs[8:]).encode()
     client.put_object(Bucket=s3.bucket, Key="corpus/more.jsonl.gz", Body=gzip.compress(lines))
-    folder = prepare(f"s3://{s3.bucket}/corpus", "char", out=tmp_path / "folder", val_fraction=0.2)
+    folder = prepare(PrepareConfig(corpus=f"s3://{s3.bucket}/corpus", prepared_dir=tmp_path / "folder",
+                                   val_fraction=0.2))
     assert sorted(sum(prepared_documents(folder).values(), [])) == sorted(docs)
-    glob = prepare(f"s3://{s3.bucket}/corpus/doc-*.txt", "char", out=tmp_path / "glob", val_fraction=0.2)
+    glob = prepare(PrepareConfig(corpus=f"s3://{s3.bucket}/corpus/doc-*.txt", prepared_dir=tmp_path / "glob",
+                                 val_fraction=0.2))
     assert sorted(sum(prepared_documents(glob).values(), [])) == sorted(docs[:8])
     assert all(source["version"] for source in read_meta(folder)["sources"])  # ETags
-    bpe = prepare(f"s3://{s3.bucket}/corpus", "bpe", vocab_size=300, out=tmp_path / "bpe", val_fraction=0.2,
-                  bpe_sample_bytes=5000)  # a sample read by ranged GETs
+    bpe = prepare(PrepareConfig(corpus=f"s3://{s3.bucket}/corpus", tokenizer="bpe", vocab_size=300,
+                                prepared_dir=tmp_path / "bpe", val_fraction=0.2,
+                                bpe_sample_bytes=5000))  # a sample read by ranged GETs
     assert sorted(sum(prepared_documents(bpe).values(), [])) == sorted(docs)
     with pytest.raises(DataError, match="does not exist"):
-        prepare(f"s3://{s3.bucket}/nothing.txt", "char", out=tmp_path / "none")
+        prepare(PrepareConfig(corpus=f"s3://{s3.bucket}/nothing.txt", prepared_dir=tmp_path / "none"))
 
 
 def test_a_restart_never_reads_the_corpus_and_verify_does(tmp_path, capsys):
     path = tmp_path / "corpus.txt"
     original = "".join(make_documents(30))
     path.write_text(original)
-    out = prepare(str(path), "char", out=tmp_path / "prep")
+    out = prepare(PrepareConfig(corpus=str(path), prepared_dir=tmp_path / "prep"))
     inode = (out / "train.bin").stat().st_ino
     assert main(["--verify", "--out", str(out)]) == 0
     assert "current" in capsys.readouterr().out
@@ -181,13 +188,13 @@ def test_a_restart_never_reads_the_corpus_and_verify_does(tmp_path, capsys):
     stat = path.stat()
     path.write_text(original.replace("quick", "QUICK"))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert prepare(str(path), "char", out=tmp_path / "prep") == out
+    assert prepare(PrepareConfig(corpus=str(path), prepared_dir=tmp_path / "prep")) == out
     assert (out / "train.bin").stat().st_ino == inode  # reused: the corpus was not read
     assert main(["--verify", "--out", str(out)]) == 1
     assert "content differs from what was prepared" in capsys.readouterr().out
 
     path.write_text(original + "one more line\n")  # a new size: prepared again
-    prepare(str(path), "char", out=tmp_path / "prep")
+    prepare(PrepareConfig(corpus=str(path), prepared_dir=tmp_path / "prep"))
     assert (out / "train.bin").stat().st_ino != inode
     assert main(["--verify", "--out", str(out)]) == 0
 
@@ -196,7 +203,8 @@ def test_progress_is_logged_when_not_on_a_terminal(tmp_path, monkeypatch, caplog
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     (tmp_path / "c.txt").write_text("".join(make_documents(50)))
     with caplog.at_level(logging.INFO, logger="mingpt"):
-        prepare(str(tmp_path / "c.txt"), "bpe", vocab_size=300, out=tmp_path / "prep")
+        prepare(PrepareConfig(corpus=str(tmp_path / "c.txt"), tokenizer="bpe", vocab_size=300,
+                              prepared_dir=tmp_path / "prep"))
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("tokenizing: ") and "MB/s" in line and "left" in line for line in lines), lines
     assert any(line.startswith("training bpe on a sample: ") for line in lines), lines
@@ -204,7 +212,8 @@ def test_progress_is_logged_when_not_on_a_terminal(tmp_path, monkeypatch, caplog
 
 def test_bpe_learns_from_a_bounded_sample(tmp_path, small_pieces):
     (tmp_path / "c.txt").write_text("".join(make_documents(200)))
-    out = prepare(str(tmp_path / "c.txt"), "bpe", vocab_size=300, out=tmp_path / "prep", bpe_sample_bytes=20_000)
+    out = prepare(PrepareConfig(corpus=str(tmp_path / "c.txt"), tokenizer="bpe", vocab_size=300,
+                                prepared_dir=tmp_path / "prep", bpe_sample_bytes=20_000))
     data = PreparedData(out)
     assert data.vocab_size == 300 and read_meta(out)["bpe_sample_bytes"] == 20_000
     ids = np.fromfile(out / "train.bin", dtype=np.uint16).tolist() + np.fromfile(out / "val.bin", np.uint16).tolist()
@@ -232,7 +241,7 @@ def test_a_truncated_gz_is_explained_and_leaves_nothing(tmp_path):
     data = gzip.compress("".join(make_documents(50)).encode())
     (tmp_path / "c.txt.gz").write_bytes(data[: len(data) // 2])
     with pytest.raises(DataError, match=r"cannot read .*c.txt.gz.*gzip -t"):
-        prepare(str(tmp_path / "c.txt.gz"), "char", out=tmp_path / "prep")
+        prepare(PrepareConfig(corpus=str(tmp_path / "c.txt.gz"), prepared_dir=tmp_path / "prep"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt.gz"]
 
 
@@ -276,23 +285,24 @@ def _killed(piece):
 
 
 def test_a_worker_killed_mid_preparation_fails_it_at_once_and_publishes_nothing(tmp_path, monkeypatch, small_pieces):
-    from mingpt import prepare as prepare_module
+    from mingpt.data import prepare as prepare_module
 
     monkeypatch.setattr(prepare_module, "_encode", _killed)
     (tmp_path / "c.txt").write_text("".join(make_documents(40)))
     with pytest.raises(DataError, match="worker process died.*--num-workers"):
-        prepare(str(tmp_path / "c.txt"), "char", out=tmp_path / "prep", num_workers=2)
+        prepare(PrepareConfig(corpus=str(tmp_path / "c.txt"), prepared_dir=tmp_path / "prep", num_workers=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
 
 
 def test_the_bpe_sample_of_an_uncompressed_file_reads_about_the_sample(tmp_path, small_pieces):
     """Pieces are read where they are drawn: sampling 10% of a corpus reads about 10% of it."""
-    from mingpt.corpus import list_sources
-    from mingpt.prepare import _Job
+    from mingpt.data.corpus import list_sources
+    from mingpt.data.prepare import _Job
 
     text = "".join(make_documents(400)).encode()
     (tmp_path / "c.txt").write_bytes(text)
-    job = _Job(list_sources(str(tmp_path / "c.txt")), "bpe", 300, 0.1, "text", len(text) // 10, 1)
+    config = PrepareConfig(tokenizer="bpe", vocab_size=300, bpe_sample_bytes=len(text) // 10, num_workers=1)
+    job = _Job(config, list_sources(str(tmp_path / "c.txt")))
 
     def bytes_read() -> int:
         return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])

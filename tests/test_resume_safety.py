@@ -87,19 +87,19 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
     """fp16 needs a GPU; the GradScaler's state handling is the same on the CPU, so run it there."""
     from contextlib import nullcontext
 
-    import mingpt.trainer as trainer_module
-    from mingpt.config import Config
-    from mingpt.data import PreparedData
-    from mingpt.prepare import prepare
-    from mingpt.distributed import World
-    from mingpt.snapshot import SnapshotStore
+    import mingpt.training.trainer as trainer_module
+    from mingpt.training.config import Config
+    from mingpt.data.prepared import PreparedData
+    from mingpt.data.prepare import PrepareConfig, prepare
+    from mingpt.training.distributed import World
+    from mingpt.checkpoint.store import SnapshotStore
 
     cfg = Config()
     cfg.model.name, cfg.data.block_size, cfg.seed = "gpt-nano", 16, 1
     cfg.trainer.max_steps, cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size = 3, 4, 4
     cfg.trainer.eval_every, cfg.trainer.eval_samples = 0, 4
     cfg.snapshot.async_save = False
-    data = PreparedData(prepare(str(corpus_file), out=tmp_path / "prepared"))
+    data = PreparedData(prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prepared")))
     world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     store = SnapshotStore(str(tmp_path / "snap"))
 

@@ -13,7 +13,7 @@ import torch
 
 from conftest import s3_keys
 from launch import MAIN, SMALL, kill_node, latest_step, output, run, standalone, wait_for
-from mingpt.snapshot import SnapshotStore
+from mingpt.checkpoint.store import SnapshotStore
 from s3server import ACCESS_KEY, SECRET_KEY
 
 

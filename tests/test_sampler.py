@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from mingpt.config import Config, TrainerConfig
-from mingpt.sampler import (GOLDEN, GlobalOrder, RandomWindows, StridedWindows, micro_batches, shard, splitmix64,
+from mingpt.training.config import Config, TrainerConfig
+from mingpt.data.sampler import (GOLDEN, GlobalOrder, RandomWindows, StridedWindows, micro_batches, shard, splitmix64,
                             window_order)
-from mingpt.trainer import lr_at
+from mingpt.training.schedule import lr_at
 
 
 def test_order_is_a_pure_function_of_seed_and_position():
@@ -108,11 +108,11 @@ def test_micro_batches():
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
     cfg = Config(trainer=TrainerConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1))
-    assert lr_at(cfg, 0) == pytest.approx(0.1)
-    assert lr_at(cfg, 9) == pytest.approx(1.0)
-    assert lr_at(cfg, 10) == pytest.approx(1.0)
-    assert lr_at(cfg, 60) == pytest.approx(0.55)
-    assert lr_at(cfg, 110) == pytest.approx(0.1)
-    assert lr_at(cfg, 500) == pytest.approx(0.1)  # past max_steps (a run extended later) stays at the floor
-    lrs = [lr_at(cfg, s) for s in range(10, 111)]
+    assert lr_at(cfg.trainer, 0) == pytest.approx(0.1)
+    assert lr_at(cfg.trainer, 9) == pytest.approx(1.0)
+    assert lr_at(cfg.trainer, 10) == pytest.approx(1.0)
+    assert lr_at(cfg.trainer, 60) == pytest.approx(0.55)
+    assert lr_at(cfg.trainer, 110) == pytest.approx(0.1)
+    assert lr_at(cfg.trainer, 500) == pytest.approx(0.1)  # past max_steps (a run extended later) stays at the floor
+    lrs = [lr_at(cfg.trainer, s) for s in range(10, 111)]
     assert all(x >= y for x, y in zip(lrs, lrs[1:]))

@@ -14,8 +14,9 @@ import torch
 from conftest import s3_keys
 from mingpt.tokenizers import CharTokenizer
 from mingpt.model import GPTConfig
-import mingpt.snapshot as snapshot_module
-from mingpt.snapshot import SnapshotError, SnapshotStore, SnapshotWriter
+import mingpt.checkpoint.store as snapshot_module
+from mingpt.checkpoint.store import SnapshotError, SnapshotStore
+from mingpt.checkpoint.writer import SnapshotWriter
 from mingpt.storage import explain_storage_error
 
 

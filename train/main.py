@@ -2,7 +2,7 @@
 
     python train/main.py                                        # one process
     torchrun --standalone --nproc-per-node=2 train/main.py       # one node
-    python train/main.py model=gpt-mini trainer.max_steps=2000   # any key of mingpt.config.Config
+    python train/main.py model=gpt-mini trainer.max_steps=2000   # any key of mingpt.training.config.Config
 
 See the README for multinode and SLURM launching. Hydra's multirun (-m) is refused: one job per command.
 """
@@ -15,12 +15,16 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt.config import Config, validate
-from mingpt.distributed import leads_this_generation
 from mingpt.errors import MinGPTError
-from mingpt.trainer import train
+from mingpt.model import PRESETS
+from mingpt.training.config import Config, ModelConfig, validate
+from mingpt.training.distributed import leads_this_generation
+from mingpt.training.trainer import train
 
-ConfigStore.instance().store(name="schema", node=Config)
+store = ConfigStore.instance()
+store.store(name="schema", node=Config)
+for preset in PRESETS:  # model=gpt-mini: the config group's options are the model's presets, defined once
+    store.store(group="model", name=preset, node=ModelConfig(name=preset))
 log = logging.getLogger("mingpt")
 
 

@@ -1,0 +1,61 @@
+"""Reading a trained model back: what `mingpt-sample`, `mingpt-export` and `model.init_from` share.
+
+A URL names one snapshot (a folder holding a manifest) or a run folder (its newest snapshot that
+verifies). Only the files a model needs are read: the optimizer state never is.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from mingpt.checkpoint.store import MANIFEST, Snapshot, SnapshotError, SnapshotStore
+from mingpt.errors import MinGPTError
+from mingpt.model import GPT, GPTConfig
+from mingpt.storage import explain_storage_error, redact
+from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
+
+MODEL_FILES = ("model.pt", "tokenizer.json")
+
+
+def open_snapshot(url: str) -> Snapshot:
+    """`url` names one snapshot (it has a manifest) or a folder of them (take the newest that verifies)."""
+    url = url.rstrip("/")
+    parent, _, name = url.rpartition("/")
+    if parent:
+        store = SnapshotStore(parent)
+        if store.fs.exists(f"{store.path}/{name}/{MANIFEST}"):
+            return store.get(name)
+    snapshot = SnapshotStore(url).latest(files=MODEL_FILES)
+    if snapshot is None:
+        raise SnapshotError(f"no committed snapshot found in {url}; give a snapshot folder written by the trainer")
+    return snapshot
+
+
+def load_model(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer]:
+    """The snapshot's model, in eval mode on `device`, and its tokenizer."""
+    try:
+        tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+    except ValueError as e:  # JSONDecodeError, or a tokenizer description of no known kind
+        raise SnapshotError(f"snapshot {snapshot.url} has an unusable tokenizer.json ({e})") from None
+    model = GPT(GPTConfig(**snapshot.manifest["model_config"]))
+    try:
+        model.load_state_dict(snapshot.load_tensors("model.pt", device))
+    except RuntimeError as e:  # missing, unexpected or misshapen tensors
+        reason = str(e).splitlines()[0]
+        raise SnapshotError(f"snapshot {snapshot.url}: model.pt does not fit its model_config ({reason})") from None
+    return model.to(device).eval(), tokenizer
+
+
+def open_model(url: str, device: torch.device) -> tuple[Snapshot, GPT, Tokenizer]:
+    """The snapshot `url` names, its model on `device` and its tokenizer; storage failures as one line."""
+    try:
+        snapshot = open_snapshot(url)
+        return (snapshot, *load_model(snapshot, device))
+    except MinGPTError:
+        raise
+    except Exception as e:  # storage clients raise many types (OSError, botocore, aiohttp): explain any
+        local = "://" not in url or url.startswith("file:")
+        reason = explain_storage_error(e, local=local, setting="the SNAPSHOT argument")
+        raise SnapshotError(f"cannot read {redact(url)}: {reason}") from None

@@ -1,0 +1,460 @@
+"""Snapshots of a training run, in a local folder or any fsspec URL, one folder per snapshot.
+
+    <dir>/step-000001200/model.pt        model weights (state dict; all a sampler needs)
+                        optimizer.pt    AdamW state
+                        tokenizer.json  the vocabulary
+                        manifest.json   written last: step, configs, size and sha256 of each file
+
+The manifest is the commit marker: a folder without one is debris from an interrupted save and
+is never loaded. A committed snapshot is never overwritten. Files are loaded only after their
+checksum matches, with `torch.load(weights_only=True)`: nothing from storage is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from mingpt.errors import MinGPTError
+from mingpt.checkpoint.lease import RunLease
+from mingpt.model import GPTConfig
+from mingpt.rundir import RunDir
+from mingpt.storage import create_exclusive, explain_storage_error, open_exclusive, sync_folder
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mingpt-snapshot"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+# The only files a snapshot may hold. A manifest naming anything else (`../../etc/passwd`) is damaged.
+PAYLOAD_FILES = ("model.pt", "optimizer.pt", "scaler.pt", "tokenizer.json")
+REQUIRED_FILES = ("model.pt", "tokenizer.json")  # what sampling needs
+_NAME = re.compile(r"^step-(\d{9})$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 64 << 20  # hashing reads, and the read-ahead of S3 files
+
+
+class SnapshotError(MinGPTError):
+    """A snapshot folder cannot be written, or a snapshot cannot be read or trusted."""
+
+
+def snapshot_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def step_of(name: str) -> int:
+    return int(_NAME.match(name)[1])
+
+
+@dataclass
+class Snapshot:
+    """A committed snapshot: its (validated) manifest, and the store it lives in."""
+
+    store: "SnapshotStore"
+    name: str
+    manifest: dict
+    _verified: dict[str, bytes] = field(default_factory=dict, repr=False)
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def url(self) -> str:
+        return self.store.url_of(self.name)
+
+    def read(self, filename: str) -> bytes:
+        """The bytes of one payload file, after checking its size and sha256 against the manifest."""
+        if filename in self._verified:  # read by verify() a moment ago; hand over, do not keep
+            return self._verified.pop(filename)
+        return self._check(filename, keep=True)
+
+    def load_tensors(self, filename: str, map_location: Any = "cpu") -> Any:
+        """A verified `.pt` payload, loaded without unpickling (`weights_only=True`)."""
+        data = self.read(filename)
+        try:
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        except Exception as e:  # UnpicklingError for anything but plain tensors and containers
+            raise SnapshotError(
+                f"refusing to load {filename} of snapshot {self.url}: it is not a plain tensor file "
+                f"({type(e).__name__}); only weights_only data is ever loaded"
+            ) from None
+
+    def verify(self, files: Sequence[str] | None = None, keep: bool = True) -> None:
+        """Check the payload files (default: all) against the manifest; SnapshotError when one does not match.
+
+        With `keep`, the checked bytes are kept for the next `read` of each file, so verifying and
+        then loading reads the storage once; `forget` drops what will not be read."""
+        for filename in files or self.manifest["files"]:
+            try:
+                data = self._check(filename, keep)
+            except SnapshotError:
+                self.store._good.discard(self._key)
+                raise
+            if keep:
+                self._verified[filename] = data
+        if files is None:
+            self.store._good.add(self._key)
+
+    def forget(self) -> None:
+        """Drop bytes kept by `verify` that will not be read."""
+        self._verified.clear()
+
+    @property
+    def _key(self) -> tuple[str, str]:
+        return self.name, json.dumps(self.manifest["files"], sort_keys=True)
+
+    def _check(self, filename: str, keep: bool) -> bytes:
+        """Check one file's sha256, reading no more than its recorded size plus one byte.
+
+        Only a regular file of the recorded size is opened at all: a FIFO or a device planted
+        under a payload name would otherwise block or never end."""
+        if filename not in self.manifest["files"]:
+            raise SnapshotError(f"snapshot {self.url} has no file {filename}")
+        path = self._check_size(filename)
+        expected = self.manifest["files"][filename]
+        sha, data, size = hashlib.sha256(), b"", 0
+        with self.store.fs.open(path, "rb", block_size=_CHUNK) as f:
+            if keep:  # one read, bounded by the size just checked (and one byte more, should it grow)
+                data = f.read(expected["bytes"] + 1)
+                sha.update(data)
+                size = len(data)
+            else:  # hashed in chunks: nothing held
+                while size <= expected["bytes"] and (chunk := f.read(_CHUNK)):
+                    sha.update(chunk)
+                    size += len(chunk)
+        if size != expected["bytes"] or sha.hexdigest() != expected["sha256"]:
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} does not match the checksum "
+                                "its manifest records")
+        return data
+
+    def check_sizes(self) -> None:
+        """A quick check without reading: every file is there, a regular file of its recorded size."""
+        for filename in self.manifest["files"]:
+            self._check_size(filename)
+
+    def _check_size(self, filename: str) -> str:
+        path = f"{self.store.path}/{self.name}/{filename}"
+        recorded = self.manifest["files"][filename]["bytes"]
+        try:
+            info = self.store.fs.info(path)
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is missing") from None
+        if info.get("type") != "file":
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is not a regular file")
+        if info.get("size") != recorded:
+            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} has {info.get('size')} bytes, "
+                                f"its manifest records {recorded}")
+        return path
+
+
+@dataclass
+class Listing:
+    """What a snapshot folder holds: commits (oldest first), damaged commits with a reason, debris."""
+
+    committed: list[Snapshot]
+    damaged: list[tuple[str, str]]
+    debris: list[str]
+
+
+class SnapshotStore:
+    """The snapshots of one run, under `url` (a local path or fsspec URL)."""
+
+    def __init__(self, run: RunDir | str, keep: int = 3, storage_options: dict | None = None):
+        if isinstance(run, str):
+            try:
+                run = RunDir(run, storage_options)
+            except MinGPTError as e:
+                raise SnapshotError(f"{e}; fix snapshot.dir") from None
+        self.run, self.keep = run, keep
+        self.fs, self.path, self.url, self.local = run.fs, run.path, run.url, run.local
+        self.lease: RunLease | None = None  # set by `claim`; saving then checks it still holds the run
+        self._good: set[tuple[str, str]] = set()  # snapshots verified or written by this process
+
+    def url_of(self, name: str) -> str:
+        return self.run.url_of(name)
+
+    def check_writable(self) -> None:
+        """Fail now, not at the first save, when the folder cannot be created or written."""
+        probe = f"{self.path}/.write-test-{uuid.uuid4().hex}"
+        try:
+            if self.local:
+                self.fs.makedirs(self.path, exist_ok=True)
+            self.fs.pipe_file(probe, b"ok")
+            self.fs.rm_file(probe)
+        except Exception as e:
+            raise SnapshotError(f"cannot write snapshots to {self.url}: {explain_storage_error(e, self.local)}") from None
+
+    def claim(self, timeout_s: float) -> RunLease:
+        """Become the one writer of this run (see mingpt.checkpoint.lease), renewing the claim in the background."""
+        lease = RunLease(self.run, timeout_s)
+        try:
+            lease.acquire()
+        except MinGPTError:
+            raise
+        except Exception as e:
+            raise SnapshotError(f"cannot claim {self.url}: {explain_storage_error(e, self.local)}") from None
+        lease.keep_alive()
+        self.lease = lease
+        return lease
+
+    # -- listing -------------------------------------------------------------------------------
+
+    def committed(self) -> list[Snapshot]:
+        """Committed snapshots (those with a valid manifest), oldest first. Payloads unchecked."""
+        return self.scan().committed
+
+    def scan(self) -> Listing:
+        listing = Listing([], [], [])
+        for name in self._folder_names():
+            if not _NAME.match(name):
+                listing.damaged.append((name, "not a snapshot name (step- and 9 digits)"))
+                continue
+            manifest, problem = self._read_manifest(name)
+            if problem:
+                listing.damaged.append((name, problem))
+            elif manifest is None:
+                listing.debris.append(name)
+            else:
+                listing.committed.append(Snapshot(self, name, manifest))
+        listing.committed.sort(key=lambda s: s.step)
+        return listing
+
+    def latest(self, files: Sequence[str] | None = None) -> Snapshot | None:
+        """The newest committed snapshot whose files (default: all) verify; damaged newer ones are logged
+        and skipped."""
+        listing = self.scan()
+        for name, problem in listing.damaged:
+            log.warning("snapshot %s is damaged (%s); ignoring it", self.url_of(name), problem)
+        for snapshot in reversed(listing.committed):
+            try:
+                snapshot.verify(files)
+                return snapshot
+            except SnapshotError as e:
+                log.warning("%s; falling back to the snapshot before it", e)
+        return None
+
+    def get(self, name: str) -> Snapshot:
+        if not _NAME.match(name):
+            raise SnapshotError(f"{self.url_of(name)} is not a snapshot: its name is not step- and 9 digits")
+        manifest, problem = self._read_manifest(name)
+        if problem:
+            raise SnapshotError(f"snapshot {self.url_of(name)} is damaged: {problem}")
+        if manifest is None:
+            raise SnapshotError(f"{self.url_of(name)} is not a committed snapshot (it has no {MANIFEST})")
+        return Snapshot(self, name, manifest)
+
+    def _folder_names(self) -> list[str]:
+        self.fs.invalidate_cache(self.path)
+        try:
+            entries = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:
+            return []
+        names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
+        return sorted(name for name in names if name.startswith("step-"))
+
+    def _read_manifest(self, name: str) -> tuple[dict | None, str | None]:
+        """(manifest, None) for a valid one; (None, None) when there is none (debris); (None, why) when damaged."""
+        path = f"{self.path}/{name}/{MANIFEST}"
+        try:
+            info = self.fs.info(path)
+            if info.get("type") != "file" or info.get("size", 0) > 1 << 20:
+                return None, f"{MANIFEST} is not a regular file of at most 1 MiB"
+            manifest = json.loads(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None, None
+        except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+            return None, f"{MANIFEST} is not valid JSON"
+        problem = manifest_problem(manifest, step_of(name))
+        return (None, problem) if problem else (manifest, None)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def save(self, step: int, tensors: dict[str, Any], files: dict[str, bytes], info: dict) -> Snapshot:
+        """Commit a snapshot of `step`: each of `tensors` as NAME.pt, each of `files` as is, then the manifest.
+
+        `tensors` must already be on the CPU. A committed snapshot of the same step that verifies is
+        kept as it is; a damaged one is replaced. With a lease, nothing is written once it is lost.
+        """
+        name = snapshot_name(step)
+        payload = {f"{key}.pt": value for key, value in tensors.items()} | files
+        if set(payload) - set(PAYLOAD_FILES):
+            raise ValueError(f"snapshot files must be among {PAYLOAD_FILES}, got {sorted(payload)}")
+        self._fence()
+        existing = self._replace_damaged_or_keep(name)
+        if existing is not None:
+            return existing
+        started = time.perf_counter()
+        folder = f"{self.path}/{name}"
+        if self.local:
+            self.fs.makedirs(folder, exist_ok=True)
+            sync_folder(self.fs, self.path)
+        entries = {}
+        for filename, content in payload.items():
+            # Streamed: serialised, hashed and written in one pass, never whole in memory. Created
+            # exclusively: a writer that lost the run while it was frozen cannot overwrite these.
+            self._fence()
+            with open_exclusive(self.fs, f"{folder}/{filename}") as f:
+                out = _HashingWriter(f)
+                out.write(content) if isinstance(content, bytes) else torch.save(content, out)
+            entries[filename] = out.entry()
+        sync_folder(self.fs, folder)  # payload bytes and names are on the disk before the manifest names them
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": step,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **info,
+            **({"writer": {"job": self.lease.job, "generation": self.lease.generation}} if self.lease else {}),
+            "files": entries,
+        }
+        self._commit(name, json.dumps(manifest, indent=2).encode())
+        snapshot = Snapshot(self, name, manifest)
+        self._good.add(snapshot._key)
+        total = sum(e["bytes"] for e in entries.values())
+        log.info("snapshot %s committed (%.1f MB in %.2fs)", self.url_of(name), total / 1e6, time.perf_counter() - started)
+        try:
+            self._prune(name)
+        except Exception as e:  # the snapshot is committed; old ones can go next time
+            log.warning("could not remove old snapshots from %s: %s", self.url, explain_storage_error(e))
+        return snapshot
+
+    def _replace_damaged_or_keep(self, name: str) -> Snapshot | None:
+        """A good commit of this step, to keep; else clear the way (damaged commit or debris) and return None."""
+        folder = f"{self.path}/{name}"
+        manifest, problem = self._read_manifest(name)
+        if manifest is not None:
+            snapshot = Snapshot(self, name, manifest)
+            if self._is_good(snapshot, thorough=True):
+                log.info("snapshot %s is already committed; keeping it", snapshot.url)
+                return snapshot
+            problem = "its files do not match its manifest"
+        if problem:  # never keep a damaged commit over good state
+            log.warning("snapshot %s is damaged (%s); replacing it", self.url_of(name), problem)
+            self._remove(name, f"{folder}/{MANIFEST}")
+        elif name in self._folder_names():  # debris of an interrupted save of this same step
+            self._remove(name)
+        return None
+
+    def _commit(self, name: str, manifest: bytes) -> None:
+        """Publish the manifest with exclusive create: it appears whole, and never over another commit."""
+        path = f"{self.path}/{name}/{MANIFEST}"
+        self._fence()
+        try:
+            create_exclusive(self.fs, path, manifest)
+        except FileExistsError:
+            if self.fs.cat_file(path) == manifest:
+                return  # our own PUT, retried after a cut connection
+            raise SnapshotError(f"{self.url_of(name)} was committed by another writer meanwhile; keeping theirs") \
+                from None
+
+    def _fence(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def _is_good(self, snapshot: Snapshot, thorough: bool) -> bool:
+        """Whether `snapshot` can be loaded: its checksums (`thorough`), or else what this process knows
+        of it and the sizes of its files, which catch a truncated or missing file without reading it."""
+        try:
+            if thorough:
+                snapshot.verify(keep=False)
+            elif snapshot._key not in self._good:
+                snapshot.check_sizes()
+            return True
+        except SnapshotError as e:
+            log.warning("%s", e)
+            return False
+
+    def _prune(self, just_committed: str) -> None:
+        """Keep the newest `keep` snapshots not known to be damaged, and whatever is newer (damaged ones
+        stay there, for inspection); remove the rest, and debris older than the newest commit. Damaged
+        commits never count toward `keep`, and the snapshot just committed is never removed, so a run
+        always ends with a verified snapshot. (Older snapshots are checked by the sizes of their files:
+        reading every byte of each at every save would cost more than the save.)"""
+        listing = self.scan()
+        if not listing.committed:
+            return
+        # (step, name, snapshot): damaged commits (no usable manifest) take part by their folder's step.
+        entries = [(s.step, s.name, s) for s in listing.committed]
+        entries += [(step_of(name), name, None) for name, _ in listing.damaged if _NAME.match(name)]
+        good, older = 0, []
+        for _, name, snapshot in sorted(entries, key=lambda entry: entry[0], reverse=True):
+            if good >= self.keep:
+                older.append(name)
+            elif name == just_committed or (snapshot is not None and self._is_good(snapshot, thorough=False)):
+                good += 1
+        for name in older:
+            if name != just_committed:
+                # Manifest first: a deletion cut short leaves debris, never a damaged commit.
+                self._remove(name, f"{self.path}/{name}/{MANIFEST}")
+        newest = listing.committed[-1].step
+        for name in listing.debris:
+            if step_of(name) < newest:
+                self._remove(name)
+
+    def _remove(self, name: str, *first: str) -> None:
+        try:
+            for path in first:
+                self.fs.rm_file(path)
+            self.fs.rm(f"{self.path}/{name}", recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def manifest_problem(manifest: Any, step: int) -> str | None:
+    """Why `manifest` cannot be trusted as the commit of `step`, in a few words; None when it can."""
+    if not isinstance(manifest, dict):
+        return "the manifest is not a JSON object"
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        return f"the manifest is not {FORMAT} version {FORMAT_VERSION}"
+    if manifest.get("step") != step:
+        return f"the manifest says step {manifest.get('step')!r}, the folder step {step}"
+    if not _is_count(manifest.get("samples_seen")):
+        return "the manifest has no samples_seen count"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or any(name not in files for name in REQUIRED_FILES):
+        return f"the manifest does not list {' and '.join(REQUIRED_FILES)}"
+    for name, entry in files.items():
+        if name not in PAYLOAD_FILES:
+            return f"the manifest names a file {name!r} that snapshots never hold"
+        if not (isinstance(entry, dict) and _is_count(entry.get("bytes"))
+                and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
+            return f"the manifest entry of {name} is not {{bytes, sha256}}"
+    try:
+        GPTConfig(**manifest.get("model_config"))
+    except (TypeError, ValueError) as e:  # not a dict, unknown or missing keys, bad values
+        return f"the manifest's model_config is unusable ({e})"
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class _HashingWriter:
+    """A write-only file that passes bytes on and keeps their count and sha256."""
+
+    def __init__(self, f):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def entry(self) -> dict:
+        return {"bytes": self.size, "sha256": self.sha.hexdigest()}

@@ -1,0 +1,25 @@
+"""`mingpt-export SNAPSHOT OUT`: a snapshot's model and tokenizer as a Hugging Face GPT-2 folder."""
+
+from __future__ import annotations
+
+import argparse
+
+from mingpt.cli import run_command
+from mingpt.interop.hf import export
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mingpt-export", description=__doc__.split(": ", 1)[1])
+    parser.add_argument("snapshot", help="a snapshot folder, or a run folder (its newest snapshot), local or s3://")
+    parser.add_argument("out", help="a new folder, local or s3://")
+    args = parser.parse_args(argv)
+
+    def command() -> None:
+        names = export(args.snapshot, args.out)
+        print(f"wrote {', '.join(names)} to {args.out}")
+
+    return run_command(command)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

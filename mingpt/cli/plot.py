@@ -1,0 +1,49 @@
+"""`mingpt-plot RUN`: a picture of a run's loss from its metrics.jsonl (see mingpt.metrics.plot).
+
+    mingpt-plot snapshots/run                     # writes loss.png here
+    mingpt-plot s3://bucket/runs/gpt-mini -o gpt-mini.png
+
+RUN is a snapshot.dir (local or an fsspec URL) that the trainer wrote metrics.jsonl into. Needs
+matplotlib: pip install -e ".[plot]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from mingpt.cli import run_command
+from mingpt.errors import MinGPTError
+from mingpt.metrics.plot import curves, draw, pyplot, read_records
+from mingpt.storage import redact
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mingpt-plot", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("run", help="a snapshot.dir holding metrics.jsonl (local path or s3://...)")
+    parser.add_argument("-o", "--output", default="loss.png", help="the picture to write (default: loss.png)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    return run_command(lambda: plot(args.run, args.output))
+
+
+def plot(run: str, output: str) -> None:
+    try:
+        plt = pyplot()  # first: the one thing a user may have to install
+    except ImportError:
+        raise MinGPTError('mingpt-plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') \
+            from None
+    data = curves(read_records(run))
+    if not data.train_loss and not data.val_loss:
+        raise MinGPTError(f"{redact(run)}/metrics.jsonl holds no losses yet")
+    last = max([*data.train_loss, *data.val_loss])
+    try:
+        draw(data, f"{redact(run.rstrip('/'))}: step {last}", output, plt)
+    except OSError as e:
+        raise MinGPTError(f"cannot write {output}: {e}") from None
+    print(os.path.abspath(output))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""`mingpt-prepare`: tokenize a corpus into train/val token files, or check that prepared data is current.
+
+    mingpt-prepare --corpus 'corpus/*.jsonl.gz' --tokenizer bpe --vocab-size 32768 --out data/web
+    mingpt-prepare --verify --out data/web      # re-read the corpus: is it still what was prepared?
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from mingpt.cli import run_command
+from mingpt.data.corpus import BUILTIN_CORPUS
+from mingpt.data.prepare import PrepareConfig, out_dir, prepare, verify
+from mingpt.data.prepared import read_meta
+
+DEFAULTS = PrepareConfig()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mingpt-prepare", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("--corpus", nargs="+", default=[BUILTIN_CORPUS],
+                        help=f"files, folders or quoted globs, local or fsspec URLs (s3://...), .gz/.bz2/.xz/.zst, "
+                             f".jsonl; or {BUILTIN_CORPUS!r} (default)")
+    parser.add_argument("--tokenizer", default=DEFAULTS.tokenizer,
+                        help="char (default), bpe, a tiktoken encoding name such as gpt2, or a tokenizer folder")
+    parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size, above 256 (e.g. 4096)")
+    parser.add_argument("--bpe-sample-bytes", type=int, default=DEFAULTS.bpe_sample_bytes,
+                        help="bpe learns its merges from a sample of this many bytes (default 100 MB)")
+    parser.add_argument("--text-field", default=DEFAULTS.text_field, help="JSONL field holding the text (default: text)")
+    parser.add_argument("--val-fraction", type=float, default=DEFAULTS.val_fraction,
+                        help="share held out for validation (default 0.1)")
+    parser.add_argument("--num-workers", type=int, default=DEFAULTS.num_workers,
+                        help="tokenizing processes (default 0: one per core)")
+    parser.add_argument("--out", default=None, help="output folder (default data/<corpus>-<tokenizer>[-<vocab>])")
+    parser.add_argument("--verify", action="store_true",
+                        help="re-read the corpus of an existing prepared folder and report what changed (exit 1)")
+    args = parser.parse_args(argv)
+    if args.num_workers < 0:
+        parser.error("--num-workers must be >= 0")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = PrepareConfig(
+        corpus=args.corpus[0] if len(args.corpus) == 1 else args.corpus, text_field=args.text_field,
+        tokenizer=args.tokenizer, vocab_size=args.vocab_size, bpe_sample_bytes=args.bpe_sample_bytes,
+        num_workers=args.num_workers, val_fraction=args.val_fraction, prepared_dir=args.out)
+    if args.verify:
+        return run_command(lambda: _verify(out_dir(config)))
+    return run_command(lambda: _prepare(config), interrupted="interrupted: nothing was published; run the same "
+                                                             "command again")
+
+
+def _prepare(config: PrepareConfig) -> None:
+    out = prepare(config)
+    meta = read_meta(out)
+    print(f"{out}: {meta['train_tokens']} train + {meta['val_tokens']} val tokens "
+          f"({meta['dtype']}), tokenizer {meta['tokenizer']} with vocab {meta['vocab_size']}")
+
+
+def _verify(out: Path) -> int:
+    problems = verify(out)
+    for problem in problems:
+        print(problem)
+    print(f"{out}: {'differs from its corpus' if problems else 'current: every source reads as prepared'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""`mingpt-snapshot list|verify URL`: each snapshot's step, time, size and state, and who holds the run.
+
+Exit status: 0 when every snapshot is fine, 1 when one is damaged or none is committed, 2 when
+the folder cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mingpt.checkpoint.lease import RunLease, describe
+from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, step_of
+from mingpt.cli import run_command
+from mingpt.errors import MinGPTError
+from mingpt.storage import explain_storage_error, redact
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mingpt-snapshot", description=__doc__.split(": ", 1)[1].split("\n")[0])
+    parser.add_argument("command", choices=["list", "verify"], help="list reads manifests; verify also checks every file")
+    parser.add_argument("url", help="a snapshot folder: local path or s3://bucket/prefix")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
+    return run_command(lambda: show(args.url, verify=args.command == "verify"))
+
+
+def show(url: str, verify: bool) -> int:
+    """Print the table; the exit status."""
+    try:
+        store = SnapshotStore(url)
+        listing = store.scan()
+        holder = describe(RunLease(store.run, 0, job="-").current())
+    except MinGPTError:
+        raise
+    except Exception as e:
+        raise MinGPTError(f"cannot read {redact(url)}: {explain_storage_error(e)}") from None
+    rows = [(s.name, s.step, s.manifest.get("created", "-"), sum(f["bytes"] for f in s.manifest["files"].values()),
+             _state(s, verify)) for s in listing.committed]
+    rows += [(name, None, "-", None, f"damaged: {problem}") for name, problem in listing.damaged]
+    rows += [(name, step_of(name), "-", None, "debris (no manifest)") for name in listing.debris]
+    print(f"{'snapshot':<16} {'step':>9}  {'created':<24} {'size':>10}  state")
+    for name, step, created, size, state in sorted(rows):
+        size_text = "-" if size is None else f"{size / 1e6:.1f}MB"
+        print(f"{name:<16} {'-' if step is None else step:>9}  {created:<24} {size_text:>10}  {state}")
+    print(f"# {holder}")
+    if not listing.committed:
+        print(f"no committed snapshot in {store.url}", file=sys.stderr)
+    return 1 if not listing.committed or any(row[4].startswith("damaged") for row in rows) else 0
+
+
+def _state(snapshot: Snapshot, verify: bool) -> str:
+    if not verify:
+        return "committed"
+    try:
+        snapshot.verify(keep=False)
+        return "verified"
+    except SnapshotError as e:
+        return f"damaged: {e}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,504 @@
+"""Prepare data: tokenize a corpus once into a prepared folder (its format: mingpt.data.prepared).
+
+    mingpt-prepare --corpus 'corpus/*.jsonl.gz' --tokenizer bpe --vocab-size 32768 --out data/web
+    mingpt-prepare --verify --out data/web      # re-read the corpus: is it still what was prepared?
+
+Preparation streams. The corpus is read in pieces (see mingpt.data.corpus), worker processes tokenize
+them, and the tokens are appended to the files in corpus order as they come back, so memory stays
+bounded whatever the corpus size. Every document ends with the tokenizer's end-of-text token.
+A char vocabulary needs one more pass over the corpus (its set of characters); bpe learns its
+merges from a sample of about `bpe_sample_bytes`, drawn across the corpus.
+
+Validation split. One text document (a single file, or the built-in corpus): its last
+`val_fraction` of tokens. Several documents: whole documents, drawn in a fixed seeded order; of
+text files, the last `val_fraction` of them (at least one); of JSONL records, each record with a
+seeded hash below `val_fraction`.
+
+Whether a folder is current is decided from the listing of the sources (paths, sizes, mtimes or
+ETags) and the settings, so a start or restart never reads the corpus. `prepare` builds a new
+folder under a temporary name and renames it into place, so a reader never sees a half-written
+one; it replaces only prepared data or an empty folder, never anything else.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from mingpt.data.corpus import (
+    BUILTIN_CORPUS, Piece, Source, as_list, documents, list_sources, read_pieces, sample_pieces,
+)
+from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKENIZER_FILE, read_meta
+from mingpt.data.progress import Progress
+from mingpt.errors import DataError
+from mingpt.storage import redact
+from mingpt.tokenizers import (
+    BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, is_path, tokenizer_from_dict, train_tokenizer,
+)
+
+log = logging.getLogger(__name__)
+
+SPLIT_SEED = 0  # the validation documents do not change with the training seed
+
+
+@dataclass
+class PrepareConfig:
+    """What to prepare and how: the settings that `mingpt-prepare` and the trainer's `data` group share."""
+
+    # A file, a folder, a quoted glob, or a list of these; local paths or fsspec URLs (s3://...);
+    # .gz/.bz2/.xz/.zst read as such, .jsonl as one document per line; or the built-in python-docs.
+    corpus: Any = BUILTIN_CORPUS
+    text_field: str = "text"  # the field of each JSONL record that holds its text
+    # char, bpe, a tiktoken encoding name (gpt2, cl100k_base, ...), or a folder with a slash in its name
+    # (./gpt2) holding a Hugging Face tokenizer or a mingpt snapshot's.
+    tokenizer: str = "char"
+    vocab_size: Optional[int] = None  # for bpe
+    bpe_sample_bytes: int = 100_000_000  # bpe is trained on a sample of this many bytes, drawn across the corpus
+    num_workers: int = 0  # processes that tokenize; 0: one per CPU core
+    val_fraction: float = 0.1
+    prepared_dir: Optional[str] = None  # default: data/<corpus>-<tokenizer>[-<vocab_size>]
+
+    def wanted(self, sources: list[Source]) -> dict:
+        """What meta.json must say for a prepared folder to be reused: the listed sources and the settings
+        that change the tokens (a setting that does not apply, like vocab_size for char, is None)."""
+        bpe = self.tokenizer == "bpe"
+        return {
+            "sources": [source.to_dict() for source in sources],
+            "tokenizer": self.tokenizer,
+            "requested_vocab_size": self.vocab_size if bpe else None,
+            "bpe_sample_bytes": self.bpe_sample_bytes if bpe else None,
+            "text_field": self.text_field if any(source.jsonl for source in sources) else None,
+            "val_fraction": self.val_fraction,
+        }
+
+
+def prepare(config: PrepareConfig) -> Path:
+    """Tokenize the corpus into `config.prepared_dir` (default: see `default_out_dir`) unless it is already
+    there; return that folder."""
+    if config.tokenizer == "bpe":
+        check_bpe_vocab_size(config.vocab_size)
+    if not 0.0 <= config.val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {config.val_fraction}")
+    out = out_dir(config)
+    check_replaceable(out)  # before any reading: refusing late wastes the expensive part
+    sources = list_sources(config.corpus)
+    wanted = config.wanted(sources)
+    if _matches(out, wanted):
+        log.info("reusing prepared data in %s", out)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _machine_lock(out.parent):  # processes on one machine prepare once; the others wait, then reuse
+        if _matches(out, wanted):
+            log.info("reusing prepared data in %s, prepared by another process", out)
+            return out
+        _Job(config, sources).build(out, {**wanted, "corpus": [redact(entry) for entry in as_list(config.corpus)]})
+    return out
+
+
+def out_dir(config: PrepareConfig) -> Path:
+    """`config.prepared_dir`, or the folder named after the corpus and tokenizer."""
+    if config.prepared_dir:
+        return Path(config.prepared_dir)
+    return default_out_dir(config.corpus, config.tokenizer, config.vocab_size)
+
+
+def default_out_dir(corpus: str | Sequence[str], tokenizer: str, vocab_size: int | None, root: str = "data") -> Path:
+    """`data/<corpus name>[-<hash of its location>]-<tokenizer>[-<vocab size>]`, e.g. data/python-docs-char.
+
+    The hash keeps two corpora of the same name (./input.txt, s3://b/input.txt) apart."""
+    entries = as_list(corpus)
+    first = entries[0].rstrip("/").split("://")[-1]
+    if re.search(r"[*?[]", first):  # a glob: name it after its folder
+        first = re.split(r"[*?[]", first)[0].rstrip("/")
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(first).name.split(".")[0]) or "corpus"
+    if entries != [BUILTIN_CORPUS]:
+        locations = [entry if "://" in entry or entry == BUILTIN_CORPUS else str(Path(entry).resolve())
+                     for entry in entries]
+        stem += "-" + hashlib.sha256(json.dumps(locations).encode()).hexdigest()[:8]
+    suffix = f"-{vocab_size}" if tokenizer == "bpe" else ""
+    return Path(root) / f"{stem}-{_tokenizer_label(tokenizer)}{suffix}"
+
+
+def _tokenizer_label(tokenizer: str) -> str:
+    """The tokenizer in a folder name: itself, or for a tokenizer folder its name and a hash of its location."""
+    if not is_path(tokenizer):
+        return tokenizer
+    location = tokenizer if "://" in tokenizer else str(Path(tokenizer).resolve())
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", tokenizer.rstrip("/").rsplit("/", 1)[-1]) or "tokenizer"
+    return f"{name}-{hashlib.sha256(location.encode()).hexdigest()[:8]}"
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class _Job:
+    """One preparation: the tokenizer, then the token files, in a temporary folder published at the end."""
+
+    def __init__(self, config: PrepareConfig, sources: list[Source]):
+        self.sources, self.kind, self.vocab_size = sources, config.tokenizer, config.vocab_size
+        self.val_fraction, self.text_field = config.val_fraction, config.text_field
+        self.num_workers = config.num_workers or _cpu_count()
+        self.bpe_sample_bytes = config.bpe_sample_bytes
+        self.listed_bytes = sum(source.size for source in sources)
+        self.tail_split = len(sources) == 1 and not sources[0].jsonl  # one document
+        self.context = {
+            "names": [redact(source.url) for source in sources],
+            "paths": [source.url if source.local_plain else None for source in sources],
+            "jsonl": [source.jsonl for source in sources],
+            "text_field": self.text_field,
+            "val_fraction": self.val_fraction,
+            "val_sources": [] if self.tail_split else _val_files(sources, self.val_fraction),
+        }
+
+    def build(self, out: Path, meta: dict) -> None:
+        started = time.perf_counter()
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            tok = self.make_tokenizer()
+            tok.save(str(tmp / TOKENIZER_FILE))
+            dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+            counts, digests, read = self.tokenize(tok, dtype, tmp)
+            meta = {
+                "format": FORMAT, "version": FORMAT_VERSION, **meta,
+                "source_sha256": [digests[i] for i in range(len(self.sources))],
+                "corpus_bytes": read, "split": "tail" if self.tail_split else "documents",
+                "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": np.dtype(dtype).name,
+                "train_tokens": counts["train"], "val_tokens": counts["val"],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            if meta["val_fraction"] > 0 and not counts["val"] and not self.tail_split:
+                raise DataError(f"no document of the corpus fell into the validation split (val_fraction "
+                                f"{self.val_fraction}); give more documents or a larger val_fraction")
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+            _publish(tmp, out, meta)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        seconds = time.perf_counter() - started
+        log.info("prepared %s: %d train + %d val tokens, %s, %.1f MB in %.1fs (%.1f MB/s, %d workers) -> %s",
+                 ", ".join(meta["corpus"]), meta["train_tokens"], meta["val_tokens"], tok.describe(),
+                 read / 1e6, seconds, read / 1e6 / max(seconds, 1e-9), self.num_workers, out)
+
+    def make_tokenizer(self) -> Tokenizer:
+        if self.kind == "char":  # the vocabulary is the corpus's set of characters: one pass to find it
+            with Progress("finding characters", self.listed_bytes) as progress, self.workers() as pool:
+                chars: set[str] = set()
+                for piece, found in pool.map(_chars, self.pieces()):
+                    chars.update(found)
+                    progress.update(piece.size)
+            if not "".join(chars).strip():
+                raise self.empty()
+            return CharTokenizer(chars)
+        if self.kind == "bpe":
+            return BPETokenizer.train(self.bpe_sample(), self.vocab_size)
+        return train_tokenizer(self.kind, "")  # a named tiktoken encoding: nothing to learn
+
+    def bpe_sample(self) -> Iterator[str]:
+        """About `bpe_sample_bytes` of text, in pieces drawn by a seeded hash of their place, so from the
+        whole corpus (from its start, when compressed files make the total larger than listed)."""
+        share = min(1.0, self.bpe_sample_bytes / max(self.listed_bytes, 1))
+        chosen = sample_pieces(self.sources, lambda source, number: _unit_hash(SPLIT_SEED, "bpe", source, number) < share)
+        taken = 0
+        # Read here, not in workers: decoding costs less than sending the texts back, and rustbpe uses every core.
+        with Progress("training bpe on a sample", min(self.bpe_sample_bytes, self.listed_bytes)) as progress, \
+                self.workers(count=1) as pool:
+            for piece, texts in pool.map(_texts, chosen):
+                yield from texts
+                taken += piece.size
+                progress.update(piece.size)
+                if taken >= self.bpe_sample_bytes:
+                    return
+
+    def tokenize(self, tok: Tokenizer, dtype, folder: Path) -> tuple[dict, dict, int]:
+        """Write train.bin and val.bin; return token counts, each source's sha256 and the bytes read."""
+        counts, digests, read, any_text = {"train": 0, "val": 0}, {}, 0, False
+        files = {split: open(folder / f"{split}.bin", "wb") for split in counts}
+        try:
+            with Progress("tokenizing", self.listed_bytes) as progress, self.workers(tok, dtype, folder) as pool:
+                for piece, (written, has_text) in pool.map(_encode, self.pieces(digests)):
+                    for split, (part, count) in written.items():
+                        _append(files[split], part)
+                        counts[split] += count
+                    read += piece.size
+                    any_text = any_text or has_text
+                    progress.update(piece.size)
+        finally:
+            for f in files.values():
+                f.close()
+        if not any_text:
+            raise self.empty()
+        if self.tail_split:
+            counts = _move_tail(folder / "train.bin", folder / "val.bin", np.dtype(dtype), self.val_fraction)
+        return counts, digests, read
+
+    def empty(self) -> DataError:
+        return DataError(f"the corpus ({', '.join(self.context['names'])}) is empty or only whitespace; give text "
+                         "with some content")
+
+    def pieces(self, digests: dict[int, str] | None = None) -> Iterator[Piece]:
+        """The corpus in pieces, sent lean where workers can read the bytes themselves: a local file that
+        is not compressed (so that its bytes do not go through a pipe, which costs more than reading)."""
+        for piece in read_pieces(self.sources, digests):
+            yield piece.lean() if self.sources[piece.source].local_plain else piece
+
+    @contextmanager
+    def workers(self, tok: Tokenizer | None = None, dtype=None, folder: Path | None = None, count: int = 0):
+        """`count` (default: num_workers) worker processes that know the sources, and the tokenizer and the
+        folder to write tokens to."""
+        context = {**self.context, "tokenizer": tok.to_json() if tok else None, "dtype": dtype, "folder": folder}
+        with _Pool(count or self.num_workers, context) as pool:
+            yield pool
+
+
+class _Pool:
+    """`map` over worker processes, in order, with a bounded number of pieces in flight (memory stays
+    bounded however fast the corpus is read). One worker means no processes: the work runs here.
+
+    Workers are forked: they start at once and share this process's memory. They open only corpus
+    files and their own part files, and take no lock that a thread of this process (a lease
+    renewer) could hold. A worker that dies (killed for memory, say) fails the preparation at once."""
+
+    def __init__(self, count: int, context: dict):
+        self.count = count
+        if count > 1 and not multiprocessing.current_process().daemon:  # a daemon (a pool's worker) has no children
+            self.pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"),
+                                            initializer=_init_worker, initargs=(context,))
+        else:
+            _init_worker(context)
+            self.pool = None
+
+    def map(self, fn: Callable[[Piece], object], pieces: Iterable[Piece]) -> Iterator[tuple[Piece, object]]:
+        if self.pool is None:
+            yield from ((piece, fn(piece)) for piece in pieces)
+            return
+        pending: collections.deque = collections.deque()
+        for piece in pieces:
+            pending.append((piece, self.pool.submit(fn, piece)))
+            if len(pending) >= 2 * self.count:
+                yield self._result(*pending.popleft())
+        while pending:
+            yield self._result(*pending.popleft())
+
+    def _result(self, piece: Piece, future) -> tuple[Piece, object]:
+        try:
+            return piece, future.result()
+        except BrokenProcessPool:
+            raise DataError(f"a tokenizing worker process died (killed, or out of memory?); nothing was published: "
+                            f"run again, with fewer data.num_workers (--num-workers) than {self.count} if memory "
+                            "is short") from None
+
+    def __enter__(self) -> "_Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+# What each worker process knows: set once by `_init_worker`.
+_worker: dict = {}
+
+
+def _init_worker(context: dict) -> None:
+    _worker.clear()
+    _worker.update(context)
+    if context.get("tokenizer"):
+        _worker["tok"] = tokenizer_from_dict(json.loads(context["tokenizer"]))
+    _worker["val_sources"] = set(context["val_sources"])
+
+
+def _documents(piece: Piece) -> Iterator[tuple[int, str]]:
+    piece = piece.filled(_worker["paths"][piece.source])
+    jsonl = _worker["jsonl"][piece.source]
+    return documents(piece, jsonl, _worker["text_field"], _worker["names"][piece.source])
+
+
+def _chars(piece: Piece) -> set[str]:
+    found: set[str] = set()
+    for _, text in _documents(piece):
+        found.update(text)
+    return found
+
+
+def _texts(piece: Piece) -> list[str]:
+    return [text for _, text in _documents(piece)]
+
+
+def _encode(piece: Piece) -> tuple[dict[str, tuple[Path, int]], bool]:
+    """Write the tokens of `piece` by split, each document (a JSONL record, the end of a text file) ended
+    by end-of-text, to part files (cheaper than sending them back through a pipe); return each split's
+    part file and token count, and whether the piece held any text that is not whitespace."""
+    tok: Tokenizer = _worker["tok"]
+    eot = [] if tok.eot_id is None else [tok.eot_id]
+    jsonl = _worker["jsonl"][piece.source]
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    has_text = False
+    for offset, text in _documents(piece):
+        has_text = has_text or not text.isspace() and bool(text)
+        if jsonl:
+            split = "val" if _unit_hash(SPLIT_SEED, piece.source, offset) < _worker["val_fraction"] else "train"
+        else:
+            split = "val" if piece.source in _worker["val_sources"] else "train"
+        parts[split].append(tok.encode_array(text))
+        if jsonl or piece.last:
+            parts[split].append(np.asarray(eot, dtype=np.int64))
+    written = {}
+    for split, arrays in parts.items():
+        if arrays:
+            path = _worker["folder"] / f"part-{piece.source}-{piece.offset}.{split}"
+            ids = np.concatenate(arrays).astype(_worker["dtype"])
+            ids.tofile(path)
+            written[split] = (path, len(ids))
+    return written, has_text
+
+
+def _append(out, part: Path) -> None:
+    """Append the part file `part` to the open file `out`, and delete it."""
+    with open(part, "rb") as f:
+        shutil.copyfileobj(f, out, 1 << 20)
+    part.unlink()
+
+
+def _unit_hash(*key) -> float:
+    """A number in [0, 1) from `key`, the same on every machine and Python (unlike hash())."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def _val_files(sources: Sequence[Source], val_fraction: float) -> list[int]:
+    """The text files (one document each) of the validation split: the last `val_fraction` of them in
+    a seeded order, at least one where there are two or more and no JSONL records to draw from."""
+    text_files = [i for i, source in enumerate(sources) if not source.jsonl]
+    count = round(val_fraction * len(text_files))
+    if val_fraction > 0 and count == 0 and len(text_files) >= 2 and len(text_files) == len(sources):
+        count = 1
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(text_files))
+    return sorted(text_files[i] for i in order[len(order) - count:]) if count else []
+
+
+def _move_tail(train: Path, val: Path, dtype: np.dtype, val_fraction: float) -> dict:
+    """Move the last `val_fraction` of the tokens of `train` to `val` (a one-document corpus)."""
+    total = train.stat().st_size // dtype.itemsize
+    n_val = int(total * val_fraction)
+    with open(train, "r+b") as src, open(val, "wb") as dst:
+        src.seek((total - n_val) * dtype.itemsize)
+        shutil.copyfileobj(src, dst, 1 << 20)
+        src.truncate((total - n_val) * dtype.itemsize)
+    return {"train": total - n_val, "val": n_val}
+
+
+@contextmanager
+def _machine_lock(folder: Path):
+    """An exclusive flock on `folder` itself (no lock file to leave behind). Where the file system
+    has no flock, go on without: `_publish` keeps concurrent preparation correct, only slower."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting: another process on this machine is preparing data in %s", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _matches(directory: Path, wanted: dict) -> bool:
+    try:
+        meta = read_meta(directory)
+    except DataError:
+        return False
+    return all(meta.get(key) == value for key, value in wanted.items())
+
+
+def check_replaceable(out: Path) -> None:
+    """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace).
+
+    Anything else may be a user's files: preparing there would delete them."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"the prepared-data folder {out} is a file; choose an empty or new folder "
+                        "(mingpt-prepare --out, or data.prepared_dir for training)")
+    if not any(out.iterdir()):
+        return
+    try:
+        meta = json.loads((out / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:  # any version of ours may be replaced
+        raise DataError(
+            f"{out} is not empty and holds no mingpt prepared data (no valid {META_FILE}); preparing there would "
+            "replace its files, so choose an empty or new folder (mingpt-prepare --out, or data.prepared_dir "
+            "for training)"
+        )
+
+
+def _publish(tmp: Path, out: Path, wanted: dict) -> None:
+    """Move the finished folder `tmp` to `out`, replacing stale data but never a concurrent twin,
+    nor a folder that is not prepared data."""
+    for _ in range(3):
+        try:
+            tmp.rename(out)
+            return
+        except OSError:  # `out` exists and is not empty
+            if _matches(out, {key: wanted[key] for key in ("sources", "tokenizer", "val_fraction")}):
+                return  # another process prepared the same data first; theirs is as good
+            check_replaceable(out)  # again: files may have appeared since `prepare` checked
+            stale = out.parent / f".{out.name}.stale-{uuid.uuid4().hex[:8]}"
+            try:
+                out.rename(stale)
+            except FileNotFoundError:
+                continue  # someone else moved it meanwhile; try again
+            shutil.rmtree(stale, ignore_errors=True)
+    raise DataError(f"could not replace {out}; is another process preparing different data there?")
+
+
+def verify(directory: str | os.PathLike) -> list[str]:
+    """Re-list and re-read the corpus a folder was prepared from; what differs, one line each (empty: current)."""
+    meta = read_meta(directory)
+    recorded = [Source(**s) for s in meta["sources"]]
+    problems = []
+    try:
+        listed = {source.url: source for entry in meta["corpus"] for source in list_sources(entry)}
+    except DataError as e:
+        return [str(e)]
+    for source in recorded:
+        now = listed.get(source.url)
+        if now is None:
+            problems.append(f"{source.url}: no longer part of the corpus")
+        elif (now.size, now.version) != (source.size, source.version):
+            problems.append(f"{source.url}: size or version changed ({source.size} B, {source.version} -> "
+                            f"{now.size} B, {now.version})")
+    problems += [f"{url}: new in the corpus" for url in listed if url not in {s.url for s in recorded}]
+    digests: dict[int, str] = {}
+    present = [s for s in recorded if s.url in listed]
+    with Progress("verifying", sum(s.size for s in present)) as progress:
+        for piece in read_pieces(present, digests=digests):
+            progress.update(len(piece.data))
+    expected = dict(zip((s.url for s in recorded), meta["source_sha256"]))
+    for i, source in enumerate(present):
+        if digests[i] != expected[source.url]:
+            problems.append(f"{source.url}: content differs from what was prepared (sha256 {expected[source.url][:12]}"
+                            f"... -> {digests[i][:12]}...)")
+    return problems

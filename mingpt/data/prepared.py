@@ -1,0 +1,139 @@
+"""Prepared data, and reading it: examples by memory map (mingpt.data.prepare writes it).
+
+A prepared folder holds
+    train.bin, val.bin   the token ids, raw little-endian uint16 (uint32 when the vocabulary needs it)
+    tokenizer.json       the tokenizer (see mingpt.tokenizers)
+    meta.json            what was prepared from what: the sources as listed, settings, counts, dtype
+
+An example is a window of `block_size` input tokens `x` and the same window shifted by one, `y`.
+Windows are addressed by their token offset, so that which windows a step reads is decided
+elsewhere (by the trainer's sampler) as a pure function of seed and position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from mingpt.errors import DataError
+from mingpt.tokenizers import Tokenizer, load_tokenizer
+
+FORMAT = "mingpt-prepared"
+FORMAT_VERSION = 2
+META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    """The meta.json of a prepared folder; DataError when it is missing or damaged."""
+    path = Path(directory) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{directory} is not prepared data (no {META_FILE}); run mingpt-prepare") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise DataError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} description; prepare the data again")
+    return meta
+
+
+class TokenBlocks:
+    """`(x, y)` windows of a flat token file, read through a memory map.
+
+    Examples by index (`batch`, `[i]`) are the fixed blocks `i * stride`: evaluation reads those,
+    so that every evaluation sees the same text. Training reads windows at any token offset
+    (`windows`), chosen by the sampler (mingpt.data.sampler)."""
+
+    def __init__(self, path: str | os.PathLike, dtype: str, block_size: int, stride: int | None = None,
+                 vocab_size: int | None = None):
+        self.path = Path(path)
+        self.block_size = block_size
+        self.vocab_size = vocab_size  # when known, each batch is checked against it (see `windows`)
+        self.stride = stride or block_size
+        if block_size < 1 or self.stride < 1:
+            raise DataError(f"block_size and stride must be positive, got {block_size} and {self.stride}")
+        try:
+            self.tokens = np.memmap(self.path, dtype=np.dtype(dtype), mode="r")
+        except FileNotFoundError:
+            raise DataError(f"token file {self.path} is missing; prepare the data again") from None
+        except ValueError:  # numpy cannot map an empty file
+            self.tokens = np.zeros(0, dtype=np.dtype(dtype))
+        # Each example needs block_size + 1 tokens: the inputs and one more target.
+        spare = len(self.tokens) - (block_size + 1)
+        self.num_examples = spare // self.stride + 1 if spare >= 0 else 0
+        self.num_starts = max(0, spare + 1)  # token offsets where a window fits
+        self._offsets = np.arange(block_size + 1)
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batch([index])
+        return x[0], y[0]
+
+    def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (len(indices), block_size) of the blocks `indices`, as int64 tensors."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.num_examples):
+            raise IndexError(f"example index out of range [0, {self.num_examples})")
+        return self.windows(indices * self.stride)
+
+    def windows(self, starts: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (len(starts), block_size) of the windows at token offsets `starts`, in one gather."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or starts.max() >= self.num_starts):
+            raise IndexError(f"window offset out of range [0, {self.num_starts})")
+        rows = np.asarray(self.tokens[starts[:, None] + self._offsets], dtype=np.int64)
+        # An id beyond the vocabulary would fail deep in the embedding (or on a GPU, as a device assert).
+        # Checking the gathered batch costs one max; scanning the whole token file at start would not.
+        if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:
+            raise DataError(
+                f"{self.path} holds token id {rows.max()}, beyond the tokenizer's vocabulary of {self.vocab_size}; "
+                f"the token file and tokenizer do not belong together: prepare the data again"
+            )
+        rows = torch.from_numpy(rows)
+        return rows[:, :-1], rows[:, 1:]
+
+
+class PreparedData:
+    """A prepared data folder: its tokenizer, description and splits."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.meta = read_meta(self.directory)
+        self.tokenizer: Tokenizer = load_tokenizer(str(self.directory / TOKENIZER_FILE))
+        prepared_with = self.meta.get("vocab_size")
+        if self.tokenizer.vocab_size != prepared_with:  # e.g. tokenizer.json copied from another folder
+            raise DataError(
+                f"{self.directory / TOKENIZER_FILE} has a vocabulary of {self.tokenizer.vocab_size} but the data "
+                f"was prepared with {prepared_with} ({META_FILE}); the folder is damaged: delete {self.directory} "
+                "and prepare the data again"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def split(self, name: str, block_size: int, stride: int | None = None) -> TokenBlocks:
+        """The 'train' or 'val' examples; DataError when the split is shorter than one block."""
+        if name not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {name!r}")
+        blocks = TokenBlocks(self.directory / f"{name}.bin", self.meta["dtype"], block_size, stride, self.vocab_size)
+        if len(blocks.tokens) != self.meta[f"{name}_tokens"]:
+            raise DataError(
+                f"{blocks.path} holds {len(blocks.tokens)} tokens but {self.meta[f'{name}_tokens']} were "
+                f"prepared; the file is damaged: delete {self.directory} and prepare the data again"
+            )
+        if len(blocks) == 0:
+            raise DataError(
+                f"the {name} split of {self.directory} has {len(blocks.tokens)} tokens, fewer than one "
+                f"block of {block_size} + 1; use a smaller block_size or a longer corpus"
+                + (" (or a larger val_fraction)" if name == "val" else "")
+            )
+        return blocks

@@ -1,0 +1,139 @@
+"""Hugging Face's GPT-2 format: weights in and out, and the export of a whole snapshot.
+
+In: `model.init_from=FOLDER` reads a GPT-2 folder (`config.json`, `model.safetensors` or
+`pytorch_model.bin`, loaded with weights_only), local or an fsspec URL. (`data.tokenizer=FOLDER`
+reads its tokenizer: see mingpt.tokenizers.huggingface.) Nothing is downloaded: a folder fetched
+once with `huggingface-cli download gpt2 --local-dir gpt2` is enough.
+
+Out: `mingpt-export SNAPSHOT OUT` writes a folder that `transformers` loads with
+`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`.
+
+GPT-2's layers map one to one onto mingpt.model's; HF stores its linear weights as Conv1D,
+(in, out), the transpose of nn.Linear's. Its GELU is the tanh form ("gelu_new"), as ours. A
+model trained here without biases is exported with zero biases, which computes the same.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import torch
+
+from mingpt.checkpoint.load import open_model
+from mingpt.errors import ConfigError, MinGPTError
+from mingpt.model import GPT, GPTConfig
+from mingpt.storage import explain_storage_error, open_fs, redact
+from mingpt.tokenizers.huggingface import tokenizer_files
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# HF's Conv1D layers store (in, out); nn.Linear stores (out, in).
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _fs(url: str):
+    return open_fs(url.rstrip("/"))
+
+
+def _read(fs, path: str) -> bytes:
+    with fs.open(path, "rb") as f:
+        return f.read()
+
+
+def is_hf_model(url: str) -> bool:
+    fs, path = _fs(url)
+    return fs.exists(f"{path}/config.json")
+
+
+def hf_model_config(url: str, block_size: int) -> GPTConfig:
+    """The GPTConfig of a Hugging Face GPT-2 folder, for training on `block_size`-token windows."""
+    fs, path = _fs(url)
+    config = json.loads(_read(fs, f"{path}/config.json"))
+    if config.get("model_type") != "gpt2":
+        raise ConfigError(f"model.init_from={url}: config.json says model_type {config.get('model_type')!r}; "
+                          "only GPT-2 (gpt2) folders load")
+    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"model.init_from={url}: activation {config['activation_function']!r}; this GPT uses "
+                          "GPT-2's tanh GELU (gelu_new)")
+    if block_size > config["n_positions"]:
+        raise ConfigError(f"data.block_size={block_size} exceeds the {config['n_positions']} positions of "
+                          f"model.init_from={url}; use a block_size up to {config['n_positions']}")
+    return GPTConfig(vocab_size=config["vocab_size"], block_size=block_size, n_layer=config["n_layer"],
+                     n_head=config["n_head"], n_embd=config["n_embd"], bias=True,
+                     tie_weights=config.get("tie_word_embeddings", True))
+
+
+def load_hf_weights(url: str, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """The state dict of a Hugging Face GPT-2 folder in mingpt.model's names, its position table cropped to
+    `config.block_size`."""
+    fs, path = _fs(url)
+    name = next((n for n in WEIGHT_FILES if fs.exists(f"{path}/{n}")), None)
+    if name is None:
+        raise ConfigError(f"model.init_from={url} has config.json but no weights ({' or '.join(WEIGHT_FILES)})")
+    data = _read(fs, f"{path}/{name}")
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load
+
+        tensors = load(data)
+    else:
+        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    state = {}
+    for key, tensor in tensors.items():
+        key = re.sub(r"^h\.(\d+)\.", r"blocks.\1.", key.removeprefix("transformer."))
+        if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers of older checkpoints
+            continue
+        state[key] = tensor.t() if key.endswith(CONV1D) else tensor
+    state["wpe.weight"] = state["wpe.weight"][: config.block_size]
+    if config.tie_weights:
+        state.pop("lm_head.weight", None)
+        state["lm_head.weight"] = state["wte.weight"]
+    return state
+
+
+def hf_files(model: GPT, eot_id: int | None) -> dict[str, bytes]:
+    """config.json and model.safetensors of `model` as a transformers GPT2LMHeadModel; `generate` stops at
+    the end-of-text token `eot_id`, as mingpt-sample does."""
+    from safetensors.torch import save
+
+    c = model.config
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
+              "n_positions": c.block_size, "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
+              "n_head": c.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.0,
+              "embd_pdrop": 0.0, "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+              "tie_word_embeddings": c.tie_weights, "torch_dtype": "float32", "bos_token_id": eot_id,
+              "eos_token_id": eot_id}
+    tensors = {}
+    for key, tensor in model.state_dict().items():
+        if key == "lm_head.weight" and c.tie_weights:
+            continue  # the same tensor as wte
+        tensor = tensor.detach().float().cpu()
+        hf_key = key if key == "lm_head.weight" else "transformer." + key.replace("blocks.", "h.", 1)
+        tensors[hf_key] = (tensor.t() if key.endswith(CONV1D) else tensor).contiguous()
+    if not c.bias:  # GPT-2 always has biases: zeros compute the same as none
+        for i in range(c.n_layer):
+            for layer, width in (("ln_1", c.n_embd), ("ln_2", c.n_embd), ("attn.c_attn", 3 * c.n_embd),
+                                 ("attn.c_proj", c.n_embd), ("mlp.c_fc", 4 * c.n_embd), ("mlp.c_proj", c.n_embd)):
+                tensors[f"transformer.h.{i}.{layer}.bias"] = torch.zeros(width)
+        tensors["transformer.ln_f.bias"] = torch.zeros(c.n_embd)
+    return {"config.json": json.dumps(config, indent=1).encode(), "model.safetensors": save(tensors, metadata={"format": "pt"})}
+
+
+def export(snapshot_url: str, out: str) -> list[str]:
+    """Write the model and tokenizer of a snapshot as a Hugging Face folder; the names of the files written."""
+    _, model, tokenizer = open_model(snapshot_url, torch.device("cpu"))
+    files = {**hf_files(model, tokenizer.eot_id), **tokenizer_files(tokenizer, model.config.block_size)}
+    try:
+        fs, path = _fs(out)
+        if fs.exists(path) and fs.ls(path):
+            raise ConfigError(f"{out} exists and is not empty; give a new folder")
+        fs.makedirs(path, exist_ok=True)
+        for name, data in files.items():
+            with fs.open(f"{path}/{name}", "wb") as f:
+                f.write(data)
+    except MinGPTError:
+        raise
+    except Exception as e:  # storage clients raise many types: explain any in one line
+        reason = explain_storage_error(e, local="://" not in out, setting="the OUT argument")
+        raise ConfigError(f"cannot write {redact(out)}: {reason}") from None
+    return sorted(files)

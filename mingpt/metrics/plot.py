@@ -1,0 +1,165 @@
+"""A run's loss from its metrics.jsonl, as a picture (`mingpt-plot`): train and val loss against step,
+tokens/s on a second axis, and a vertical line where the run restarted or its world size changed.
+Needs matplotlib: pip install -e ".[plot]".
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+
+from mingpt.errors import MinGPTError
+from mingpt.rundir import RunDir
+from mingpt.storage import explain_storage_error
+
+
+@dataclass
+class Mark:
+    step: int
+    text: str
+    kind: str  # "restart" or "world_size_change"
+
+
+@dataclass
+class Curves:
+    """What the picture shows. A step logged twice (trained again after a restart) keeps its last record."""
+
+    train_loss: dict[int, float] = field(default_factory=dict)
+    val_loss: dict[int, float] = field(default_factory=dict)
+    tokens_per_s: dict[int, float] = field(default_factory=dict)
+    marks: list[Mark] = field(default_factory=list)
+
+
+def read_records(run: str) -> list[dict]:
+    """The records of RUN/metrics.jsonl in file order. A line cut short (a process killed while writing it)
+    is skipped."""
+    folder = RunDir(run)
+    url = folder.url_of(RunDir.METRICS)
+    try:
+        text = folder.fs.cat_file(folder.metrics).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        raise MinGPTError(f"{url} does not exist: RUN must be a snapshot.dir that a job with "
+                          "jsonl in trainer.loggers (the default) has trained into") from None
+    except Exception as e:
+        raise MinGPTError(f"cannot read {url}: {explain_storage_error(e, setting='RUN')}") from None
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def curves(records: list[dict]) -> Curves:
+    result = Curves()
+    for record in records:  # in file order, so a later record of a step replaces an earlier one
+        for key in ("train_loss", "val_loss", "tokens_per_s"):
+            if isinstance(record.get(key), (int, float)):
+                getattr(result, key)[record["step"]] = float(record[key])
+    result.marks = find_marks(records)
+    return result
+
+
+def find_marks(records: list[dict]) -> list[Mark]:
+    """Restarts and world-size changes, seen in the progress records (those with a train loss).
+
+    A process logs at every multiple of trainer.log_every and at the step it stops at. So the
+    records after a restart are recognised by a step that does not move forward (the run resumed
+    from a snapshot older than what it had logged), a previous record off the usual stride (the
+    process stopped there), or a pause that the throughput does not account for: a new process
+    starting, or the machine stalling, so such a mark is labelled with the pause's length. Each
+    line is drawn where training went on from, as far as the records tell."""
+    progress = [r for r in records if "train_loss" in r]
+    steps = [r["step"] for r in progress]
+    strides = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    stride = statistics.mode(strides) if strides else 0
+    per_step = _tokens_per_step(progress)
+    marks = []
+    for before, after in zip(progress, progress[1:]):
+        at = min(before["step"], after["step"])
+        pause = _unexplained_pause(before, after, per_step)
+        if after["step"] <= before["step"] or (stride and before["step"] % stride != 0):
+            marks.append(Mark(at, text="restart", kind="restart"))
+        elif pause:
+            marks.append(Mark(at, text=f"{pause:.0f} s pause", kind="restart"))
+        old, new = before.get("world_size"), after.get("world_size")
+        if old is not None and new is not None and old != new:
+            marks.append(Mark(at, text=f"{old} -> {new} processes", kind="world_size_change"))
+    return marks
+
+
+def _tokens_per_step(progress: list[dict]) -> float | None:
+    """Tokens one step trains: each record's tokens/s covers the time since the record before it in
+    the same process, evaluations and snapshots included. The median, so restarts do not count."""
+    estimates = [(b["time"] - a["time"]) * b["tokens_per_s"] / (b["step"] - a["step"])
+                 for a, b in zip(progress, progress[1:]) if b["step"] > a["step"] and _timed(a, b)]
+    return statistics.median(estimates) if estimates else None
+
+
+def _unexplained_pause(before: dict, after: dict, per_step: float | None) -> float:
+    """Seconds between two records that training at the later one's rate does not account for (a process
+    starting takes seconds); 0 when there are none. A machine that is merely slow lowers the rate as much
+    as it lengthens the time between records."""
+    if per_step is None or after["step"] <= before["step"] or not _timed(before, after):
+        return 0.0
+    elapsed = after["time"] - before["time"]
+    training = (after["step"] - before["step"]) * per_step / after["tokens_per_s"]
+    return elapsed - training if elapsed > 1.5 * training and elapsed - training > 1.0 else 0.0
+
+
+def _timed(a: dict, b: dict) -> bool:
+    numbers = (a.get("time"), b.get("time"), b.get("tokens_per_s"))
+    return all(isinstance(x, (int, float)) for x in numbers) and b["tokens_per_s"] > 0
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing to files only (no display needed); ImportError if not installed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
+
+def draw(data: Curves, title: str, out: str, plt) -> None:
+    """Write the picture to `out` (PNG, or any format matplotlib knows by the name's ending) with `plt`,
+    matplotlib.pyplot."""
+    fig, loss_axis = plt.subplots(figsize=(8, 4.5))
+    rate_axis = loss_axis.twinx()
+    if data.tokens_per_s:
+        steps = sorted(data.tokens_per_s)
+        rate_axis.plot(steps, [data.tokens_per_s[s] for s in steps], color="0.6", lw=0.8, label="tokens/s")
+        rate_axis.set_ylim(bottom=0, top=1.15 * max(data.tokens_per_s.values()))
+    rate_axis.set_ylabel("tokens/s")
+    loss_axis.set_zorder(rate_axis.get_zorder() + 1)  # losses drawn over the throughput
+    loss_axis.patch.set_visible(False)
+    for name, points, style in (("train loss", data.train_loss, "-"), ("val loss", data.val_loss, "o-")):
+        if points:
+            steps = sorted(points)
+            loss_axis.plot(steps, [points[s] for s in steps], style, lw=1.2, ms=3, label=name)
+    at_step: dict[int, list] = {}  # a restart and a world-size change at one step share a line and a label
+    for mark in data.marks:
+        at_step.setdefault(mark.step, []).append(mark)
+    for step, marks in at_step.items():
+        restart = any(mark.kind == "restart" for mark in marks)
+        color = "tab:red" if restart else "tab:purple"
+        loss_axis.axvline(step, color=color, ls="--" if restart else ":", lw=1)
+        loss_axis.annotate(" " + ", ".join(mark.text for mark in marks), (step, 0.98), rotation=90, va="top",
+                           xycoords=("data", "axes fraction"), fontsize=7, color=color)
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("loss")
+    loss_axis.set_title(title, fontsize=10)
+    loss_axis.grid(alpha=0.3)
+    lines, labels = [], []
+    for axis in (loss_axis, rate_axis):
+        more_lines, more_labels = axis.get_legend_handles_labels()
+        lines, labels = lines + more_lines, labels + more_labels
+    loss_axis.legend(lines, labels, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,62 @@
+"""The layout of a run folder (`snapshot.dir`): the one place that knows where each thing lives.
+
+    <dir>/step-000001200/   a snapshot (mingpt.checkpoint.store); a folder per step
+    <dir>/owner/            the run's lease: which job may write here (mingpt.checkpoint.lease)
+    <dir>/metrics.jsonl     one JSON record per progress line (mingpt.metrics)
+    <dir>/wandb_run.json    the W&B run this run logs to, so restarts continue it
+    <dir>/tensorboard/      TensorBoard event files; a run on an object store keeps them on this
+                            machine instead, in ./tensorboard/<bucket>/<prefix>
+
+The folder is a local path or any fsspec URL (s3://bucket/prefix).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from mingpt.storage import is_local, open_fs, redact
+
+
+class RunDir:
+    """One run folder: its file system, its path there, and the places of what a run writes."""
+
+    OWNER = "owner"
+    METRICS = "metrics.jsonl"
+    WANDB_STATE = "wandb_run.json"
+    TENSORBOARD = "tensorboard"
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url = redact(url.rstrip("/"))  # for messages: credentials never shown
+        self.fs, path = open_fs(url.rstrip("/"), storage_options)
+        self.path = path.rstrip("/")
+        self.local = is_local(self.fs)  # object stores have no folders, and no appends
+
+    def __repr__(self) -> str:
+        return f"RunDir({self.url!r})"
+
+    def join(self, *names: str) -> str:
+        """The path of `names` under the run folder, for the file system `fs`."""
+        return "/".join([self.path, *names])
+
+    def url_of(self, *names: str) -> str:
+        """What to show a user for `names` under the run folder."""
+        return "/".join([self.url, *names])
+
+    @property
+    def owner(self) -> str:
+        return self.join(self.OWNER)
+
+    @property
+    def metrics(self) -> str:
+        return self.join(self.METRICS)
+
+    @property
+    def wandb_state(self) -> str:
+        return self.join(self.WANDB_STATE)
+
+    def tensorboard(self) -> str:
+        """A local folder for TensorBoard's event files, which it appends to (object stores cannot)."""
+        if self.local:
+            return self.join(self.TENSORBOARD)
+        return os.path.abspath(os.path.join(self.TENSORBOARD, re.sub(r"^\w+://", "", self.url)))

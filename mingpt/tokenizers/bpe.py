@@ -1,0 +1,129 @@
+"""Tokenizers that encode with tiktoken: a byte-level BPE learnt from the corpus with rustbpe, or a
+named tiktoken encoding (gpt2, cl100k_base, ...)."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from typing import Iterable, Sequence
+
+import tiktoken
+
+from mingpt.errors import TokenizerError
+from mingpt.tokenizers.base import EOT, Tokenizer
+
+log = logging.getLogger(__name__)
+
+# GPT-4's split pattern: words, numbers of up to 3 digits, punctuation runs and whitespace
+# are merged within, never across. rustbpe's default is the same pattern.
+BPE_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+
+
+class _TiktokenBacked(Tokenizer):
+    """Shared code of the two tokenizers that encode with a `tiktoken.Encoding`."""
+
+    encoding: tiktoken.Encoding
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        # Special tokens are plain text here: a corpus saying "<|endoftext|>" is not a control signal.
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        try:
+            return self.encoding.decode_bytes(list(ids))
+        except KeyError as e:
+            raise TokenizerError(f"token id {e} is not in this {self.describe()} vocabulary") from None
+
+
+class BPETokenizer(_TiktokenBacked):
+    """Byte-level BPE trained on the corpus with rustbpe, encoded with tiktoken.
+
+    The first 256 tokens are the bytes, so any text round-trips.
+    """
+
+    kind = "bpe"
+
+    def __init__(self, pattern: str, ranks: Sequence[bytes], eot: bool = True):
+        self.pattern = pattern
+        self.ranks = list(ranks)
+        self.eot_id = len(self.ranks) if eot else None
+        self.encoding = tiktoken.Encoding(
+            name=f"mingpt-bpe-{len(self.ranks)}",
+            pat_str=pattern,
+            mergeable_ranks={token: rank for rank, token in enumerate(self.ranks)},
+            special_tokens={EOT: self.eot_id} if eot else {},
+        )
+
+    @classmethod
+    def train(cls, texts: str | Iterable[str], vocab_size: int) -> "BPETokenizer":
+        """Merges learnt from `texts` (pieces cut between words: see mingpt.data.corpus), up to a vocabulary
+        of `vocab_size` including end-of-text."""
+        import rustbpe
+
+        check_bpe_vocab_size(vocab_size)
+        logging.getLogger("rustbpe").setLevel(logging.WARNING)  # its INFO is a line per 1% of merges
+        trainer = rustbpe.Tokenizer()
+        trainer.train_from_iterator(iter([texts] if isinstance(texts, str) else texts), vocab_size - 1,
+                                    pattern=BPE_PATTERN)
+        ranked = sorted(trainer.get_mergeable_ranks(), key=lambda pair: pair[1])
+        if len(ranked) < vocab_size - 1:  # rustbpe stops when no pair occurs twice; say so, or it looks like a bug
+            log.warning("the corpus is too small for a BPE vocabulary of %d: training stopped at %d tokens (no pair "
+                        "of tokens left to merge); give a larger corpus or a smaller vocab_size",
+                        vocab_size, len(ranked) + 1)
+        return cls(trainer.get_pattern(), [bytes(token) for token, _ in ranked])
+
+    def to_dict(self) -> dict:
+        return {"pattern": self.pattern, "ranks": [base64.b64encode(t).decode("ascii") for t in self.ranks],
+                "eot": self.eot_id is not None}
+
+
+class TiktokenTokenizer(_TiktokenBacked):
+    """A named tiktoken encoding such as `gpt2` or `cl100k_base`, from tiktoken's cache or the network."""
+
+    kind = "tiktoken"
+
+    def __init__(self, name: str):
+        self.name = name
+        self.encoding = _load_named_encoding(name)
+        # Every named encoding reserves it; an encoding without one still prepares, with documents run together.
+        self.eot_id = self.encoding.encode_single_token(EOT) if EOT in self.encoding.special_tokens_set else None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name}
+
+    def describe(self) -> str:
+        return f"tiktoken {self.name} (vocab {self.vocab_size})"
+
+
+def _load_named_encoding(name: str) -> tiktoken.Encoding:
+    known = tiktoken.list_encoding_names()
+    if name not in known:
+        raise TokenizerError(f"unknown tiktoken encoding {name!r}; known: {', '.join(known)}")
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # requests' connection errors, hash mismatches, unreadable cache
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset>")
+        raise TokenizerError(
+            f"cannot load the tiktoken encoding {name!r}: it is neither in tiktoken's cache "
+            f"(TIKTOKEN_CACHE_DIR={cache}) nor downloadable ({type(e).__name__}). On a machine with "
+            "network access, load it once with TIKTOKEN_CACHE_DIR set and copy that folder here, "
+            "or train an offline vocabulary with tokenizer=bpe"
+        ) from None
+
+
+def check_bpe_vocab_size(vocab_size: int | None) -> None:
+    if not isinstance(vocab_size, int) or vocab_size <= 256:
+        raise TokenizerError(
+            f"BPE vocab_size must be an integer above 256 (the 256 byte tokens come first, merges after), "
+            f"got {vocab_size!r}; try 4096"
+        )

@@ -1,0 +1,239 @@
+"""The trainer's snapshots: which one to resume from, what a snapshot holds, and writing it.
+
+The state of a run is the replica's state alone (weights, optimizer, step, examples consumed),
+so the leader of any generation can snapshot it and any number of processes can resume it.
+The store (mingpt.checkpoint) knows how snapshots are kept; this component knows what a
+training snapshot must contain and when it may be trusted to train on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import mingpt
+from mingpt.checkpoint.lease import LeaseLostError
+from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore
+from mingpt.checkpoint.writer import SnapshotWriter
+from mingpt.model import GPTConfig
+from mingpt.storage import explain_storage_error
+from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
+from mingpt.training import distributed
+from mingpt.training.config import Config
+from mingpt.training.distributed import World
+
+log = logging.getLogger(__name__)
+
+# The parts of GPTConfig that decide the shape of the weights.
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights")
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken
+    samples_seen: int = 0  # the data cursor: examples consumed from the global stream (mingpt.data.sampler)
+
+
+@dataclass
+class Replica:
+    """What a snapshot saves and restores: the same in every process of a generation."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None  # fp16 only: the loss scale it found is part of the state
+    state: TrainState
+
+
+class Checkpointer:
+    """Resume, periodic and final saves, and the rescue save of a failed step, for one generation."""
+
+    def __init__(self, cfg: Config, world: World, store: SnapshotStore, tokenizer: Tokenizer):
+        self.cfg, self.world, self.store, self.tokenizer = cfg, world, store, tokenizer
+        self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
+
+    # -- resuming ------------------------------------------------------------------------------
+
+    def latest(self) -> Snapshot | None:
+        """The newest verified snapshot, chosen by the leader: every process loads that same one."""
+        self._check_shared()
+        latest, choice = None, ("none", None)
+        if self.world.is_leader:
+            try:
+                latest = self.store.latest()
+                choice = ("snapshot", latest.name) if latest else ("none", None)
+            except Exception as e:  # tell the others, or they would wait for the broadcast in vain
+                choice = ("error", f"cannot read snapshots from {self.store.url}: "
+                                   f"{explain_storage_error(e, self.store.local)}")
+        kind, value = distributed.broadcast_object(choice, self.world)
+        if kind == "error":
+            raise SnapshotError(value)
+        if kind == "none" or latest is not None:
+            return latest  # the leader keeps the bytes it verified, so it reads them once
+        return self.store.get(value)
+
+    def load(self, snapshot: Snapshot, replica: Replica) -> None:
+        """Restore `replica` from `snapshot`, after checking that the run's model and data fit it."""
+        _check_compatible(snapshot, replica.model.config, self.tokenizer)
+        device = self.world.device
+        replica.model.load_state_dict(snapshot.load_tensors("model.pt", device))
+        configured = [_hyperparameters(group) for group in replica.optimizer.param_groups]
+        replica.optimizer.load_state_dict(snapshot.load_tensors("optimizer.pt", device))
+        self._apply_configured(replica.optimizer, configured)
+        if replica.scaler is not None and "scaler.pt" in snapshot.manifest["files"]:
+            replica.scaler.load_state_dict(snapshot.load_tensors("scaler.pt"))
+        replica.state.step = snapshot.manifest["step"]
+        replica.state.samples_seen = snapshot.manifest["samples_seen"]
+        changed = _changed_settings(snapshot.manifest.get("config", {}), self.cfg.to_dict())
+        if changed:
+            self._log("settings changed since that snapshot: %s", ", ".join(changed))
+
+    def _apply_configured(self, optimizer: torch.optim.Optimizer, configured: list[dict]) -> None:
+        """`load_state_dict` brings back the saved betas, weight decay, ...; this run's config wins."""
+        for group, wanted in zip(optimizer.param_groups, configured):
+            for key, value in wanted.items():
+                if key != "lr" and group.get(key) != value:  # lr is set every step from the schedule
+                    self._log("optimizer %s: %s in the snapshot, %s in the config: using the config",
+                              key, group.get(key), value)
+                    group[key] = value
+
+    def _check_shared(self) -> None:
+        """With several processes, every one must see what the leader writes: any of them may lead the
+        next generation. A local folder that is not shared between nodes would silently restart a run."""
+        world, store = self.world, self.store
+        if not world.distributed:
+            return
+        probe = f"{store.path}/.shared-check-{uuid.uuid4().hex}"
+        if world.is_leader:
+            store.fs.pipe_file(probe, b"ok")
+        probe = distributed.broadcast_object(probe, world)
+        store.fs.invalidate_cache(store.path)
+        visible = distributed.all_reduce_sum([float(store.fs.exists(probe))], world)[0]
+        distributed.barrier(world)
+        if world.is_leader:
+            store.fs.rm_file(probe)
+        if visible < world.world_size:
+            raise SnapshotError(
+                f"snapshot.dir {store.url} is not shared: {world.world_size - int(visible)} of {world.world_size} "
+                "processes cannot see the files the first one writes there. Use storage every node reaches "
+                "(s3://, NFS)"
+            )
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, replica: Replica, metrics: dict) -> None:
+        """The leader snapshots alone: every replica holds the same state. Training goes on meanwhile."""
+        if not self.world.is_leader:
+            return
+        tensors = {"model": _to_cpu(replica.model.state_dict()), "optimizer": _to_cpu(replica.optimizer.state_dict())}
+        if replica.scaler is not None:
+            tensors["scaler"] = replica.scaler.state_dict()
+        info = {
+            "samples_seen": replica.state.samples_seen,
+            "model_config": replica.model.config.to_dict(),
+            "config": self.cfg.to_dict(),
+            "world_size": self.world.world_size,
+            "metrics": metrics,
+            "library_version": mingpt.__version__,
+        }
+        self.writer.save(replica.state.step, tensors, {"tokenizer.json": self.tokenizer.to_json().encode()}, info)
+
+    def problems(self) -> tuple[bool, bool]:
+        """(saves keep failing, the run was taken over): what only the leader knows, for the step's collective."""
+        leader = self.world.is_leader
+        lease = self.store.lease
+        return leader and self.writer.failed_too_often, leader and lease is not None and lease.lost
+
+    def stop_on(self, failing: float, lost: float) -> None:
+        """Stop every process together when the leader lost the run or cannot write snapshots."""
+        if lost:
+            raise LeaseLostError("another job or a newer generation of this one took over snapshot.dir; this "
+                                 "generation stops without writing anything more (the leader's log says who)")
+        if failing:
+            self.writer.check()
+            raise SnapshotError("the process writing snapshots could not write them; see its log")
+
+    def finish(self) -> None:
+        """Wait for the snapshot in flight: the job must not end before it is committed, nor end
+        "done" when it was not. Every process learns the outcome, so all exit alike."""
+        self.writer.wait()
+        failed = float(self.world.is_leader and self.writer.failures > 0)
+        if distributed.all_reduce_sum([failed], self.world)[0]:
+            self.writer.check(final=True)
+            raise SnapshotError("the process writing snapshots could not write the last one; see its log")
+
+    def rescue(self, replica: Replica, metrics: dict) -> None:
+        """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the
+        state already counts the step, so this replica is consistent: the leader snapshots it, no
+        collectives involved, before the error ends the process and torchrun restarts the group.
+        If a newer generation holds the run already, the store's fence refuses the save.
+
+        Only with gloo (and alone): NCCL reports a peer's death late, possibly after the optimizer
+        stepped on partly reduced gradients, so there the last periodic snapshot is the safe one."""
+        if not self.world.is_leader or (self.world.distributed and dist.get_backend() != "gloo"):
+            return
+        try:
+            self.writer.wait()
+            if replica.state.step > 0:
+                log.warning("step failed; saving step %d from this process before exiting", replica.state.step)
+                self.save(replica, metrics)
+                self.writer.wait()
+        except Exception as e:
+            log.error("could not save a rescue snapshot: %s", e)
+
+    def _log(self, message: str, *args) -> None:
+        if self.world.is_leader:
+            log.info(message, *args)
+
+
+def _check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:
+    saved_tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+    if saved_tokenizer.eot_id is None and tokenizer.eot_id is not None:
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made before tokenizers reserved an end-of-text token, which prepared "
+            f"data now ends every document with ({saved_tokenizer.vocab_size} ids then, {tokenizer.vocab_size} now), "
+            "so it cannot train on: sample it with mingpt-sample, or start a new run in another snapshot.dir"
+        )
+    saved = snapshot.manifest["model_config"]
+    wanted = model_config.to_dict()
+    diffs = [f"{k}={saved.get(k)!r} (config asks for {wanted[k]!r})" for k in SHAPE_KEYS if saved.get(k) != wanted[k]]
+    if diffs:
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made with a different model: {', '.join(diffs)}. "
+            "Use the settings of that run, or a new snapshot.dir to start a new run"
+        )
+    if saved_tokenizer.to_dict() != tokenizer.to_dict():
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made with another tokenizer ({saved_tokenizer.describe()}) than "
+            f"the data now gives ({tokenizer.describe()}); use the data settings of that run, or a new snapshot.dir"
+        )
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _changed_settings(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for each setting that differs between two `Config.to_dict()` trees."""
+    changed = []
+    for key in sorted(set(saved) | set(now)):
+        old, new = saved.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += _changed_settings(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changed
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj

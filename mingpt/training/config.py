@@ -1,0 +1,172 @@
+"""Typed configuration of a training job, one dataclass per component.
+
+Hydra (train/main.py) composes these from YAML and the command line; OmegaConf rejects a
+wrong type, and `validate` rejects a wrong value, naming the key, before any process
+group or data work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+from mingpt.data.prepare import PrepareConfig
+from mingpt.errors import ConfigError
+from mingpt.metrics.loggers import check_loggers
+from mingpt.model import PRESETS, GPTConfig
+from mingpt.storage import redact
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-micro"  # a preset (see mingpt.model.PRESETS) giving the sizes not set below
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    dropout: float = 0.0
+    bias: bool = False
+    # Start a new run from these weights: a Hugging Face GPT-2 folder or a mingpt snapshot (local or a URL).
+    # Its shape replaces the preset's; a run that has snapshots of its own resumes from them instead.
+    init_from: Optional[str] = None
+
+    def build(self, vocab_size: int, block_size: int) -> GPTConfig:
+        sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd))
+                 if v is not None}  # GPTConfig checks them
+        return GPTConfig.from_preset(
+            self.name, vocab_size, block_size, dropout=self.dropout, bias=self.bias, **sizes
+        )
+
+
+@dataclass
+class DataConfig(PrepareConfig):
+    """What to train on: the corpus and its preparation (see PrepareConfig; data.tokenizer defaults to
+    model.init_from's tokenizer where that is set), and the examples read from it."""
+
+    block_size: int = 128
+    # random: each training example is a window at an offset drawn from (seed, position);
+    # strided: example i is the i-th block of the token file, in a fresh order each epoch.
+    windows: str = "random"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000
+    global_batch_size: int = 32  # examples per optimizer step, whatever the world size
+    micro_batch_size: int = 32  # examples per forward pass in one process
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    precision: str = "auto"  # auto (bf16 where the GPU or CPU computes it natively, else fp32), fp32, bf16, fp16
+    compile: Optional[bool] = None  # torch.compile the model; null (auto): on GPUs only
+    eval_every: int = 100  # steps; 0 disables periodic evaluation
+    eval_samples: int = 128  # validation examples per evaluation, shared among the processes
+    log_every: int = 10
+    # Where metrics go, from jsonl (metrics.jsonl beside the snapshots), tensorboard, wandb (see mingpt.metrics).
+    loggers: List[str] = field(default_factory=lambda: ["jsonl"])
+    dist_timeout_s: int = 300  # a collective that waits longer fails, and torchrun restarts the workers
+
+
+@dataclass
+class SnapshotConfig:
+    dir: str = "snapshots/run"  # local folder or fsspec URL (s3://bucket/prefix)
+    every: int = 100  # steps; a snapshot is also written at the end and on SIGTERM/Ctrl-C
+    keep: int = 3  # committed snapshots kept, newest first
+    async_save: bool = True  # serialise and upload in the background while training goes on
+    max_failures: int = 3  # consecutive failed saves after which the job stops
+    # The job writing here renews its claim on the folder every lease_timeout_s / 4; another job may take
+    # the folder over once the claim has not been renewed for this long (see mingpt.checkpoint.lease).
+    lease_timeout_s: float = 60.0
+    # Passed to fsspec, e.g. {client_kwargs: {endpoint_url: "http://minio:9000"}} for S3.
+    # Prefer the AWS credential chain to keys here; these options are never logged or stored.
+    storage_options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    seed: int = 1337
+
+    def to_dict(self) -> dict:
+        """The configuration as plain data, without storage options (they may hold credentials)."""
+        data = asdict(self)
+        data["snapshot"]["storage_options"] = sorted(self.snapshot.storage_options)  # keys only
+        data["snapshot"]["dir"] = redact(self.snapshot.dir)
+        corpus = self.data.corpus
+        data["data"]["corpus"] = [redact(c) for c in corpus] if isinstance(corpus, (list, tuple)) else redact(corpus)
+        return data
+
+
+# Seeds go to torch.manual_seed and numpy's generators, and into JSON manifests: a non-negative int64.
+MAX_SEED = 2**63 - 1
+
+# Every float setting. `inf` and `nan` pass many range checks (inf > 0), and would reach the optimizer.
+FLOAT_KEYS = ("model.dropout", "data.val_fraction", "trainer.lr", "trainer.min_lr_ratio", "trainer.weight_decay",
+              "trainer.beta1", "trainer.beta2", "trainer.grad_clip")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first key whose value is out of range."""
+    t, d, m, s = cfg.trainer, cfg.data, cfg.model, cfg.snapshot
+    for key in FLOAT_KEYS:
+        if not math.isfinite(_lookup(cfg, key)):
+            raise ConfigError(f"{key} must be a finite number; got {_lookup(cfg, key)!r}")
+    checks = [
+        ("seed", 0 <= cfg.seed <= MAX_SEED, f"an integer in [0, {MAX_SEED}] (2**63 - 1)"),
+        ("model.name", m.name in PRESETS, f"one of {', '.join(PRESETS)}"),
+        ("data.tokenizer", bool(d.tokenizer), "char, bpe or a tiktoken encoding name"),
+        ("data.vocab_size", d.tokenizer != "bpe" or (d.vocab_size or 0) > 256,
+         "an integer above 256 when data.tokenizer=bpe (e.g. 4096)"),
+        ("data.corpus", _is_corpus(d.corpus), "a path, URL, glob or python-docs, or a list of them"),
+        ("data.text_field", bool(d.text_field), "the name of the JSONL field holding the text"),
+        ("data.bpe_sample_bytes", d.bpe_sample_bytes >= 1_000_000, "at least 1000000 (1 MB)"),
+        ("data.num_workers", d.num_workers >= 0, ">= 0 (0: one per CPU core)"),
+        ("data.windows", d.windows in ("random", "strided"), "random or strided"),
+        ("data.block_size", d.block_size > 0, "a positive integer"),
+        ("data.val_fraction", 0.0 < d.val_fraction < 1.0, "in (0, 1)"),
+        ("trainer.max_steps", t.max_steps > 0, "a positive integer"),
+        ("trainer.global_batch_size", t.global_batch_size > 0, "a positive integer"),
+        ("trainer.micro_batch_size", t.micro_batch_size > 0, "a positive integer"),
+        ("trainer.lr", t.lr > 0, "positive"),
+        ("trainer.min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "in [0, 1]"),
+        ("trainer.warmup_steps", t.warmup_steps >= 0, ">= 0"),
+        ("trainer.weight_decay", t.weight_decay >= 0, ">= 0"),
+        ("trainer.beta1", 0.0 <= t.beta1 < 1.0, "in [0, 1)"),
+        ("trainer.beta2", 0.0 <= t.beta2 < 1.0, "in [0, 1)"),
+        ("trainer.grad_clip", t.grad_clip >= 0, ">= 0 (0 disables clipping)"),
+        ("trainer.precision", t.precision in ("auto", "fp32", "bf16", "fp16"), "auto, fp32, bf16 or fp16"),
+        ("trainer.eval_every", t.eval_every >= 0, ">= 0 (0 disables evaluation)"),
+        ("trainer.eval_samples", t.eval_samples > 0, "a positive integer"),
+        ("trainer.log_every", t.log_every > 0, "a positive integer"),
+        ("trainer.dist_timeout_s", t.dist_timeout_s > 0, "a positive number of seconds"),
+        ("snapshot.dir", bool(s.dir), "a folder path or URL"),
+        ("snapshot.every", s.every > 0, "a positive number of steps"),
+        ("snapshot.keep", s.keep >= 2, "at least 2, so that a damaged newest snapshot has a fallback"),
+        ("snapshot.max_failures", s.max_failures >= 1, "a positive integer"),
+        ("snapshot.lease_timeout_s", 1 <= s.lease_timeout_s < math.inf, "a finite number of seconds, at least 1"),
+    ]
+    for key, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
+    check_loggers(t.loggers)  # known names, their packages installed
+    # The model's own checks (sizes, dropout, n_embd divisible by n_head) on the resolved preset sizes.
+    m.build(vocab_size=1, block_size=d.block_size)
+
+
+def _is_corpus(corpus: Any) -> bool:
+    sources = list(corpus) if isinstance(corpus, (list, tuple)) else [corpus]
+    return bool(sources) and all(isinstance(source, str) and source for source in sources)
+
+
+def _lookup(cfg: Config, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value

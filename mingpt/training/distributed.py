@@ -1,0 +1,150 @@
+"""The process group of the current generation of workers.
+
+torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE. This module reads
+them afresh each start and uses them for two things only: device placement (LOCAL_RANK) and
+picking one process to log and to write snapshots (rank 0 of this generation). Nothing derived
+from them is ever stored. It also checks, before any work, that the launch cannot deadlock
+(`check_store_sharing`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mingpt.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_initialized()
+
+    @property
+    def is_leader(self) -> bool:
+        """The one process of this generation that logs and writes snapshots."""
+        return self.rank == 0
+
+
+def start(timeout_s: float) -> World:
+    """Join the process group torchrun describes (if any): NCCL on GPUs, gloo on CPUs.
+
+    The finite timeout turns a hung collective (a peer that died mid-step) into an error,
+    which torchrun answers by restarting the workers.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", gpu_of(local_rank))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and "MASTER_ADDR" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE={world_size} but no MASTER_ADDR: start several processes with torchrun, "
+                          "which sets both")
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
+        log.debug("joined process group: rank %d of %d, %s on %s", rank, world_size, backend, device)
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def check_store_sharing() -> None:
+    """Stop before any work where torchrun's agents share their rendezvous store with the workers and
+    the launch spans several agents: with torch 2.13 that job deadlocks (see mingpt.training.launcher). On one
+    agent (standalone), where restarts were measured to work, warn instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    advice = ("launch with mingpt-torchrun (same arguments), or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+              "on every node before torchrun")
+    agents = max(int(os.environ.get("GROUP_WORLD_SIZE", "1")), _max_nodes_of_agent())
+    if agents > 1:
+        raise ConfigError(f"torchrun's agents share their rendezvous store with the workers, which deadlocks "
+                          f"jobs on several nodes (up to {agents} here) with torch 2.13: {advice}")
+    if leads_this_generation():
+        log.warning("torchrun's agent shares its rendezvous store with the workers (restarted workers may hang "
+                    "with torch 2.13): %s", advice)
+
+
+def _max_nodes_of_agent() -> int:
+    """The most nodes the agent that started us allows (torchrun's --nnodes, "2" or "1:4"), read from
+    its command line (torchrun gives workers no variable for it); 1 where that cannot be read."""
+    try:
+        args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return 1
+    nnodes = os.environ.get("PET_NNODES", "1")  # torchrun also reads its options from PET_* variables
+    for arg, following in zip(args, args[1:] + [""]):
+        if arg == "--nnodes":
+            nnodes = following
+        elif arg.startswith("--nnodes="):
+            nnodes = arg.split("=", 1)[1]
+    try:
+        return int(nnodes.split(":")[-1])
+    except ValueError:
+        return 1
+
+
+def gpu_of(local_rank: int) -> int:
+    """The GPU of the worker with this LOCAL_RANK: its own. More workers than GPUs would share one,
+    slowly or until memory runs out (and NCCL refuses two ranks on one GPU), so that is an error."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this node has {count} visible GPU(s): start at most one worker per GPU "
+            f"(torchrun --nproc-per-node=gpu or at most {count}), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    return local_rank
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def stop() -> None:
+    """Leave the process group. Objects still holding it (DDP's reducer lives in reference cycles)
+    are collected first: destroyed after the group, they abort the process now and then (torch 2.13)."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float], world: World) -> list[float]:
+    """Sum a few floats over all processes (identity when alone)."""
+    if not world.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_object(obj, world: World):
+    """`obj` as the leader has it, on every process."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=world.device)
+    return box[0]
+
+
+def leads_this_generation() -> bool:
+    """Whether this process will lead its generation (rank 0), known before joining the process group."""
+    return os.environ.get("RANK", "0") == "0"

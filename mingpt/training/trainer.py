@@ -1,0 +1,358 @@
+"""The elastic training loop.
+
+Every start, whether the first, a torchrun restart after a crash, or a restart after nodes
+left or joined, runs the same steps: prepare (or reuse) the data, join the process group,
+load the newest complete snapshot, and train from its step to `max_steps`. The state of a
+run is the replica's state alone (weights, optimizer, step, examples consumed), so any
+single process can snapshot it and any number of processes can resume it (see checkpointer).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mingpt.checkpoint.store import SnapshotStore
+from mingpt.data.prepare import prepare
+from mingpt.data.prepared import PreparedData, TokenBlocks
+from mingpt.data.sampler import micro_batches, shard, window_order
+from mingpt.errors import ConfigError, TrainingError
+from mingpt.interop.pretrained import Pretrained, open_pretrained
+from mingpt.metrics.loggers import Loggers
+from mingpt.model import GPT, GPTConfig
+from mingpt.training import distributed
+from mingpt.training.checkpointer import Checkpointer, Replica, TrainState
+from mingpt.training.config import Config
+from mingpt.training.distributed import World
+from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
+from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
+from mingpt.training.schedule import set_lr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    stopped_early: bool = False
+
+
+class StopFlag:
+    """Set by SIGTERM (torchrun and SLURM send it before killing) or Ctrl-C: finish the step,
+    snapshot, exit. A second Ctrl-C aborts at once. No collectives here: only a flag."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("%s received: stopping after this step with a snapshot", signal.Signals(signum).name)
+
+
+def train(cfg: Config) -> TrainResult:
+    """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
+    distributed.check_store_sharing()  # first: a launch that would deadlock fails before any work
+    store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
+    store.check_writable()
+    # The leader of this generation claims the run before any data work: a second job started
+    # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
+    # can no longer commit (see mingpt.checkpoint.lease).
+    with store.claim(cfg.snapshot.lease_timeout_s) if distributed.leads_this_generation() else nullcontext():
+        pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
+        data = PreparedData(prepare(replace(cfg.data, tokenizer=_tokenizer(cfg, pretrained))))
+        model_config = _model_config(cfg, data, pretrained)
+        world = distributed.start(cfg.trainer.dist_timeout_s)
+        try:
+            _check_batch(cfg, world)
+            with StopFlag() as stop:
+                result = Trainer(cfg, world, store, data, model_config, pretrained).run(stop)
+            distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
+            return result
+        finally:
+            distributed.stop()
+
+
+def _tokenizer(cfg: Config, pretrained: Pretrained | None) -> str:
+    """data.tokenizer, or the tokenizer of model.init_from where data.tokenizer is left at its default."""
+    default = type(cfg.data)().tokenizer
+    if pretrained is None or cfg.data.tokenizer != default:
+        return cfg.data.tokenizer
+    _log_if_leading("data.tokenizer: the tokenizer of model.init_from (%s)", pretrained.tokenizer)
+    return pretrained.tokenizer
+
+
+def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None) -> GPTConfig:
+    if pretrained is None:
+        return cfg.model.build(data.vocab_size, cfg.data.block_size)
+    if pretrained.config.vocab_size != data.vocab_size:
+        raise ConfigError(
+            f"model.init_from={pretrained.url} has a vocabulary of {pretrained.config.vocab_size}, the data's "
+            f"tokenizer ({data.tokenizer.describe()}) one of {data.vocab_size}; leave data.tokenizer at its default "
+            "to use the tokenizer that came with the weights")
+    _log_if_leading("model.init_from=%s: %s (instead of model=%s)", pretrained.url, pretrained.describe(),
+                    cfg.model.name)
+    return replace(pretrained.config, dropout=cfg.model.dropout)
+
+
+class Trainer:
+    """The replica (model, optimizer, TrainState), the loop that advances it, and its components."""
+
+    def __init__(self, cfg: Config, world: World, store: SnapshotStore, data: PreparedData, model_config: GPTConfig,
+                 pretrained: Pretrained | None = None):
+        t = cfg.trainer
+        self.cfg, self.world, self.data, self.pretrained = cfg, world, data, pretrained
+        self.train_blocks = data.split("train", cfg.data.block_size)
+        self.val_blocks = data.split("val", cfg.data.block_size)
+        torch.manual_seed(cfg.seed)  # the same initial weights in every process
+        model = GPT(model_config).to(world.device)
+        optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                      fused=True)  # one kernel for all parameters: 2.9 -> 1.2 ms on CPU
+        precision, self.precision_reason = choose_precision(t.precision, world.device, model_config.n_embd)
+        self.autocast, scaler = autocast_for(precision, world.device)
+        self.replica = Replica(model, optimizer, scaler, TrainState())
+        self.model = model
+        self.ddp: DDP | None = None
+        self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer)
+        self.metrics = Loggers(t.loggers, store.run, cfg.to_dict(), world.is_leader)  # trainer.loggers
+        self.events: list[tuple[str, str]] = []  # (kind, text): what resume found, marked on the dashboards
+        self.train_loss: float | None = None
+        self.val_loss: float | None = None
+        self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
+        self.flops_per_token = flops_per_token(model_config, model.num_params())
+
+    def resume(self) -> None:
+        """Load the newest verified snapshot, the same one in every process; or start a new run."""
+        snapshot = self.checkpointer.latest()
+        if snapshot is None:
+            if self.pretrained:  # a new run: its weights, a fresh optimizer, step 0
+                self.model.load_state_dict(self.pretrained.load())
+                _log(self.world, "initialised from model.init_from=%s", self.pretrained.url)
+            return
+        if self.pretrained:
+            _log(self.world, "model.init_from=%s is not read: this run resumes from its own snapshot",
+                 self.pretrained.url)
+        self.checkpointer.load(snapshot, self.replica)
+        state = self.replica.state
+        _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
+             snapshot.url, state.step, state.samples_seen, self.world.world_size)
+        before, now = snapshot.manifest.get("world_size"), self.world.world_size
+        self.events.append(("restart", f"resumed from step {state.step} with {now} process(es)"))
+        if before is not None and before != now:
+            self.events.append(("world_size_change", f"{before} -> {now} processes at step {state.step}"))
+
+    def run(self, stop: StopFlag) -> TrainResult:
+        cfg, t, world = self.cfg, self.cfg.trainer, self.world
+        self.resume()
+        state = self.replica.state
+        if state.step >= t.max_steps:
+            _log(world, "the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
+                 state.step, t.max_steps)
+            return TrainResult(state.step, None, None)
+        self.metrics.start(state.step)
+        for kind, text in self.events:
+            self.metrics.mark(state.step, kind, text)
+        use_compile, compile_reason = choose_compile(t.compile, world.device)
+        if use_compile:
+            # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
+            # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds.
+            self.model.compile()
+        _log(world, "torch.compile %s (%s)", "on" if use_compile else "off", compile_reason)
+        if world.distributed:
+            self.ddp = DDP(self.model, device_ids=[world.device] if world.device.type == "cuda" else None)
+        # Window offsets are a function of (seed, position) only: any world size reads the same examples.
+        order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
+        _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s (%s), %s",
+             cfg.model.name, self.model.num_params() / 1e6, self.data.tokenizer.describe(), t.global_batch_size,
+             world.world_size, dtype_name(compute_dtype(self.autocast)), self.precision_reason, world.device.type)
+        _log(world, "%s", _describe_windows(cfg, self.train_blocks))
+
+        throughput = Throughput(t.global_batch_size * cfg.data.block_size)
+        if world.is_leader:  # the one process that reports MFU
+            self.peak, source = peak_flops(world.device, compute_dtype(self.autocast))
+            _log(world, "MFU is measured against %.1f GFLOP/s per process, from %s", self.peak / 1e9, source)
+        while state.step < t.max_steps:
+            set_lr(self.replica.optimizer, t, state.step)
+            try:
+                loss_sum = self._step(order.starts(state.samples_seen, t.global_batch_size))
+                state.step += 1
+                state.samples_seen += t.global_batch_size
+                # One small collective per step: the global loss, whether any process must stop, and two
+                # things only the leader knows: whether snapshots keep failing, whether it lost the run.
+                loss_total, stops, failing, lost = distributed.all_reduce_sum(
+                    [loss_sum, float(stop.requested), *map(float, self.checkpointer.problems())], world)
+            except Exception:
+                self.checkpointer.rescue(self.replica, self._snapshot_metrics())
+                raise
+            self.checkpointer.stop_on(failing, lost)
+            self.train_loss = loss_total / t.global_batch_size
+            if not math.isfinite(self.train_loss):
+                self.finish()
+                raise TrainingError(f"loss is {self.train_loss} at step {state.step}; lower trainer.lr or raise "
+                                    "trainer.warmup_steps, then run again to resume from the last snapshot")
+            last = state.step == t.max_steps or stops > 0
+            throughput.step()
+            if state.step % t.log_every == 0 or last:
+                self._log_progress(throughput)
+            # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
+            if (t.eval_every and state.step % t.eval_every == 0) or (last and not stops):
+                self.val_loss = evaluate(self.model, self.val_blocks, cfg, world, self.autocast)
+                _log(world, "step %d | val loss %.4f", state.step, self.val_loss)
+                self.metrics.log(state.step, {"val_loss": self.val_loss})
+            if state.step % cfg.snapshot.every == 0 or last:
+                self.save()
+            if stops > 0:
+                self.finish()
+                _log(world, "stopped at step %d on request; run the same command to resume", state.step)
+                return TrainResult(state.step, self.train_loss, self.val_loss, stopped_early=True)
+        self.finish()
+        _log(world, "done: step %d, train loss %.4f, val loss %.4f", state.step, self.train_loss, self.val_loss)
+        return TrainResult(state.step, self.train_loss, self.val_loss)
+
+    def _step(self, starts: np.ndarray) -> float:
+        """One optimizer step over this process's slice of the global batch, the windows at token
+        offsets `starts`; returns sum(loss * examples)."""
+        t, world = self.cfg.trainer, self.world
+        mine = shard(len(starts), world.world_size, world.rank)
+        pieces = micro_batches(mine.stop - mine.start, t.micro_batch_size)
+        # DDP averages gradients over processes; scaling each micro-batch's mean loss by
+        # (its examples * world size / global batch) makes the result the full-batch gradient,
+        # also when the batch does not split evenly.
+        scale = world.world_size / t.global_batch_size
+        loss_sum = torch.zeros((), device=world.device)
+        self.replica.optimizer.zero_grad(set_to_none=True)
+        for i, piece in enumerate(pieces):
+            first = mine.start + piece.start
+            count = piece.stop - piece.start
+            x, y = self.train_blocks.windows(starts[first : first + count])
+            x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+            # Dropout masks are a function of the data position, not of the process or its history.
+            torch.manual_seed((self.cfg.seed * 1_000_003 + self.replica.state.samples_seen + first) % 2**63)
+            sync = self.ddp is None or i == len(pieces) - 1
+            with (nullcontext() if sync else self.ddp.no_sync()), self.autocast:
+                _, loss = (self.ddp or self.replica.model)(x, y)
+            weighted = loss * (count * scale)
+            (self.replica.scaler.scale(weighted) if self.replica.scaler else weighted).backward()
+            loss_sum += loss.detach().float() * count
+        if self.replica.scaler:
+            self.replica.scaler.unscale_(self.replica.optimizer)  # clip the true gradients, not the scaled ones
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.replica.model.parameters(), t.grad_clip)
+        if self.replica.scaler:
+            self.replica.scaler.step(self.replica.optimizer)
+            self.replica.scaler.update()
+        else:
+            self.replica.optimizer.step()
+        return loss_sum.item()
+
+    def _log_progress(self, throughput: Throughput) -> None:
+        t, step = self.cfg.trainer, self.replica.state.step
+        rate, seconds_per_step = throughput.read()
+        lr = self.replica.optimizer.param_groups[0]["lr"]
+        used = self._mfu(rate)
+        memory = peak_memory_bytes(self.world.device)
+        _log(self.world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | MFU %.1f%% | %.0f MB | ETA %s", step,
+             t.max_steps, self.train_loss, lr, rate, 100 * used, memory / 1e6,
+             _duration((t.max_steps - step) * seconds_per_step))
+        self.metrics.log(step, {"train_loss": self.train_loss, "lr": lr, "tokens_per_s": rate,
+                                "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
+
+    def _mfu(self, tokens_per_s: float) -> float:
+        """MFU of this run (leader only; NaN elsewhere). Above 100% the peak was probed on a busy machine:
+        probe again, keeping the higher figure."""
+        if not self.peak:
+            return float("nan")
+        used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.world.world_size)
+        if used > 1:
+            self.peak, _ = peak_flops(self.world.device, compute_dtype(self.autocast), measure=True)
+            used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.world.world_size)
+        return used
+
+    def save(self) -> None:
+        if self.world.is_leader:
+            self.metrics.flush()  # what the dashboards show survives as long as the snapshot
+        self.checkpointer.save(self.replica, self._snapshot_metrics())
+
+    def finish(self) -> None:
+        self.metrics.close()
+        self.checkpointer.finish()
+
+    def _snapshot_metrics(self) -> dict:
+        return {"train_loss": self.train_loss, "val_loss": self.val_loss}
+
+
+def _describe_windows(cfg: Config, blocks: TokenBlocks) -> str:
+    """What the run will read. Progress is in tokens, not epochs: random windows have no epochs."""
+    t = cfg.trainer
+    if cfg.data.windows == "random":
+        kind = f"windows at any of {blocks.num_starts:,} offsets"
+    else:
+        kind = f"{len(blocks):,} fixed blocks, shuffled afresh each epoch,"
+    passes = t.max_steps * t.global_batch_size * cfg.data.block_size / len(blocks.tokens)
+    return (f"data.windows={cfg.data.windows}: {kind} of the {len(blocks.tokens):,} training tokens; "
+            f"{t.max_steps} steps read {passes:.2f}x that many tokens")
+
+
+@torch.no_grad()
+def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocast) -> float:
+    """Mean loss over the first `eval_samples` validation blocks, shared among all processes.
+
+    Fixed blocks, whatever `data.windows` says: every evaluation measures the same text, so
+    evaluations of one run, and of runs that sample windows differently, compare."""
+    count = min(cfg.trainer.eval_samples, len(blocks))
+    mine = shard(count, world.world_size, world.rank)
+    model.eval()
+    loss_sum = 0.0
+    for piece in micro_batches(mine.stop - mine.start, cfg.trainer.micro_batch_size):
+        start = mine.start + piece.start
+        x, y = blocks.batch(range(start, start + piece.stop - piece.start))
+        with autocast:
+            _, loss = model(x.to(world.device), y.to(world.device))
+        loss_sum += loss.item() * (piece.stop - piece.start)
+    model.train()
+    return distributed.all_reduce_sum([loss_sum], world)[0] / count
+
+
+def _check_batch(cfg: Config, world: World) -> None:
+    if cfg.trainer.global_batch_size < world.world_size:
+        raise ConfigError(
+            f"trainer.global_batch_size={cfg.trainer.global_batch_size} cannot be served by "
+            f"{world.world_size} processes: each needs at least one example per step. Raise "
+            "trainer.global_batch_size to at least the number of processes, or start fewer"
+        )
+
+
+def _log(world: World, message: str, *args) -> None:
+    if world.is_leader:
+        log.info(message, *args)
+
+
+def _log_if_leading(message: str, *args) -> None:
+    """_log before the process group exists: in the process that will lead this generation."""
+    if distributed.leads_this_generation():
+        log.info(message, *args)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
