@@ -1,4 +1,5 @@
-"""Helpers for tests that run the real trainer: plain python, torchrun, several agents on 127.0.0.1.
+"""Helpers for tests that run the real trainer: in this process, plain python, torchrun, several
+agents on 127.0.0.1.
 
 Every process is started in its own session so that a test can end it (and its workers) by
 process group, and `Processes` ends whatever is still running when the test finishes, pass or fail.
@@ -6,7 +7,9 @@ process group, and `Processes` ends whatever is still running when the test fini
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import signal
 import socket
@@ -16,6 +19,10 @@ import time
 from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mingpt.training.config import Config, validate
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "train" / "main.py")
@@ -30,6 +37,40 @@ SMALL = [
 ]
 
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def config(*overrides: str) -> Config:
+    """The Config that `python train/main.py OVERRIDES` runs with, composed by Hydra in this process
+    from train/conf and train/main.py's schema, and validated as main.py validates it."""
+    if "mingpt_train_app" not in sys.modules:  # its ConfigStore entries: the schema and the model presets
+        spec = importlib.util.spec_from_file_location("mingpt_train_app", MAIN)
+        spec.loader.exec_module(sys.modules.setdefault("mingpt_train_app", importlib.util.module_from_spec(spec)))
+    with initialize_config_dir(config_dir=str(REPO / "train" / "conf"), version_base="1.3"):
+        raw = compose(config_name="config", overrides=list(overrides))
+    cfg = OmegaConf.to_object(raw)
+    validate(cfg)
+    return cfg
+
+
+def train_here(tmp_path: Path, *overrides: str) -> str:
+    """Train in this process, as `python train/main.py SMALL OVERRIDES` would with its snapshots in
+    tmp_path/snap and its data in tmp_path/prepared; the log it wrote. Errors are raised."""
+    from mingpt.training.trainer import train
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("mingpt")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        train(config(*SMALL, f"snapshot.dir={tmp_path / 'snap'}", f"data.prepared_dir={tmp_path / 'prepared'}",
+                     *overrides))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return "\n".join(lines)
 
 
 def free_port() -> int:

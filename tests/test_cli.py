@@ -9,7 +9,7 @@ import pytest
 from launch import MAIN, SMALL, env
 
 PREPARE = [sys.executable, "-m", "mingpt.cli.prepare"]
-SAMPLE = [sys.executable, "-m", "mingpt.sample"]
+SAMPLE = [sys.executable, "-m", "mingpt.cli.sample"]
 
 
 def command(args: list[str], cwd, **extra_env) -> tuple[int, str]:

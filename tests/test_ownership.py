@@ -174,7 +174,7 @@ def test_of_many_claims_at_once_exactly_one_wins(tmp_path, where, request):
     start, results = threading.Barrier(6), []
 
     def claim(i: int) -> None:
-        lease = RunLease(store.fs, store.path, store.url, timeout_s=60, job=f"job-{i}")
+        lease = RunLease(store.run, timeout_s=60, job=f"job-{i}")
         start.wait()
         try:
             results.append(lease.acquire().generation)

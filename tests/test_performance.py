@@ -38,8 +38,8 @@ def test_a_configured_precision_is_taken_as_it_is(requested):
 ])
 def test_auto_on_a_cpu_takes_bf16_where_it_is_native_and_pays(monkeypatch, flags, width, expected, reason):
     monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
-    precision, why = choose_precision("auto", torch.device("cpu"), width)
-    assert precision == expected and reason in why
+    chosen, why = choose_precision("auto", torch.device("cpu"), width)
+    assert chosen == expected and reason in why
 
 
 @pytest.mark.parametrize("bf16, expected", [(True, "bf16"), (False, "fp32")])

@@ -21,7 +21,7 @@ def app(tmp_path, *overrides, timeout=180):
 
 
 def verify(folder) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mingpt.snapshot", "verify", str(folder)],
+    return subprocess.run([sys.executable, "-m", "mingpt.cli.snapshot", "verify", str(folder)],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -32,7 +32,7 @@ def test_a_newest_manifest_naming_a_file_outside_its_folder_is_skipped_and_repla
     manifest["files"]["../../../../etc/passwd"] = {"bytes": 1, "sha256": "00"}
     manifest_path.write_text(json.dumps(manifest))
 
-    sampled = subprocess.run([sys.executable, "-m", "mingpt.sample", str(tmp_path / "snap"), "--max-new-tokens", "5"],
+    sampled = subprocess.run([sys.executable, "-m", "mingpt.cli.sample", str(tmp_path / "snap"), "--max-new-tokens", "5"],
                              capture_output=True, text=True, timeout=120)
     assert sampled.returncode == 0 and "step 10)" in sampled.stderr, sampled.stderr
     assert "passwd" in sampled.stderr and "never hold" in sampled.stderr  # the reason, in one warning
@@ -105,20 +105,20 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
 
     def make(init_scale: float):
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-        monkeypatch.setattr(trainer_module, "_precision", lambda precision, device: (nullcontext(), scaler))
+        monkeypatch.setattr(trainer_module, "autocast_for", lambda precision, device: (nullcontext(), scaler))
         return trainer_module.Trainer(cfg, world, store, data, cfg.model.build(data.vocab_size, 16))
 
     make(init_scale=37.0).run(trainer_module.StopFlag())
     assert "scaler.pt" in store.latest().manifest["files"]
     resumed = make(init_scale=65536.0)
     resumed.resume()
-    assert resumed.state.step == 3 and resumed.scaler.get_scale() == 37.0
+    assert resumed.replica.state.step == 3 and resumed.replica.scaler.get_scale() == 37.0
 
 
 def test_ctrl_c_while_sampling_ends_with_one_line(tmp_path):
     assert app(tmp_path, "trainer.max_steps=5").returncode == 0
     # Endless: a sample ends early where the model writes end-of-text, so ask for endlessly many samples.
-    sampling = subprocess.Popen([sys.executable, "-m", "mingpt.sample", str(tmp_path / "snap"), "--prompt", "a",
+    sampling = subprocess.Popen([sys.executable, "-m", "mingpt.cli.sample", str(tmp_path / "snap"), "--prompt", "a",
                                  "--max-new-tokens", "1000", "--num-samples", "100000000"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=env())
     try:

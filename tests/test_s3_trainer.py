@@ -144,7 +144,7 @@ def test_sample_from_an_s3_snapshot(tmp_path, procs, s3):
     options = [f"+snapshot.storage_options.key={ACCESS_KEY}", f"+snapshot.storage_options.secret={SECRET_KEY}"]
     text = run(procs, [sys.executable, MAIN], job(tmp_path, url, 20, extra=options), "train")
     assert SECRET_KEY not in text
-    result = subprocess.run([sys.executable, "-m", "mingpt.sample", url, "--max-new-tokens", "40", "--seed", "1",
+    result = subprocess.run([sys.executable, "-m", "mingpt.cli.sample", url, "--max-new-tokens", "40", "--seed", "1",
                              "--prompt", "The "], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The ") and len(result.stdout) == len("The ") + 40 + 1  # char tokens, newline

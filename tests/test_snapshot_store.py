@@ -185,7 +185,7 @@ def test_a_malicious_pickle_is_refused_and_never_runs(store_url, tmp_path):
         store.latest().load_tensors("model.pt")
     assert not marker.exists()
     # The sample command refuses it too, with a message and no traceback.
-    result = subprocess.run([sys.executable, "-m", "mingpt.sample", store_url, "--max-new-tokens", "5"],
+    result = subprocess.run([sys.executable, "-m", "mingpt.cli.sample", store_url, "--max-new-tokens", "5"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "refusing to load" in result.stderr and "Traceback" not in result.stderr
     assert not marker.exists()
@@ -278,7 +278,7 @@ def test_snapshot_command_lists_and_verifies(store_url):
     if store.local:
         store.fs.makedirs(f"{store.path}/step-000000040")
     store.fs.pipe_file(f"{store.path}/step-000000040/model.pt", b"half an upload")  # debris
-    run = lambda *args: subprocess.run([sys.executable, "-m", "mingpt.snapshot", *args, store_url],
+    run = lambda *args: subprocess.run([sys.executable, "-m", "mingpt.cli.snapshot", *args, store_url],
                                        capture_output=True, text=True, timeout=120)
     listed = run("list")
     assert listed.returncode == 0, listed.stderr
@@ -361,12 +361,12 @@ def test_a_payload_that_is_not_a_regular_file_is_never_read(tmp_path, planted):
     target = tmp_path / "snaps" / "step-000000020" / "model.pt"
     target.unlink()
     os.mkfifo(target) if planted == "fifo" else target.symlink_to("/dev/zero")
-    result = subprocess.run([sys.executable, "-m", "mingpt.snapshot", "verify", str(tmp_path / "snaps")],
+    result = subprocess.run([sys.executable, "-m", "mingpt.cli.snapshot", "verify", str(tmp_path / "snaps")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     row = next(line for line in result.stdout.splitlines() if line.startswith("step-000000020"))
     assert "damaged" in row and "model.pt is not a regular file" in row
-    sampled = subprocess.run([sys.executable, "-m", "mingpt.sample", str(tmp_path / "snaps"), "--max-new-tokens", "3"],
+    sampled = subprocess.run([sys.executable, "-m", "mingpt.cli.sample", str(tmp_path / "snaps"), "--max-new-tokens", "3"],
                              capture_output=True, text=True, timeout=60)
     assert "step-000000020 is damaged: model.pt is not a regular file; falling back" in sampled.stderr
     # (this store's step 10 holds a stand-in state dict, not a GPT: said in one line)
@@ -379,7 +379,7 @@ def test_snapshot_command_names_each_damaged_manifest_and_fails(store_url):
     for step, (change, _) in enumerate(BAD_MANIFESTS.values(), start=2):
         plant_manifest(store, f"step-{step * 10:09d}", change(_with(good, step=step * 10)))
     for command in ("list", "verify"):
-        result = subprocess.run([sys.executable, "-m", "mingpt.snapshot", command, store_url],
+        result = subprocess.run([sys.executable, "-m", "mingpt.cli.snapshot", command, store_url],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 1, result.stdout
         rows = [line for line in result.stdout.splitlines() if line.startswith("step-")]

@@ -133,7 +133,7 @@ def test_sampling_needs_no_corpus(tmp_path, procs):
     run(procs, [sys.executable, MAIN], overrides(tmp_path, "snap", 40, extra=[f"data.corpus={corpus}"]), "train")
     corpus.unlink()
     shutil.rmtree(tmp_path / "prepared")
-    cmd = [sys.executable, "-m", "mingpt.sample", str(tmp_path / "snap"), "--prompt", "the ",
+    cmd = [sys.executable, "-m", "mingpt.cli.sample", str(tmp_path / "snap"), "--prompt", "the ",
            "--max-new-tokens", "60", "--num-samples", "2", "--seed", "3"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
