@@ -1,10 +1,12 @@
 import os
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+from launch import train_here
+
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -88,3 +90,31 @@ def s3_keys(server, prefix: str = "") -> list[str]:
     client = boto3.client("s3", endpoint_url=server.endpoint)
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket, Prefix=prefix)
     return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
+
+
+# A corpus of its own, with non-ASCII text, for the runs the tests share.
+TEXT = "\n\n".join(
+    f"Section {i}: the {animal} jumps over {n} lazy dogs, doesn't it? Naïve café owners count {n * 7} coins."
+    for i, (animal, n) in enumerate(zip(["fox", "cat", "owl", "émeu"] * 40, range(160))))
+
+
+def trained_run(root: Path, *overrides: str) -> Path:
+    """A small run trained in this process (snapshots at steps 20 and 40); its snapshot folder. The corpus
+    and the prepared data are deleted afterwards: whatever only reads a snapshot must not need them."""
+    (root / "corpus.txt").write_text(TEXT)
+    train_here(root, f"data.corpus={root / 'corpus.txt'}", "trainer.max_steps=40", "snapshot.every=20", *overrides)
+    (root / "corpus.txt").unlink()
+    shutil.rmtree(root / "prepared")
+    return root / "snap"
+
+
+@pytest.fixture(scope="session")
+def char_run(tmp_path_factory) -> Path:
+    """One char-level run for every test that only reads snapshots. Do not change it."""
+    return trained_run(tmp_path_factory.mktemp("char-run"))
+
+
+@pytest.fixture(scope="session")
+def bpe_run(tmp_path_factory) -> Path:
+    """The same with a BPE vocabulary. Do not change it."""
+    return trained_run(tmp_path_factory.mktemp("bpe-run"), "data.tokenizer=bpe", "data.vocab_size=300")

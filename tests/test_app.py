@@ -1,4 +1,9 @@
-"""The Hydra application's handling of bad input, Ctrl-C and its own output, as users run it."""
+"""The Hydra application (train/main.py): bad configuration and input, Ctrl-C, and its own output.
+
+Checks of values and inputs run in this process: Hydra composes the configuration from train/conf
+as main.py does, and the trainer raises the error that main.py prints as one line. The command
+itself runs once per kind of outcome: a bad value (exit 2), a value of the wrong type (Hydra's
+exit 1), multirun, and Ctrl-C."""
 
 import json
 import re
@@ -7,14 +12,25 @@ import subprocess
 import sys
 
 import pytest
+from hydra.errors import HydraException
 
-from launch import MAIN, SMALL, env, latest_step, manifests, output, run, standalone, wait_for
+from launch import MAIN, SMALL, config, env, latest_step, manifests, output, standalone, train_here, wait_for
+from mingpt.checkpoint.store import SnapshotError
+from mingpt.errors import ConfigError, DataError, MinGPTError
 
 
-def app(tmp_path, *overrides, timeout=120):
+def app(tmp_path, *overrides):
+    """`python train/main.py SMALL OVERRIDES`, as a user runs it."""
     args = [sys.executable, MAIN, *SMALL, f"snapshot.dir={tmp_path / 'snap'}",
             f"data.prepared_dir={tmp_path / 'prepared'}", *overrides]
-    return subprocess.run(args, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message, which main.py prints as the one line of its output."""
+    message = str(error)
+    assert "\n" not in message, message
+    return message
 
 
 @pytest.mark.parametrize(
@@ -32,36 +48,50 @@ def app(tmp_path, *overrides, timeout=120):
         ("model.dropout=nan", ["model.dropout must be a finite number"]),
         ("seed=-1", ["seed must be an integer in [0, "]),
         (f"seed={2**63}", ["seed must be an integer in [0, "]),
+        ("snapshot.lease_timeout_s=0", ["snapshot.lease_timeout_s must be"]),
     ],
 )
-def test_bad_config_fails_before_any_work_naming_the_key(tmp_path, override, words):
-    result = app(tmp_path, override)
-    assert result.returncode != 0
-    text = result.stdout + result.stderr
-    assert all(w in text for w in words), text
-    assert "Traceback" not in text
-    assert not (tmp_path / "snap").exists() and not (tmp_path / "prepared").exists()
+def test_bad_config_is_refused_naming_the_key(override, words):
+    with pytest.raises((ConfigError, HydraException)) as refused:
+        config(*SMALL, override)
+    assert all(w in str(refused.value) for w in words), refused.value
 
 
-def test_unwritable_snapshot_dir_is_reported_at_start(tmp_path):
+def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2_before_any_work(tmp_path):
+    result = app(tmp_path, "trainer.lr=-1")
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == "" and result.stderr.splitlines() == [result.stderr.strip()], result.stderr
+    assert result.stderr.rstrip().endswith("ERROR trainer.lr must be positive; got -1.0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no snapshot folder, no data, no Hydra output
+
+
+def test_a_value_of_the_wrong_type_is_hydras_error_without_a_traceback(tmp_path):
+    result = app(tmp_path, "trainer.max_steps=abc")
+    assert result.returncode == 1
+    assert "trainer.max_steps=abc" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_unwritable_snapshot_dir_is_reported_before_the_data_work(tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
-    result = app(tmp_path, f"snapshot.dir={tmp_path / 'a-file' / 'snaps'}")
-    assert result.returncode == 2
-    assert "cannot write snapshots to" in result.stderr and "snapshot.dir" in result.stderr
-    assert not (tmp_path / "prepared").exists()  # reported before the data work
+    with pytest.raises(SnapshotError) as refused:
+        train_here(tmp_path, f"snapshot.dir={tmp_path / 'a-file' / 'snaps'}")
+    assert "cannot write snapshots to" in one_line(refused.value) and "snapshot.dir" in str(refused.value)
+    assert not (tmp_path / "prepared").exists()
 
 
 def test_missing_corpus_is_reported(tmp_path):
-    result = app(tmp_path, f"data.corpus={tmp_path / 'nope.txt'}")
-    assert result.returncode == 2 and "does not exist" in result.stderr
+    with pytest.raises(DataError, match="does not exist"):
+        train_here(tmp_path, f"data.corpus={tmp_path / 'nope.txt'}")
 
 
 def test_snapshot_of_another_model_shape_is_refused(tmp_path):
-    assert app(tmp_path, "trainer.max_steps=5").returncode == 0
-    result = app(tmp_path, "trainer.max_steps=10", "model=gpt-micro")
-    assert result.returncode == 2
-    assert "different model" in result.stderr and "n_layer=3 (config asks for 4)" in result.stderr
-    assert "new snapshot.dir" in result.stderr
+    train_here(tmp_path, "trainer.max_steps=5")
+    with pytest.raises(SnapshotError) as refused:
+        train_here(tmp_path, "trainer.max_steps=10", "model=gpt-micro")
+    message = one_line(refused.value)
+    assert "different model" in message and "n_layer=3 (config asks for 4)" in message
+    assert "new snapshot.dir" in message
     assert latest_step(tmp_path / "snap") == 5  # nothing overwritten
 
 
@@ -69,10 +99,60 @@ def test_snapshot_of_another_tokenizer_is_refused(tmp_path):
     # Two corpora with the same number of distinct characters: same shapes, other vocabularies.
     (tmp_path / "one.txt").write_text("abcdefgh " * 300)
     (tmp_path / "two.txt").write_text("stuvwxyz " * 300)
-    assert app(tmp_path, "trainer.max_steps=5", f"data.corpus={tmp_path / 'one.txt'}").returncode == 0
-    result = app(tmp_path, "trainer.max_steps=10", f"data.corpus={tmp_path / 'two.txt'}")
-    assert result.returncode == 2
-    assert "another tokenizer" in result.stderr
+    train_here(tmp_path, "trainer.max_steps=5", f"data.corpus={tmp_path / 'one.txt'}")
+    with pytest.raises(SnapshotError, match="another tokenizer"):
+        train_here(tmp_path, "trainer.max_steps=10", f"data.corpus={tmp_path / 'two.txt'}")
+
+
+@pytest.mark.parametrize("override", ["data.corpus=foo://x", "snapshot.dir=foo://x"])
+def test_unknown_protocol_is_one_line(tmp_path, override):
+    with pytest.raises(MinGPTError) as refused:
+        train_here(tmp_path, override)
+    message = one_line(refused.value)
+    assert "foo" in message and override.split("=")[0] in message
+
+
+@pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
+def test_s3_corpus_it_cannot_read_is_one_line(tmp_path, s3, closed_port, monkeypatch, trouble):
+    from test_cli import S3_WORDS, s3_trouble
+
+    for name, value in s3_trouble(trouble, closed_port).items():
+        monkeypatch.setenv(name, value)
+    result = app(tmp_path, f"data.corpus=s3://{s3.bucket}/corpus.txt")
+    assert result.returncode == 2, result.stderr
+    problems = [line for line in result.stderr.splitlines() if " INFO " not in line]  # progress lines aside
+    assert len(problems) == 1 and " ERROR " in problems[0], result.stderr
+    words = [f"cannot list the corpus s3://{s3.bucket}/corpus.txt (data.corpus", *S3_WORDS[trouble]]
+    assert all(w in problems[0] for w in words), result.stderr
+    assert not (tmp_path / "prepared").exists()
+
+
+@pytest.mark.parametrize("tampered", ["tokenizer", "tokenizer and meta"])
+def test_tokenizer_smaller_than_the_data_is_a_data_error(tmp_path, corpus_file, tampered):
+    from mingpt.data.prepare import PrepareConfig, prepare
+    from mingpt.tokenizers import CharTokenizer
+
+    prepared = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prepared"))
+    CharTokenizer(list("ab")).save(str(prepared / "tokenizer.json"))  # 3 ids (end-of-text too); the data uses more
+    if tampered == "tokenizer and meta":  # now only the ids themselves show it
+        meta = json.loads((prepared / "meta.json").read_text())
+        (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": 3}))
+    with pytest.raises(DataError) as refused:
+        train_here(tmp_path, f"data.corpus={corpus_file}", "trainer.max_steps=5")
+    words = ["vocabulary of 3 but the data was prepared with"] if tampered == "tokenizer" \
+        else ["beyond the tokenizer's vocabulary of 3"]
+    assert all(w in one_line(refused.value) for w in [*words, "prepare the data again"]), refused.value
+
+
+def test_prepared_dir_of_other_files_is_refused_and_kept(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("hi")
+    with pytest.raises(DataError) as refused:
+        train_here(tmp_path, f"data.prepared_dir={folder}")
+    message = one_line(refused.value)
+    assert f"{folder} is not empty" in message and "data.prepared_dir" in message and "empty or new folder" in message
+    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
 
 
 def test_global_batch_smaller_than_the_world_is_explained(tmp_path, procs):
@@ -92,71 +172,22 @@ def test_ctrl_c_finishes_the_step_and_snapshots(tmp_path, procs):
     assert manifests(tmp_path / "snap")[-1]["step"] == stopped  # a snapshot of the very step it stopped at
 
 
-def test_hydra_writes_no_output_folders(tmp_path, procs):
-    run(procs, standalone(2), [*SMALL, "trainer.max_steps=3", f"snapshot.dir={tmp_path / 'snap'}",
-                               f"data.prepared_dir={tmp_path / 'prepared'}"], "job")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.log", "prepared", "snap"]
+def test_multirun_is_refused(capsys):
+    config()  # loads train/main.py, whose refuse_multirun the command runs before Hydra starts
+    refuse = sys.modules["mingpt_train_app"].refuse_multirun
+    for flag in ["-m", "--multirun", "hydra.mode=MULTIRUN"]:
+        with pytest.raises(SystemExit) as stopped:
+            refuse([flag, "seed=1,2"])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and flag in err and "one command per setting" in err
+    refuse(["seed=1", "trainer.max_steps=2"])  # no multirun: nothing to say
 
 
-def test_prepared_dir_of_other_files_is_refused_and_kept(tmp_path):
-    folder = tmp_path / "mine"
-    folder.mkdir()
-    (folder / "keep.txt").write_text("hi")
-    result = app(tmp_path, f"data.prepared_dir={folder}")
-    assert result.returncode == 2, result.stderr
-    assert f"{folder} is not empty" in result.stderr and "data.prepared_dir" in result.stderr
-    assert "empty or new folder" in result.stderr and "Traceback" not in result.stderr
-    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
-
-
-@pytest.mark.parametrize("override", ["data.corpus=foo://x", "snapshot.dir=foo://x"])
-def test_unknown_protocol_is_one_line(tmp_path, override):
-    result = app(tmp_path, override)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if "ERROR" in line or line.startswith("error")]
-    assert len(errors) == 1 and "foo" in errors[0] and override.split("=")[0] in errors[0], result.stderr
-
-
-@pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
-def test_s3_corpus_it_cannot_read_is_one_line(tmp_path, s3, closed_port, monkeypatch, trouble):
-    from test_cli import S3_WORDS, s3_trouble
-
-    for name, value in s3_trouble(trouble, closed_port).items():
-        monkeypatch.setenv(name, value)
-    result = app(tmp_path, f"data.corpus=s3://{s3.bucket}/corpus.txt")
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    words = [f"cannot list the corpus s3://{s3.bucket}/corpus.txt (data.corpus", *S3_WORDS[trouble]]
-    assert all(w in result.stderr for w in words), result.stderr
-    assert not (tmp_path / "prepared").exists()
-
-
-@pytest.mark.parametrize("tampered", ["tokenizer", "tokenizer and meta"])
-def test_tokenizer_smaller_than_the_data_is_a_data_error(tmp_path, corpus_file, tampered):
-    from mingpt.data.prepare import PrepareConfig, prepare
-    from mingpt.tokenizers import CharTokenizer
-
-    prepared = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prepared"))
-    CharTokenizer(list("ab")).save(str(prepared / "tokenizer.json"))  # 3 ids (end-of-text too); the data uses more
-    if tampered == "tokenizer and meta":  # now only the ids themselves show it
-        meta = json.loads((prepared / "meta.json").read_text())
-        (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": 3}))
-    result = app(tmp_path, f"data.corpus={corpus_file}", "trainer.max_steps=5")
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    words = ["vocabulary of 3 but the data was prepared with"] if tampered == "tokenizer" \
-        else ["beyond the tokenizer's vocabulary of 3"]
-    assert all(w in result.stderr for w in [*words, "prepare the data again"]), result.stderr
-
-
-@pytest.mark.parametrize("flag", ["-m", "--multirun"])
-def test_multirun_is_refused_before_anything_is_written(tmp_path, flag):
-    result = subprocess.run([sys.executable, MAIN, flag, "seed=1,2", "trainer.max_steps=2"], cwd=tmp_path, env=env(),
+def test_multirun_on_the_command_line_writes_nothing(tmp_path):
+    result = subprocess.run([sys.executable, MAIN, "-m", "seed=1,2", "trainer.max_steps=2"], cwd=tmp_path, env=env(),
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("error: ") and flag in result.stderr and "one command per setting" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2 and result.stderr.startswith("error: -m (Hydra multirun)"), result.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -30,9 +30,11 @@ log = logging.getLogger("mingpt")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(raw: DictConfig) -> None:
-    # One process logs; the others report warnings and errors only.
-    logging.basicConfig(level=logging.INFO if leads_this_generation() else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    # One process logs its progress; the others, and other libraries (botocore's credential notes),
+    # report warnings and errors only.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if leads_this_generation():
+        log.setLevel(logging.INFO)
     try:
         cfg: Config = OmegaConf.to_object(raw)
         validate(cfg)

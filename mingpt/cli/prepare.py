@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_workers < 0:
         parser.error("--num-workers must be >= 0")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("mingpt").setLevel(logging.INFO)  # our progress; other libraries' INFO is noise here
     config = PrepareConfig(
         corpus=args.corpus[0] if len(args.corpus) == 1 else args.corpus, text_field=args.text_field,
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, bpe_sample_bytes=args.bpe_sample_bytes,
