@@ -52,9 +52,9 @@ def config(*overrides: str) -> Config:
     return cfg
 
 
-def train_here(tmp_path: Path, *overrides: str) -> str:
+def train_here(root: Path, *overrides: str) -> str:
     """Train in this process, as `python train/main.py SMALL OVERRIDES` would with its snapshots in
-    tmp_path/snap and its data in tmp_path/prepared; the log it wrote. Errors are raised."""
+    root/snap and its data in root/prepared; the log it wrote. Errors are raised."""
     from mingpt.training.trainer import train
 
     lines: list[str] = []
@@ -65,8 +65,7 @@ def train_here(tmp_path: Path, *overrides: str) -> str:
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        train(config(*SMALL, f"snapshot.dir={tmp_path / 'snap'}", f"data.prepared_dir={tmp_path / 'prepared'}",
-                     *overrides))
+        train(config(*SMALL, f"snapshot.dir={root / 'snap'}", f"data.prepared_dir={root / 'prepared'}", *overrides))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launch import BIN, MAIN, SMALL, env, metrics, run, standalone
+from conftest import TEXT
+from launch import BIN, env, metrics, train_here
+from mingpt.cli import export, sample
 from mingpt.interop import hf
 from mingpt.tokenizers import huggingface, load_tokenizer_folder
 from mingpt.data.prepared import PreparedData
@@ -20,9 +22,6 @@ from mingpt.tokenizers import EOT, BPETokenizer, CharTokenizer
 transformers = pytest.importorskip("transformers")  # a test extra: installed by .ci/run
 tokenizers = pytest.importorskip("tokenizers")
 
-TEXT = "\n\n".join(
-    f"Section {i}: the {animal} jumps over {n} lazy dogs, doesn't it? Naïve café owners count {n * 7} coins."
-    for i, (animal, n) in enumerate(zip(["fox", "cat", "owl", "émeu"] * 40, range(160))))
 SAMPLES = ["Hello world!", "  two  spaces\tand a tab\n", "doesn't 12345 émeu", "Section 3: the owl", ""]
 
 
@@ -104,16 +103,14 @@ def first_batch(prepared, block_size: int, batch: int, seed: int = 1337):
     return blocks.windows(starts)
 
 
-def test_training_from_a_gpt2_folder_starts_from_its_weights_and_tokenizer(tmp_path, procs):
+def test_training_from_a_gpt2_folder_starts_from_its_weights_and_tokenizer(tmp_path):
     folder = tmp_path / "tiny-gpt2"
     tok = hf_bpe()
     reference = gpt2_folder(folder, tok.get_vocab_size())
     tok.save(str(folder / "tokenizer.json"))
     (tmp_path / "corpus.txt").write_text(TEXT)
-    overrides = [*SMALL, f"model.init_from={folder}", f"data.corpus={tmp_path / 'corpus.txt'}",
-                 "trainer.max_steps=2", "trainer.log_every=1", f"snapshot.dir={tmp_path / 'run'}",
-                 f"data.prepared_dir={tmp_path / 'prepared'}"]
-    text = run(procs, [sys.executable, MAIN], overrides, "init")
+    overrides = [f"model.init_from={folder}", f"data.corpus={tmp_path / 'corpus.txt'}", "trainer.log_every=1"]
+    text = train_here(tmp_path, *overrides, "trainer.max_steps=2")
     assert "data.tokenizer: the tokenizer of model.init_from" in text
     assert "2 layers, 2 heads, 32 wide, vocab 401, bias True (instead of model=gpt-nano)" in text
     assert "initialised from model.init_from=" in text
@@ -122,10 +119,10 @@ def test_training_from_a_gpt2_folder_starts_from_its_weights_and_tokenizer(tmp_p
     x, y = first_batch(tmp_path / "prepared", 32, 8)
     with torch.no_grad():
         expected = F.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten()).item()
-    assert metrics(tmp_path / "run")[0]["train_loss"] == pytest.approx(expected, rel=1e-5)
-    # A restart resumes its own snapshot and never reads the folder again.
+    assert metrics(tmp_path / "snap")[0]["train_loss"] == pytest.approx(expected, rel=1e-5)
+    # A restart resumes its own snapshot and never reads the folder's weights again.
     (folder / "model.safetensors").unlink()
-    text = run(procs, [sys.executable, MAIN], [*overrides[:-4], "trainer.max_steps=3", *overrides[-2:]], "again")
+    text = train_here(tmp_path, *overrides, "trainer.max_steps=3")
     assert "is not read: this run resumes from its own snapshot" in text and "done: step 3" in text
 
 
@@ -136,63 +133,58 @@ def test_a_block_size_beyond_the_folder_positions_is_a_config_error(tmp_path):
         hf.hf_model_config(str(folder), 32)
 
 
-@pytest.mark.parametrize("data", [[], ["data.tokenizer=bpe", "data.vocab_size=300"]], ids=["char", "bpe"])
-def test_an_exported_snapshot_computes_and_generates_as_in_mingpt(tmp_path, procs, data):
-    (tmp_path / "corpus.txt").write_text(TEXT)
-    common = [*SMALL, f"data.corpus={tmp_path / 'corpus.txt'}", f"data.prepared_dir={tmp_path / 'prepared'}", *data]
-    run(procs, standalone(2), [*common, "trainer.max_steps=30", f"snapshot.dir={tmp_path / 'run'}"], "train")
+@pytest.mark.parametrize("run", ["char_run", "bpe_run"])
+def test_an_exported_snapshot_computes_and_generates_as_in_mingpt(tmp_path, request, capsys, run):
+    snap = request.getfixturevalue(run)
     out = tmp_path / "exported"
-    done = subprocess.run([str(BIN / "mingpt-export"), str(tmp_path / "run"), str(out)], env=env(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert export.main([str(snap), str(out)]) == 0
+    # GPT-2's slow tokenizer files only come with GPT-2's split pattern, which neither run has.
+    assert capsys.readouterr().out == f"wrote config.json, model.safetensors, tokenizer.json, tokenizer_config.json " \
+                                      f"to {out}\n"
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)
     from mingpt.checkpoint.load import load_model, open_snapshot
 
-    ours, our_tok = load_model(open_snapshot(str(tmp_path / "run")), torch.device("cpu"))
+    ours, our_tok = load_model(open_snapshot(str(snap)), torch.device("cpu"))
     ids = torch.tensor([our_tok.encode(TEXT[:200])[:32]])
     assert tok.encode(TEXT[:200])[:32] == ids[0].tolist()
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, ours(ids)[0], atol=1e-4)
     # Greedy generation gives the same text as mingpt-sample --temperature 0.
     prompt = "Section 1"
-    sampled = subprocess.run([str(BIN / "mingpt-sample"), str(tmp_path / "run"), "--prompt", prompt,
-                              "--temperature", "0", "--max-new-tokens", "20"], env=env(), capture_output=True,
-                             text=True, timeout=120)
-    assert sampled.returncode == 0, sampled.stderr
+    assert sample.main([str(snap), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20"]) == 0
+    sampled = capsys.readouterr().out
     generated = model.generate(torch.tensor([tok.encode(prompt)]), max_new_tokens=20, do_sample=False,
                                pad_token_id=tok.eos_token_id)  # both stop early at end-of-text
-    assert tok.decode(generated[0], skip_special_tokens=True) in sampled.stdout
+    assert tok.decode(generated[0], skip_special_tokens=True) in sampled
     # And the export loads back as a starting point.
-    run(procs, [sys.executable, MAIN], [*common, f"model.init_from={out}", "trainer.max_steps=1",
-                                        f"snapshot.dir={tmp_path / 'again'}"], "back")
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    text = train_here(tmp_path, f"data.corpus={tmp_path / 'corpus.txt'}", f"model.init_from={out}",
+                      "trainer.max_steps=1")
+    assert f"initialised from model.init_from={out}" in text
 
 
-def test_export_refuses_a_folder_that_is_not_empty(tmp_path):
+def test_export_refuses_a_folder_that_is_not_empty_and_writes_nothing_there(tmp_path, char_run):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    done = subprocess.run([str(BIN / "mingpt-export"), str(tmp_path / "nothing"), str(tmp_path / "out")], env=env(),
+    done = subprocess.run([str(BIN / "mingpt-export"), str(char_run), str(tmp_path / "out")], env=env(),
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    assert done.returncode == 2
+    assert done.stderr == f"error: {tmp_path / 'out'} exists and is not empty; give a new folder\n"
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
-def test_fine_tuning_from_a_mingpt_snapshot_takes_its_weights_and_tokenizer_only(tmp_path, procs):
-    (tmp_path / "corpus.txt").write_text(TEXT)
-    base = [*SMALL, f"data.corpus={tmp_path / 'corpus.txt'}"]
-    run(procs, [sys.executable, MAIN], [*base, "trainer.max_steps=20", f"snapshot.dir={tmp_path / 'base'}",
-                                        f"data.prepared_dir={tmp_path / 'prepared'}"], "base")
+def test_fine_tuning_from_a_mingpt_snapshot_takes_its_weights_and_tokenizer_only(tmp_path, char_run):
     # Another corpus; the tokenizer of the snapshot (its characters), block 16 of its 32 positions.
     (tmp_path / "other.txt").write_text(TEXT[::-1])
-    tuned = [*base, f"data.corpus={tmp_path / 'other.txt'}", f"model.init_from={tmp_path / 'base'}",
-             "data.block_size=16", "trainer.max_steps=1", "trainer.log_every=1", f"snapshot.dir={tmp_path / 'tuned'}",
-             f"data.prepared_dir={tmp_path / 'other-prepared'}"]
-    text = run(procs, [sys.executable, MAIN], tuned, "tuned")
-    assert "data.tokenizer: the tokenizer of model.init_from" in text and "step-000000020" in text
+    text = train_here(tmp_path, f"data.corpus={tmp_path / 'other.txt'}", f"model.init_from={char_run}",
+                      "data.block_size=16", "trainer.max_steps=1", "trainer.log_every=1")
+    assert "data.tokenizer: the tokenizer of model.init_from" in text and "step-000000040" in text
     from mingpt.checkpoint.load import load_model, open_snapshot
 
-    model, _ = load_model(open_snapshot(str(tmp_path / "base")), torch.device("cpu"))
-    x, y = first_batch(tmp_path / "other-prepared", 16, 8)
+    model, _ = load_model(open_snapshot(str(char_run)), torch.device("cpu"))
+    x, y = first_batch(tmp_path / "prepared", 16, 8)
     with torch.no_grad():
         expected = model(x, y)[1].item()
-    assert metrics(tmp_path / "tuned")[0]["train_loss"] == pytest.approx(expected, rel=1e-5)
-    assert [m["step"] for m in metrics(tmp_path / "tuned") if "train_loss" in m] == [1]  # from step 0
+    assert metrics(tmp_path / "snap")[0]["train_loss"] == pytest.approx(expected, rel=1e-5)

@@ -79,7 +79,9 @@ def test_initial_loss_is_close_to_uniform_and_a_batch_can_be_overfit():
 def test_weight_tying_and_scaled_residual_init():
     model = tiny()
     assert model.lm_head.weight is model.wte.weight
-    assert GPT(GPTConfig(17, 16, 2, 2, 32, tie_weights=False)).lm_head.weight is not None
+    untied = GPT(GPTConfig(17, 16, 2, 2, 32, tie_weights=False))
+    assert untied.lm_head.weight is not untied.wte.weight and untied.lm_head.weight.shape == (17, 32)
+    assert "lm_head.weight" in dict(untied.named_parameters())  # trained as a parameter of its own
     big = GPT(GPTConfig(17, 16, n_layer=8, n_head=2, n_embd=256))
     proj_std = big.blocks[0].attn.c_proj.weight.std().item()
     fc_std = big.blocks[0].mlp.c_fc.weight.std().item()

@@ -1,19 +1,20 @@
-"""The trainer under real torchrun processes on 127.0.0.1 (gloo on CPU)."""
+"""The trainer under real torchrun processes on 127.0.0.1 (gloo on CPU), and in this process where one
+process is all a test needs."""
 
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from launch import (
-    MAIN, RDZV_CONF, SMALL, children, free_port, kill_node, latest_step, manifests, metrics, output, port_listens,
-    rendezvous, run, standalone, torchrun, wait_for, weights, worker,
+    MAIN, RDZV_CONF, SMALL, Processes, children, free_port, kill_node, latest_step, manifests, metrics, output,
+    port_listens, rendezvous, run, standalone, torchrun, train_here, wait_for, weights, worker,
 )
+from conftest import TEXT
+from mingpt.cli import sample
 
 
 # A model big enough that steps take tens of milliseconds, so a test can act mid-run.
@@ -39,6 +40,8 @@ def test_standalone_two_workers_run_to_the_end(tmp_path, procs):
     assert [m["step"] for m in metrics(tmp_path / "snap") if "train_loss" in m] == [5, 10, 15, 20]
     # One process logs: every progress line appears once.
     assert text.count("step 20/20") == 1
+    # Hydra writes nothing of its own (no outputs/ folder, none per rank) in the working directory.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "run.log", "snap"]
 
 
 # For jobs a test stops itself: they never finish on their own, however fast the machine, and keep
@@ -66,7 +69,34 @@ def manifest_at(snap, step):
     return next(m for m in manifests(snap) if m["step"] == step)
 
 
-def test_killed_worker_resumes_bitwise_identical(tmp_path, procs):
+class Reference:
+    """An uninterrupted run of two workers (HEAVIER, every snapshot kept, every 10 steps), which the tests
+    that disturb the same job compare with. It is shared; a test that needs a step it has not reached
+    runs a new one, further."""
+
+    def __init__(self, root, procs):
+        self.root, self.procs, self.snap = root, procs, None
+
+    def at(self, step: int):
+        """The snapshot folder of an uninterrupted run with a snapshot of `step`."""
+        if self.snap is None or latest_step(self.snap) < step:
+            name = f"reference-{step}"
+            args = standalone(2) + overrides(self.root, name, ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL])
+            run_until(self.procs, args, name, self.root / name, step + 50)  # a margin for the next test
+            assert "resumed" not in output(self.procs.started[-1])
+            self.snap = self.root / name
+        return self.snap
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    procs = Processes(root)
+    yield Reference(root, procs)
+    procs.close()
+
+
+def test_killed_worker_resumes_bitwise_identical(tmp_path, procs, reference):
     heavier = [*HEAVIER, *KEEP_ALL]  # steps of tens of milliseconds
     snap = tmp_path / "killed"
     job = procs.start(standalone(2, max_restarts=2) + overrides(tmp_path, "killed", ENDLESS_STEPS, extra=heavier),
@@ -84,12 +114,10 @@ def test_killed_worker_resumes_bitwise_identical(tmp_path, procs):
     stop(job)
     assert output(job).count("resumed from") == 1, output(job)[-4000:]
 
-    reference = run_until(procs, standalone(2) + overrides(tmp_path, "reference", ENDLESS_STEPS, extra=heavier),
-                          "reference", tmp_path / "reference", compared)
-    assert "resumed" not in output(reference)
-    assert_equal_weights(weights(tmp_path / "reference", compared), weights(snap, compared))
+    uninterrupted = reference.at(compared)
+    assert_equal_weights(weights(uninterrupted, compared), weights(snap, compared))
     loss = lambda d: manifest_at(d, compared)["metrics"]["train_loss"]
-    assert loss(snap) == loss(tmp_path / "reference")
+    assert loss(snap) == loss(uninterrupted)
 
 
 @pytest.mark.parametrize("windows", ["random", "strided"])
@@ -100,54 +128,47 @@ def test_uneven_shards_and_accumulation_give_the_full_batch_gradient(tmp_path, p
     text = run(procs, standalone(3), overrides(tmp_path, "three", 20, extra=uneven), "three")
     assert f"data.windows={windows}:" in text
     alone = ["trainer.global_batch_size=10", "trainer.micro_batch_size=10", f"data.windows={windows}"]
-    run(procs, [sys.executable, MAIN], overrides(tmp_path, "one", 20, extra=alone), "one")
-    three, one = weights(tmp_path / "three", 20), weights(tmp_path / "one", 20)
+    train_here(tmp_path / "alone", "trainer.max_steps=20", "snapshot.every=10", *alone)  # one process: this one
+    three, one = weights(tmp_path / "three", 20), weights(tmp_path / "alone" / "snap", 20)
     for key in one:
         assert torch.allclose(three[key], one[key], rtol=1e-4, atol=1e-5), key
     losses = lambda d: [m["train_loss"] for m in metrics(d) if "train_loss" in m]
-    assert losses(tmp_path / "three") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    assert losses(tmp_path / "three") == pytest.approx(losses(tmp_path / "alone" / "snap"), rel=1e-5)
     assert manifests(tmp_path / "three")[-1]["world_size"] == 3
 
 
-def test_finished_job_run_again_does_no_training(tmp_path, procs):
-    args = [sys.executable, MAIN]
-    run(procs, args, overrides(tmp_path, "snap", 10), "first")
+def test_finished_job_run_again_does_no_training(tmp_path):
+    train_here(tmp_path, "trainer.max_steps=10")
     before = sorted(p.name for p in (tmp_path / "snap").iterdir())
-    text = run(procs, args, overrides(tmp_path, "snap", 10), "again")
+    text = train_here(tmp_path, "trainer.max_steps=10")
     assert "already complete: step 10" in text
     assert "step 1/10" not in text and "loss" not in text
     assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == before
 
 
-def test_longer_max_steps_continues_a_finished_run(tmp_path, procs):
-    args = [sys.executable, MAIN]
-    run(procs, args, overrides(tmp_path, "snap", 10), "first")
-    text = run(procs, args, overrides(tmp_path, "snap", 20), "longer")
+def test_longer_max_steps_continues_a_finished_run(tmp_path):
+    train_here(tmp_path, "trainer.max_steps=10")
+    text = train_here(tmp_path, "trainer.max_steps=20")
     assert "resumed from" in text and "done: step 20" in text
     assert manifests(tmp_path / "snap")[-1]["samples_seen"] == 20 * 8
 
 
-def test_sampling_needs_no_corpus(tmp_path, procs):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the cat sat on the mat. " * 400)
-    run(procs, [sys.executable, MAIN], overrides(tmp_path, "snap", 40, extra=[f"data.corpus={corpus}"]), "train")
-    corpus.unlink()
-    shutil.rmtree(tmp_path / "prepared")
-    cmd = [sys.executable, "-m", "mingpt.cli.sample", str(tmp_path / "snap"), "--prompt", "the ",
-           "--max-new-tokens", "60", "--num-samples", "2", "--seed", "3"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert first.returncode == 0, first.stderr
-    samples = first.stdout.split("--- sample ")[1:]
+def test_sampling_needs_no_corpus(char_run, capsys):
+    """The shared run's corpus and prepared data are gone (see conftest): the snapshot is enough."""
+    args = [str(char_run), "--prompt", "the ", "--max-new-tokens", "60", "--num-samples", "2", "--seed", "3"]
+    assert sample.main(args) == 0
+    first = capsys.readouterr().out
+    samples = first.split("--- sample ")[1:]
     assert len(samples) == 2
     # Each sample: the prompt and up to 60 characters of the corpus's; fewer where the model ends its document.
-    assert all(set(s.split("\n", 1)[1].strip()) <= set("the cat sat on mat.") for s in samples)
+    assert all(set(s.split("\n", 1)[1].strip()) <= set(TEXT) for s in samples)
     assert all(len("the ") < len(s.split("\n", 1)[1].strip()) <= len("the ") + 60 for s in samples)
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert again.stdout == first.stdout  # same seed, same text
+    assert sample.main(args) == 0
+    assert capsys.readouterr().out == first  # same seed, same text
 
 
 @pytest.mark.parametrize("store_host, lost", [("first-agent", "second"), ("mingpt-rendezvous", "first")])
-def test_two_nodes_shrink_and_grow_back(tmp_path, procs, store_host, lost):
+def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, lost):
     """Two agents on 127.0.0.1 as two nodes, launched with mingpt-torchrun as the README says (no
     variable in the environment); one node dies, the other goes on alone; a node comes back.
     Where the first agent hosts the rendezvous store, only the second may die; where
@@ -193,8 +214,6 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, store_host, lost):
         assert m["samples_seen"] == m["step"] * 16  # the global batch never changed
     # Against an uninterrupted run: the same examples in the same steps; only float summation
     # order differs while one node is alone.
-    run_until(procs, standalone(2) + overrides(tmp_path, "reference", ENDLESS_STEPS, every=20, extra=heavier),
-              "reference", tmp_path / "reference", compared)
     ours = manifest_at(snap, compared)["metrics"]["train_loss"]
-    reference = manifest_at(tmp_path / "reference", compared)["metrics"]["train_loss"]
-    assert abs(ours - reference) < 0.03 * reference, (ours, reference)
+    expected = manifest_at(reference.at(compared), compared)["metrics"]["train_loss"]
+    assert abs(ours - expected) < 0.03 * expected, (ours, expected)
