@@ -118,3 +118,13 @@ def char_run(tmp_path_factory) -> Path:
 def bpe_run(tmp_path_factory) -> Path:
     """The same with a BPE vocabulary. Do not change it."""
     return trained_run(tmp_path_factory.mktemp("bpe-run"), "data.tokenizer=bpe", "data.vocab_size=300")
+
+
+def pytest_collection_modifyitems(items):
+    """The marks that follow from a test's fixtures: `procs` starts processes, `s3` talks to the S3 server."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if "procs" in fixtures:
+            item.add_marker(pytest.mark.multiproc)
+        if "s3" in fixtures or "s3_server" in fixtures:
+            item.add_marker(pytest.mark.s3)

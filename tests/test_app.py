@@ -57,6 +57,7 @@ def test_bad_config_is_refused_naming_the_key(override, words):
     assert all(w in str(refused.value) for w in words), refused.value
 
 
+@pytest.mark.multiproc
 def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2_before_any_work(tmp_path):
     result = app(tmp_path, "trainer.lr=-1")
     assert result.returncode == 2, result.stderr
@@ -65,6 +66,7 @@ def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2_before_any_work(
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no snapshot folder, no data, no Hydra output
 
 
+@pytest.mark.multiproc
 def test_a_value_of_the_wrong_type_is_hydras_error_without_a_traceback(tmp_path):
     result = app(tmp_path, "trainer.max_steps=abc")
     assert result.returncode == 1
@@ -112,6 +114,7 @@ def test_unknown_protocol_is_one_line(tmp_path, override):
     assert "foo" in message and override.split("=")[0] in message
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
 def test_s3_corpus_it_cannot_read_is_one_line(tmp_path, s3, closed_port, monkeypatch, trouble):
     from test_cli import S3_WORDS, s3_trouble
@@ -184,6 +187,7 @@ def test_multirun_is_refused(capsys):
     refuse(["seed=1", "trainer.max_steps=2"])  # no multirun: nothing to say
 
 
+@pytest.mark.multiproc
 def test_multirun_on_the_command_line_writes_nothing(tmp_path):
     result = subprocess.run([sys.executable, MAIN, "-m", "seed=1,2", "trainer.max_steps=2"], cwd=tmp_path, env=env(),
                             capture_output=True, text=True, timeout=120)

@@ -52,6 +52,7 @@ def test_prepare_refuses_a_folder_of_other_files_and_keeps_them(tmp_path, corpus
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "p"]  # no temporary folder either
 
 
+@pytest.mark.multiproc
 def test_prepare_uses_an_empty_folder_and_warns_of_a_small_bpe_vocabulary(tmp_path, corpus_file):
     folder = tmp_path / "empty"
     folder.mkdir()
@@ -69,6 +70,7 @@ def test_prepare_names_an_unknown_protocol(tmp_path, capsys):
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
 def test_prepare_explains_an_s3_corpus_it_cannot_read(tmp_path, s3, closed_port, trouble):
     (tmp_path / "c.txt").write_text("some text " * 100)
@@ -107,6 +109,7 @@ def test_sample_refuses_nonsense_flags(char_run, capsys, monkeypatch, flags, wor
     assert_one_line_error(rc, captured.err, *words)
 
 
+@pytest.mark.multiproc
 def test_sample_of_no_new_tokens_prints_the_prompt(tmp_path, char_run):
     result = subprocess.run([*SAMPLE, str(char_run), "--prompt", "the cat", "--max-new-tokens", "0"], cwd=tmp_path,
                             env=env(), capture_output=True, text=True, timeout=120)
@@ -114,6 +117,7 @@ def test_sample_of_no_new_tokens_prints_the_prompt(tmp_path, char_run):
     assert result.stdout == "the cat\n" and result.stderr == f"# {char_run}/step-000000040 (step 40)\n"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
 def test_sample_explains_an_s3_snapshot_it_cannot_read(tmp_path, s3, closed_port, trouble):
     rc, text = command([*SAMPLE, f"s3://{s3.bucket}/run"], tmp_path, **s3_trouble(trouble, closed_port))

@@ -3,7 +3,6 @@ checked against transformers itself. Nothing is downloaded: the models are tiny 
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -164,6 +163,7 @@ def test_an_exported_snapshot_computes_and_generates_as_in_mingpt(tmp_path, requ
     assert f"initialised from model.init_from={out}" in text
 
 
+@pytest.mark.multiproc
 def test_export_refuses_a_folder_that_is_not_empty_and_writes_nothing_there(tmp_path, char_run):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")

@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from launch import BIN, MAIN, SMALL, latest_step, run, wait_for
 from mingpt.cli import plot as plot_command
 from mingpt.metrics import plot
@@ -87,6 +89,7 @@ def test_plot_reads_a_run_in_s3(tmp_path, s3, capsys):
     assert out.read_bytes().startswith(PNG)
 
 
+@pytest.mark.multiproc
 def test_mingpt_plot_draws_a_restarted_run(tmp_path, procs):
     """A real run stopped with SIGTERM and resumed, then the command as a user types it."""
     snap = tmp_path / "snap"

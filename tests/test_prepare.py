@@ -245,6 +245,7 @@ def test_a_truncated_gz_is_explained_and_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt.gz"]
 
 
+@pytest.mark.multiproc
 def test_the_trainer_takes_a_hydra_list_of_sources(tmp_path):
     write_files(tmp_path / "books", make_documents(6))
     write_jsonl(tmp_path / "web.jsonl", make_documents(30)[6:])
@@ -259,6 +260,7 @@ def test_the_trainer_takes_a_hydra_list_of_sources(tmp_path):
     assert sorted(found["train"] + found["val"]) == sorted(make_documents(30))
 
 
+@pytest.mark.multiproc
 def test_a_named_tiktoken_encoding_ends_documents_with_its_own_end_of_text(tmp_path, closed_port):
     from conftest import offline_env
 

@@ -101,6 +101,7 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
     assert resumed.replica.state.step == 3 and resumed.replica.scaler.get_scale() == 37.0
 
 
+@pytest.mark.multiproc
 def test_ctrl_c_while_sampling_ends_with_one_line(char_run):
     # Endless: a sample ends early where the model writes end-of-text, so ask for endlessly many samples.
     sampling = subprocess.Popen([sys.executable, "-m", "mingpt.cli.sample", str(char_run), "--prompt", "a",

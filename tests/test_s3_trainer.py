@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ def final_weights(url: str) -> dict:
     return SnapshotStore(url).latest().load_tensors("model.pt")
 
 
+@pytest.mark.slow
 def test_resume_from_s3_on_a_fresh_machine_is_bitwise_identical(tmp_path, procs, s3):
     """The whole job is killed, and a fresh machine resumes from S3. Both it and the uninterrupted
     reference are endless (neither ends by itself, however fast this machine is) and are compared
@@ -95,6 +95,7 @@ def test_503s_and_cut_connections_during_a_save_are_survived(tmp_path, procs, s3
     assert committed_steps(s3) == [10, 20]
 
 
+@pytest.mark.slow
 def test_saves_that_keep_failing_stop_the_job_without_committed_looking_folders(tmp_path, procs, s3):
     url = f"s3://{s3.bucket}/run"
     s3.add("PUT", r"/run/step-", "error", count=math.inf, status=503, code="SlowDown")
@@ -113,15 +114,16 @@ def test_sigterm_under_torchrun_writes_a_final_snapshot_quickly(tmp_path, procs,
     url = f"s3://{s3.bucket}/run"
     agent = procs.start(standalone(2) + job(tmp_path, url, 100000, every=100000), "job")
     wait_for(lambda: "step 20/" in output(agent), 120, "training to start", [agent])
-    sent = time.monotonic()
     agent.send_signal(signal.SIGTERM)  # what SLURM or a preempting scheduler does
     agent.wait(timeout=60)
-    assert time.monotonic() - sent < 30, "longer than torchrun's shutdown window"
+    # The workers stopped by themselves, with a snapshot, inside torchrun's shutdown window: past it, torchrun
+    # would have SIGKILLed them before they could say so.
     stopped = int(re.search(r"stopped at step (\d+) on request", output(agent))[1])
     assert committed_steps(s3) == [stopped]
     SnapshotStore(url).latest().verify()
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("case", ["missing bucket", "wrong credentials"])
 def test_startup_storage_errors_are_clear_and_do_not_leak_secrets(tmp_path, s3, monkeypatch, case):
     url = f"s3://{s3.bucket}/run"

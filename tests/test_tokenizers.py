@@ -126,6 +126,7 @@ def test_bpe_decode_bytes_of_a_split_character():
     assert b"".join(tok.decode_bytes([i]) for i in ids) == "東".encode()
 
 
+@pytest.mark.multiproc
 def test_named_encoding_offline_names_the_cache_variable(tmp_path, closed_port):
     # In a subprocess, so tiktoken's in-process registry starts empty; downloads go to a
     # closed loopback port.
@@ -143,6 +144,7 @@ def test_unknown_named_encoding_lists_known_ones():
         train_tokenizer("gpt5", "")
 
 
+@pytest.mark.multiproc
 def test_named_encoding_that_tiktoken_can_load_works_and_round_trips(tmp_path, closed_port):
     # A tiktoken plugin (the tiktoken_ext namespace) provides an encoding without any download,
     # which exercises the whole named-encoding path offline.

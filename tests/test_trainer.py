@@ -4,13 +4,12 @@ process is all a test needs."""
 import os
 import re
 import signal
-import sys
 
 import pytest
 import torch
 
 from launch import (
-    MAIN, RDZV_CONF, SMALL, Processes, children, free_port, kill_node, latest_step, manifests, metrics, output,
+    RDZV_CONF, SMALL, Processes, children, free_port, kill_node, latest_step, manifests, metrics, output,
     port_listens, rendezvous, run, standalone, torchrun, train_here, wait_for, weights, worker,
 )
 from conftest import TEXT
@@ -96,6 +95,7 @@ def reference(tmp_path_factory):
     procs.close()
 
 
+@pytest.mark.slow
 def test_killed_worker_resumes_bitwise_identical(tmp_path, procs, reference):
     heavier = [*HEAVIER, *KEEP_ALL]  # steps of tens of milliseconds
     snap = tmp_path / "killed"
@@ -120,6 +120,7 @@ def test_killed_worker_resumes_bitwise_identical(tmp_path, procs, reference):
     assert loss(snap) == loss(uninterrupted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("windows", ["random", "strided"])
 def test_uneven_shards_and_accumulation_give_the_full_batch_gradient(tmp_path, procs, windows):
     """3 processes share 10 examples as 4+3+3, in micro-batches of 2 (accumulated under no_sync):
@@ -167,6 +168,7 @@ def test_sampling_needs_no_corpus(char_run, capsys):
     assert capsys.readouterr().out == first  # same seed, same text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store_host, lost", [("first-agent", "second"), ("mingpt-rendezvous", "first")])
 def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, lost):
     """Two agents on 127.0.0.1 as two nodes, launched with mingpt-torchrun as the README says (no
