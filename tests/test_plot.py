@@ -2,13 +2,11 @@
 
 import builtins
 import json
-import signal
 import subprocess
-import sys
 
 import pytest
 
-from launch import BIN, MAIN, SMALL, latest_step, run, wait_for
+from launch import BIN, train_here
 from mingpt.cli import plot as plot_command
 from mingpt.metrics import plot
 
@@ -90,17 +88,14 @@ def test_plot_reads_a_run_in_s3(tmp_path, s3, capsys):
 
 
 @pytest.mark.multiproc
-def test_mingpt_plot_draws_a_restarted_run(tmp_path, procs):
-    """A real run stopped with SIGTERM and resumed, then the command as a user types it."""
+def test_mingpt_plot_draws_a_restarted_run(tmp_path):
+    """A real run that stopped off its logging stride (as a stop request makes it) and was resumed, then the
+    command as a user types it."""
     snap = tmp_path / "snap"
-    args = [*SMALL, "trainer.eval_every=20", "snapshot.every=20", f"snapshot.dir={snap}",
-            f"data.prepared_dir={tmp_path / 'prepared'}"]
-    first = procs.start([sys.executable, MAIN, *args, "trainer.max_steps=100000000"], "first")
-    wait_for(lambda: latest_step(snap) >= 20, 120, "the step-20 snapshot", [first])
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=60) == 0
-    stopped = latest_step(snap)
-    run(procs, [sys.executable, MAIN], [*args, f"trainer.max_steps={stopped + 30}"], "again")
+    args = ["trainer.eval_every=20", "snapshot.every=20"]
+    stopped = 23
+    train_here(tmp_path, *args, f"trainer.max_steps={stopped}")
+    train_here(tmp_path, *args, f"trainer.max_steps={stopped + 30}")
 
     data = plot.curves(plot.read_records(str(snap)))
     assert [m.kind for m in data.marks] == ["restart"] and data.marks[0].step == stopped
