@@ -20,3 +20,9 @@ def run_command(command: Callable[[], int | None], interrupted: str = "interrupt
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
+
+
+def summary(doc: str) -> str:
+    """A command's --help description: the first line of its module docstring, after "`mingpt-x ARGS`: "."""
+    text = doc.strip().splitlines()[0].split(": ", 1)[-1]
+    return text[0].upper() + text[1:]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from mingpt.cli import run_command
+from mingpt.cli import run_command, summary
 from mingpt.interop.hf import export
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-export", description=__doc__.split(": ", 1)[1])
+    parser = argparse.ArgumentParser(prog="mingpt-export", description=summary(__doc__))
     parser.add_argument("snapshot", help="a snapshot folder, or a run folder (its newest snapshot), local or s3://")
     parser.add_argument("out", help="a new folder, local or s3://")
     args = parser.parse_args(argv)

@@ -13,14 +13,14 @@ import argparse
 import logging
 import os
 
-from mingpt.cli import run_command
+from mingpt.cli import run_command, summary
 from mingpt.errors import MinGPTError
 from mingpt.metrics.plot import curves, draw, pyplot, read_records
 from mingpt.storage import redact
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-plot", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(prog="mingpt-plot", description=summary(__doc__))
     parser.add_argument("run", help="a snapshot.dir holding metrics.jsonl (local path or s3://...)")
     parser.add_argument("-o", "--output", default="loss.png", help="the picture to write (default: loss.png)")
     args = parser.parse_args(argv)

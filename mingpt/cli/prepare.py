@@ -10,7 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from mingpt.cli import run_command
+from mingpt.cli import run_command, summary
 from mingpt.data.corpus import BUILTIN_CORPUS
 from mingpt.data.prepare import PrepareConfig, out_dir, prepare, verify
 from mingpt.data.prepared import read_meta
@@ -19,7 +19,7 @@ DEFAULTS = PrepareConfig()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-prepare", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(prog="mingpt-prepare", description=summary(__doc__))
     parser.add_argument("--corpus", nargs="+", default=[BUILTIN_CORPUS],
                         help=f"files, folders or quoted globs, local or fsspec URLs (s3://...), .gz/.bz2/.xz/.zst, "
                              f".jsonl; or {BUILTIN_CORPUS!r} (default)")

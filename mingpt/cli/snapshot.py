@@ -12,13 +12,13 @@ import sys
 
 from mingpt.checkpoint.lease import RunLease, describe
 from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, step_of
-from mingpt.cli import run_command
+from mingpt.cli import run_command, summary
 from mingpt.errors import MinGPTError
 from mingpt.storage import explain_storage_error, redact
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-snapshot", description=__doc__.split(": ", 1)[1].split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mingpt-snapshot", description=summary(__doc__))
     parser.add_argument("command", choices=["list", "verify"], help="list reads manifests; verify also checks every file")
     parser.add_argument("url", help="a snapshot folder: local path or s3://bucket/prefix")
     args = parser.parse_args(argv)
