@@ -73,14 +73,19 @@ def s3(s3_server, monkeypatch, request):
     import uuid
 
     import boto3
+    from s3fs import S3FileSystem
 
     s3_server.reset()
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
+    # s3fs keeps one file system per set of arguments, with the credentials and endpoint of the moment it
+    # was made: each test makes its own, so that one that changes them (a wrong key) affects no other.
+    S3FileSystem.clear_instance_cache()
     bucket = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     boto3.client("s3", endpoint_url=s3_server.endpoint).create_bucket(Bucket=bucket)
     s3_server.bucket = bucket
     yield s3_server
+    S3FileSystem.clear_instance_cache()
     s3_server.reset()
 
 

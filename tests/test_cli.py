@@ -70,16 +70,16 @@ def test_prepare_names_an_unknown_protocol(tmp_path, capsys):
     assert not (tmp_path / "p").exists()
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
-def test_prepare_explains_an_s3_corpus_it_cannot_read(tmp_path, s3, closed_port, trouble):
+def test_prepare_explains_an_s3_corpus_it_cannot_read(tmp_path, s3, closed_port, monkeypatch, capsys, trouble):
     (tmp_path / "c.txt").write_text("some text " * 100)
     import boto3
 
     boto3.client("s3", endpoint_url=s3.endpoint).upload_file(str(tmp_path / "c.txt"), s3.bucket, "c.txt")
-    rc, text = command([*PREPARE, "--corpus", f"s3://{s3.bucket}/c.txt", "--out", str(tmp_path / "p")], tmp_path,
-                       **s3_trouble(trouble, closed_port))
-    assert_one_line_error(rc, text, f"s3://{s3.bucket}/c.txt", "--corpus", *S3_WORDS[trouble])
+    for name, value in s3_trouble(trouble, closed_port).items():
+        monkeypatch.setenv(name, value)
+    rc = prepare.main(["--corpus", f"s3://{s3.bucket}/c.txt", "--out", str(tmp_path / "p")])
+    assert_one_line_error(rc, capsys.readouterr().err, f"s3://{s3.bucket}/c.txt", "--corpus", *S3_WORDS[trouble])
     assert not (tmp_path / "p").exists()
 
 
@@ -117,11 +117,12 @@ def test_sample_of_no_new_tokens_prints_the_prompt(tmp_path, char_run):
     assert result.stdout == "the cat\n" and result.stderr == f"# {char_run}/step-000000040 (step 40)\n"
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
-def test_sample_explains_an_s3_snapshot_it_cannot_read(tmp_path, s3, closed_port, trouble):
-    rc, text = command([*SAMPLE, f"s3://{s3.bucket}/run"], tmp_path, **s3_trouble(trouble, closed_port))
-    assert_one_line_error(rc, text, f"s3://{s3.bucket}/run", *S3_WORDS[trouble])
+def test_sample_explains_an_s3_snapshot_it_cannot_read(s3, closed_port, monkeypatch, capsys, trouble):
+    for name, value in s3_trouble(trouble, closed_port).items():
+        monkeypatch.setenv(name, value)
+    rc = sample.main([f"s3://{s3.bucket}/run"])
+    assert_one_line_error(rc, capsys.readouterr().err, f"s3://{s3.bucket}/run", *S3_WORDS[trouble])
 
 
 def test_a_sample_ends_where_the_model_ends_its_document(capsys):

@@ -13,6 +13,7 @@ import torch
 from conftest import s3_keys
 from launch import MAIN, SMALL, kill_node, latest_step, output, standalone, train_here, wait_for
 from mingpt.checkpoint.store import SnapshotStore
+from mingpt.errors import MinGPTError
 from s3server import ACCESS_KEY, SECRET_KEY
 
 
@@ -126,20 +127,18 @@ def test_sigterm_under_torchrun_writes_a_final_snapshot_quickly(tmp_path, procs,
     SnapshotStore(url).latest().verify()
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("case", ["missing bucket", "wrong credentials"])
-def test_startup_storage_errors_are_clear_and_do_not_leak_secrets(tmp_path, s3, monkeypatch, case):
+def test_startup_storage_errors_are_clear_and_do_not_leak_secrets(tmp_path, s3, monkeypatch, caplog, case):
     url = f"s3://{s3.bucket}/run"
     if case == "missing bucket":
         url = f"s3://missing-{s3.bucket}/run"
     else:
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAKEY")
-    result = subprocess.run([sys.executable, MAIN, *job(tmp_path, url, 10)], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path)
-    assert result.returncode == 2
+    with pytest.raises(MinGPTError) as refused:
+        train_here(tmp_path, *job(tmp_path, url, 10))
     expected = "bucket does not exist" if case == "missing bucket" else "access denied"
-    assert f"cannot write snapshots to {url}" in result.stderr and expected in result.stderr
-    assert SECRET_KEY not in result.stdout + result.stderr
+    assert f"cannot write snapshots to {url}" in str(refused.value) and expected in str(refused.value)
+    assert SECRET_KEY not in str(refused.value) + caplog.text
     assert not (tmp_path / "prepared").exists()  # before any data work
 
 
