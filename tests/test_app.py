@@ -114,19 +114,16 @@ def test_unknown_protocol_is_one_line(tmp_path, override):
     assert "foo" in message and override.split("=")[0] in message
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
 def test_s3_corpus_it_cannot_read_is_one_line(tmp_path, s3, closed_port, monkeypatch, trouble):
     from test_cli import S3_WORDS, s3_trouble
 
     for name, value in s3_trouble(trouble, closed_port).items():
         monkeypatch.setenv(name, value)
-    result = app(tmp_path, f"data.corpus=s3://{s3.bucket}/corpus.txt")
-    assert result.returncode == 2, result.stderr
-    problems = [line for line in result.stderr.splitlines() if " INFO " not in line]  # progress lines aside
-    assert len(problems) == 1 and " ERROR " in problems[0], result.stderr
+    with pytest.raises(MinGPTError) as refused:
+        train_here(tmp_path, f"data.corpus=s3://{s3.bucket}/corpus.txt")
     words = [f"cannot list the corpus s3://{s3.bucket}/corpus.txt (data.corpus", *S3_WORDS[trouble]]
-    assert all(w in problems[0] for w in words), result.stderr
+    assert all(w in one_line(refused.value) for w in words), refused.value
     assert not (tmp_path / "prepared").exists()
 
 
