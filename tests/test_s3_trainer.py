@@ -40,6 +40,8 @@ def test_resume_from_s3_on_a_fresh_machine_is_bitwise_identical(tmp_path, procs,
     endless = ["snapshot.keep=1000"]
     python = [sys.executable, MAIN]
     first = procs.start(python + job(tmp_path, url, 10**8, extra=endless), "first")
+    # The reference trains meanwhile: one thread each, two cores.
+    reference = procs.start(python + job(tmp_path, tmp_path / "reference", 10**8, extra=endless), "reference")
     wait_for(lambda: committed_steps(s3) and committed_steps(s3)[-1] >= 20, 120, "a snapshot in S3", [first])
     kill_node(first)  # the machine is gone, with its local disk
     first.wait(timeout=30)
@@ -55,7 +57,6 @@ def test_resume_from_s3_on_a_fresh_machine_is_bitwise_identical(tmp_path, procs,
     assert re.search(r"resumed from s3://\S+/run/step-\d+", output(second))
     assert (fresh / "data").is_dir()  # it prepared the corpus itself
 
-    reference = procs.start(python + job(tmp_path, tmp_path / "reference", 10**8, extra=endless), "reference")
     wait_for(lambda: latest_step(tmp_path / "reference") >= compare_at, 180, f"the reference's step {compare_at}",
              [reference])
     reference.send_signal(signal.SIGTERM)

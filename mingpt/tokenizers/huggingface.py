@@ -2,8 +2,8 @@
 
 In: a folder holding `tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt` (local or an fsspec
 URL), becomes a `bpe` tokenizer (pattern + ranks), stored in prepared data and snapshots like any
-BPE vocabulary. A mingpt `tokenizer.json` (a snapshot's, or prepared data's) loads as itself, and
-the character vocabulary that mingpt-export writes as a char tokenizer.
+BPE vocabulary; the character vocabulary that mingpt-export writes becomes a char tokenizer.
+(A mingpt tokenizer.json in a folder is read by the dispatch, mingpt.tokenizers.)
 
 Out: `tokenizer_files` writes the same vocabulary in Hugging Face's form, which `AutoTokenizer`
 encodes to the same ids.
