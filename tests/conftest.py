@@ -9,6 +9,14 @@ from launch import train_here
 
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each test process trains with one thread: the other core is the other process's."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def cache_in_tmp(tmp_path_factory):
     """Caches the code writes (the peak-FLOP probe's) go to a temporary folder, not the user's home,
@@ -125,11 +133,16 @@ def bpe_run(tmp_path_factory) -> Path:
     return trained_run(tmp_path_factory.mktemp("bpe-run"), "data.tokenizer=bpe", "data.vocab_size=300")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """The marks that follow from a test's fixtures: `procs` starts processes, `s3` talks to the S3 server."""
+    """The marks that follow from a test's fixtures: `procs` starts processes, `s3` talks to the S3 server.
+    Tests that start processes run one at a time, in one xdist group: two of them at once on two cores
+    would starve each other's rendezvous heartbeats. The tests that stay in this process run beside them."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if "procs" in fixtures:
             item.add_marker(pytest.mark.multiproc)
         if "s3" in fixtures or "s3_server" in fixtures:
             item.add_marker(pytest.mark.s3)
+        if item.get_closest_marker("multiproc"):
+            item.add_marker(pytest.mark.xdist_group("processes"))
