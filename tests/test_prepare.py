@@ -220,6 +220,7 @@ def test_bpe_learns_from_a_bounded_sample(tmp_path, small_pieces):
     assert data.tokenizer.decode(ids) == "".join(make_documents(200)) + EOT  # the whole corpus, encoded
 
 
+@pytest.mark.multiproc
 def test_memory_stays_bounded_on_a_large_corpus(tmp_path):
     """About 100 MB of text, in 1 GB: the former whole-corpus preparation needed about 31 bytes per byte
     (3 GB here); streaming needs about 120 MB, whatever the corpus size."""
