@@ -4,16 +4,14 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 
-from launch import train_here
-
+from launch import Processes, train_here
 
 
 def pytest_configure(config):
     """Under pytest-xdist each test process trains with one thread: the other core is the other process's."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
-
         torch.set_num_threads(1)
 
 
@@ -28,8 +26,6 @@ def cache_in_tmp(tmp_path_factory):
 @pytest.fixture
 def procs(tmp_path):
     """Processes a test starts (see launch.Processes); whatever still runs is ended after the test."""
-    from launch import Processes
-
     started = Processes(tmp_path)
     yield started
     started.close()
