@@ -153,19 +153,17 @@ class _Job:
     """One preparation: the tokenizer, then the token files, in a temporary folder published at the end."""
 
     def __init__(self, config: PrepareConfig, sources: list[Source]):
-        self.sources, self.kind, self.vocab_size = sources, config.tokenizer, config.vocab_size
-        self.val_fraction, self.text_field = config.val_fraction, config.text_field
+        self.config, self.sources = config, sources
         self.num_workers = config.num_workers or _cpu_count()
-        self.bpe_sample_bytes = config.bpe_sample_bytes
         self.listed_bytes = sum(source.size for source in sources)
         self.tail_split = len(sources) == 1 and not sources[0].jsonl  # one document
         self.context = {
             "names": [redact(source.url) for source in sources],
             "paths": [source.url if source.local_plain else None for source in sources],
             "jsonl": [source.jsonl for source in sources],
-            "text_field": self.text_field,
-            "val_fraction": self.val_fraction,
-            "val_sources": [] if self.tail_split else _val_files(sources, self.val_fraction),
+            "text_field": config.text_field,
+            "val_fraction": config.val_fraction,
+            "val_sources": [] if self.tail_split else _val_files(sources, config.val_fraction),
         }
 
     def build(self, out: Path, meta: dict) -> None:
@@ -187,7 +185,7 @@ class _Job:
             }
             if meta["val_fraction"] > 0 and not counts["val"] and not self.tail_split:
                 raise DataError(f"no document of the corpus fell into the validation split (val_fraction "
-                                f"{self.val_fraction}); give more documents or a larger val_fraction")
+                                f"{self.config.val_fraction}); give more documents or a larger val_fraction")
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
             _publish(tmp, out, meta)
         finally:
@@ -198,7 +196,7 @@ class _Job:
                  read / 1e6, seconds, read / 1e6 / max(seconds, 1e-9), self.num_workers, out)
 
     def make_tokenizer(self) -> Tokenizer:
-        if self.kind == "char":  # the vocabulary is the corpus's set of characters: one pass to find it
+        if self.config.tokenizer == "char":  # the vocabulary is the corpus's set of characters: one pass to find it
             with Progress("finding characters", self.listed_bytes) as progress, self.workers() as pool:
                 chars: set[str] = set()
                 for piece, found in pool.map(_chars, self.pieces()):
@@ -207,24 +205,25 @@ class _Job:
             if not "".join(chars).strip():
                 raise self.empty()
             return CharTokenizer(chars)
-        if self.kind == "bpe":
-            return BPETokenizer.train(self.bpe_sample(), self.vocab_size)
-        return train_tokenizer(self.kind, "")  # a named tiktoken encoding: nothing to learn
+        if self.config.tokenizer == "bpe":
+            return BPETokenizer.train(self.bpe_sample(), self.config.vocab_size)
+        return train_tokenizer(self.config.tokenizer, "")  # a named tiktoken encoding: nothing to learn
 
     def bpe_sample(self) -> Iterator[str]:
         """About `bpe_sample_bytes` of text, in pieces drawn by a seeded hash of their place, so from the
         whole corpus (from its start, when compressed files make the total larger than listed)."""
-        share = min(1.0, self.bpe_sample_bytes / max(self.listed_bytes, 1))
+        budget = self.config.bpe_sample_bytes
+        share = min(1.0, budget / max(self.listed_bytes, 1))
         chosen = sample_pieces(self.sources, lambda source, number: _unit_hash(SPLIT_SEED, "bpe", source, number) < share)
         taken = 0
         # Read here, not in workers: decoding costs less than sending the texts back, and rustbpe uses every core.
-        with Progress("training bpe on a sample", min(self.bpe_sample_bytes, self.listed_bytes)) as progress, \
+        with Progress("training bpe on a sample", min(budget, self.listed_bytes)) as progress, \
                 self.workers(count=1) as pool:
             for piece, texts in pool.map(_texts, chosen):
                 yield from texts
                 taken += piece.size
                 progress.update(piece.size)
-                if taken >= self.bpe_sample_bytes:
+                if taken >= budget:
                     return
 
     def tokenize(self, tok: Tokenizer, dtype, folder: Path) -> tuple[dict, dict, int]:
@@ -246,7 +245,7 @@ class _Job:
         if not any_text:
             raise self.empty()
         if self.tail_split:
-            counts = _move_tail(folder / "train.bin", folder / "val.bin", np.dtype(dtype), self.val_fraction)
+            counts = _move_tail(folder / "train.bin", folder / "val.bin", np.dtype(dtype), self.config.val_fraction)
         return counts, digests, read
 
     def empty(self) -> DataError:
