@@ -36,11 +36,6 @@ def _fs(url: str):
     return open_fs(url.rstrip("/"))
 
 
-def _read(fs, path: str) -> bytes:
-    with fs.open(path, "rb") as f:
-        return f.read()
-
-
 def is_hf_model(url: str) -> bool:
     fs, path = _fs(url)
     return fs.exists(f"{path}/config.json")
@@ -49,7 +44,7 @@ def is_hf_model(url: str) -> bool:
 def hf_model_config(url: str, block_size: int) -> GPTConfig:
     """The GPTConfig of a Hugging Face GPT-2 folder, for training on `block_size`-token windows."""
     fs, path = _fs(url)
-    config = json.loads(_read(fs, f"{path}/config.json"))
+    config = json.loads(fs.cat_file(f"{path}/config.json"))
     if config.get("model_type") != "gpt2":
         raise ConfigError(f"model.init_from={url}: config.json says model_type {config.get('model_type')!r}; "
                           "only GPT-2 (gpt2) folders load")
@@ -71,7 +66,7 @@ def load_hf_weights(url: str, config: GPTConfig) -> dict[str, torch.Tensor]:
     name = next((n for n in WEIGHT_FILES if fs.exists(f"{path}/{n}")), None)
     if name is None:
         raise ConfigError(f"model.init_from={url} has config.json but no weights ({' or '.join(WEIGHT_FILES)})")
-    data = _read(fs, f"{path}/{name}")
+    data = fs.cat_file(f"{path}/{name}")
     if name.endswith(".safetensors"):
         from safetensors.torch import load
 

@@ -93,8 +93,7 @@ def load_tokenizer_folder(url: str) -> Tokenizer:
     if fs.isfile(path):  # a tokenizer.json named itself
         path = path.rpartition("/")[0]
     if fs.exists(f"{path}/tokenizer.json"):
-        with fs.open(f"{path}/tokenizer.json", "rb") as f:
-            payload = json.loads(f.read())
+        payload = json.loads(fs.cat_file(f"{path}/tokenizer.json"))
         if payload.get("format") == FORMAT:
             return tokenizer_from_dict(payload)
         return huggingface.from_tokenizer_json(payload, url)

@@ -22,11 +22,6 @@ from mingpt.tokenizers.char import CharTokenizer
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-def _read(fs, path: str) -> bytes:
-    with fs.open(path, "rb") as f:
-        return f.read()
-
-
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map of bytes to printable characters, in which its vocabularies are written:
     printable Latin-1 bytes stand for themselves, the others for the characters from U+0100 on."""
@@ -38,8 +33,8 @@ def byte_to_unicode() -> dict[int, str]:
 def from_vocab_and_merges(fs, path: str, url: str) -> BPETokenizer:
     """GPT-2's slow tokenizer files (vocab.json + merges.txt) in folder `path` of `fs`, as a tiktoken encoding."""
     if fs.exists(f"{path}/vocab.json") and fs.exists(f"{path}/merges.txt"):
-        vocab = json.loads(_read(fs, f"{path}/vocab.json"))
-        lines = _read(fs, f"{path}/merges.txt").decode("utf-8").splitlines()
+        vocab = json.loads(fs.cat_file(f"{path}/vocab.json"))
+        lines = fs.cat_file(f"{path}/merges.txt").decode("utf-8").splitlines()
         merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
         added = {token: vocab.pop(token) for token in list(vocab) if token == EOT}
         return _to_bpe(vocab, merges, GPT2_PATTERN, added, url)

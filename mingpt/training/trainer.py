@@ -131,7 +131,6 @@ class Trainer:
         precision, self.precision_reason = choose_precision(t.precision, world.device, model_config.n_embd)
         self.autocast, scaler = autocast_for(precision, world.device)
         self.replica = Replica(model, optimizer, scaler, TrainState())
-        self.model = model
         self.ddp: DDP | None = None
         self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer)
         self.metrics = Loggers(t.loggers, store.run, cfg.to_dict(), world.is_leader)  # trainer.loggers
@@ -140,6 +139,10 @@ class Trainer:
         self.val_loss: float | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
         self.flops_per_token = flops_per_token(model_config, model.num_params())
+
+    @property
+    def model(self) -> GPT:
+        return self.replica.model
 
     def resume(self) -> None:
         """Load the newest verified snapshot, the same one in every process; or start a new run."""
