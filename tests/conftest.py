@@ -129,16 +129,14 @@ def bpe_run(tmp_path_factory) -> Path:
     return trained_run(tmp_path_factory.mktemp("bpe-run"), "data.tokenizer=bpe", "data.vocab_size=300")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     """The marks that follow from a test's fixtures: `procs` starts processes, `s3` talks to the S3 server.
-    Tests that start processes run one at a time, in one xdist group: two of them at once on two cores
-    would starve each other's rendezvous heartbeats. The tests that stay in this process run beside them."""
+    Then the slow tests go first: pytest-xdist hands tests out in this order, so the long ones start
+    early and the short ones fill in around them, instead of one long test finishing alone at the end."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if "procs" in fixtures:
             item.add_marker(pytest.mark.multiproc)
         if "s3" in fixtures or "s3_server" in fixtures:
             item.add_marker(pytest.mark.s3)
-        if item.get_closest_marker("multiproc"):
-            item.add_marker(pytest.mark.xdist_group("processes"))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
