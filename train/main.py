@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mingpt.errors import MinGPTError
 from mingpt.model import PRESETS
+from mingpt.storage import redact
 from mingpt.training.config import Config, ModelConfig, validate
 from mingpt.training.distributed import leads_this_generation
 from mingpt.training.trainer import train
@@ -40,7 +41,7 @@ def main(raw: DictConfig) -> None:
         validate(cfg)
         train(cfg)
     except MinGPTError as e:
-        log.error("%s", e)
+        log.error("%s", redact(e))  # a storage client may have echoed a URL with its credentials
         exit_now(2)
 
 
