@@ -8,6 +8,7 @@ import sys
 from typing import Callable
 
 from mingpt.errors import MinGPTError
+from mingpt.storage import redact
 
 
 def run_command(command: Callable[[], int | None], interrupted: str = "interrupted") -> int:
@@ -15,7 +16,7 @@ def run_command(command: Callable[[], int | None], interrupted: str = "interrupt
     try:
         return command() or 0
     except MinGPTError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(e)}", file=sys.stderr)  # no URL credentials, wherever the message came from
         return 2
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
