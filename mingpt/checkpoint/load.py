@@ -29,7 +29,7 @@ def open_snapshot(url: str) -> Snapshot:
             return store.get(name)
     snapshot = SnapshotStore(url).latest(files=MODEL_FILES)
     if snapshot is None:
-        raise SnapshotError(f"no committed snapshot found in {url}; give a snapshot folder written by the trainer")
+        raise SnapshotError(f"no committed snapshot found in {redact(url)}; give a snapshot folder the trainer wrote")
     return snapshot
 
 
