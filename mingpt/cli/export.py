@@ -6,6 +6,7 @@ import argparse
 
 from mingpt.cli import run_command, summary
 from mingpt.interop.hf import export
+from mingpt.storage import redact
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def command() -> None:
         names = export(args.snapshot, args.out)
-        print(f"wrote {', '.join(names)} to {args.out}")
+        print(f"wrote {', '.join(names)} to {redact(args.out)}")
 
     return run_command(command)
 
