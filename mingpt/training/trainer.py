@@ -27,6 +27,7 @@ from mingpt.errors import ConfigError, TrainingError
 from mingpt.interop.pretrained import Pretrained, open_pretrained
 from mingpt.metrics.loggers import Loggers
 from mingpt.model import GPT, GPTConfig
+from mingpt.storage import redact
 from mingpt.training import distributed
 from mingpt.training.checkpointer import Checkpointer, Replica, TrainState
 from mingpt.training.config import Config
@@ -107,10 +108,10 @@ def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None
         return cfg.model.build(data.vocab_size, cfg.data.block_size)
     if pretrained.config.vocab_size != data.vocab_size:
         raise ConfigError(
-            f"model.init_from={pretrained.url} has a vocabulary of {pretrained.config.vocab_size}, the data's "
+            f"model.init_from={redact(pretrained.url)} has a vocabulary of {pretrained.config.vocab_size}, the data's "
             f"tokenizer ({data.tokenizer.describe()}) one of {data.vocab_size}; leave data.tokenizer at its default "
             "to use the tokenizer that came with the weights")
-    _log_if_leading("model.init_from=%s: %s (instead of model=%s)", pretrained.url, pretrained.describe(),
+    _log_if_leading("model.init_from=%s: %s (instead of model=%s)", redact(pretrained.url), pretrained.describe(),
                     cfg.model.name)
     return replace(pretrained.config, dropout=cfg.model.dropout)
 
@@ -150,11 +151,11 @@ class Trainer:
         if snapshot is None:
             if self.pretrained:  # a new run: its weights, a fresh optimizer, step 0
                 self.model.load_state_dict(self.pretrained.load())
-                _log(self.world, "initialised from model.init_from=%s", self.pretrained.url)
+                _log(self.world, "initialised from model.init_from=%s", redact(self.pretrained.url))
             return
         if self.pretrained:
             _log(self.world, "model.init_from=%s is not read: this run resumes from its own snapshot",
-                 self.pretrained.url)
+                 redact(self.pretrained.url))
         self.checkpointer.load(snapshot, self.replica)
         state = self.replica.state
         _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
