@@ -485,11 +485,11 @@ def verify(directory: str | os.PathLike) -> list[str]:
     for source in recorded:
         now = listed.get(source.url)
         if now is None:
-            problems.append(f"{source.url}: no longer part of the corpus")
+            problems.append(f"{redact(source.url)}: no longer part of the corpus")
         elif (now.size, now.version) != (source.size, source.version):
-            problems.append(f"{source.url}: size or version changed ({source.size} B, {source.version} -> "
+            problems.append(f"{redact(source.url)}: size or version changed ({source.size} B, {source.version} -> "
                             f"{now.size} B, {now.version})")
-    problems += [f"{url}: new in the corpus" for url in listed if url not in {s.url for s in recorded}]
+    problems += [f"{redact(url)}: new in the corpus" for url in listed if url not in {s.url for s in recorded}]
     digests: dict[int, str] = {}
     present = [s for s in recorded if s.url in listed]
     with Progress("verifying", sum(s.size for s in present)) as progress:
@@ -498,6 +498,6 @@ def verify(directory: str | os.PathLike) -> list[str]:
     expected = dict(zip((s.url for s in recorded), meta["source_sha256"]))
     for i, source in enumerate(present):
         if digests[i] != expected[source.url]:
-            problems.append(f"{source.url}: content differs from what was prepared (sha256 {expected[source.url][:12]}"
+            problems.append(f"{redact(source.url)}: content differs from what was prepared (sha256 {expected[source.url][:12]}"
                             f"... -> {digests[i][:12]}...)")
     return problems
