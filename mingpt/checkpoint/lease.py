@@ -3,13 +3,19 @@
 Two jobs started into the same `snapshot.dir` by mistake would delete each other's saves and
 resume from each other's state. So the job that writes there holds a lease on it:
 
-    <dir>/owner/gen-000000007.json    job, host, pids, since, renewed, released, timeout
+    <dir>/owner/gen-000000007.json    job, host, pids, since, renewed, beat, released, timeout
 
 Claiming the run means creating the next generation file with exclusive create (O_EXCL on local
 disk, a conditional PUT on S3), so of two jobs claiming at once exactly one wins. The newest
-generation file names the holder. The holder rewrites its own file every `timeout_s / 4` seconds
-("renewed") and marks it released when it exits. Another job may take the run over when the
-holder released it, stopped renewing it for `timeout_s`, or ran on this machine and is gone.
+generation file names the holder; every manifest names the job and generation that wrote it, so
+the run's history survives the loss of the `owner/` folder (a hand, a bucket expiry rule). The
+holder rewrites its own file every `timeout_s / 4` seconds (a new "beat") and marks it released
+when it exits.
+
+Another job may take the run over when the holder released it, ran on this machine and is gone, or
+stopped beating: judged by watching the claim (and the newest commit) not change for the holder's
+`timeout_s` on this process's own monotonic clock. Timestamps written by another host are never
+compared with ours, so no clock skew lets a live holder be taken over.
 
 Every generation of workers of one torchrun job (restarts, nodes leaving or joining) carries the
 same job identity, so it takes the run over at once. A worker left over from an older generation
@@ -28,6 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from mingpt.errors import MinGPTError
 from mingpt.rundir import RunDir
@@ -67,15 +74,27 @@ def job_identity() -> str:
     return f"process:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+# A claim file is a small JSON object; anything else in owner/ (a FIFO, a folder, a huge or garbled file) is
+# not a claim and is skipped, never read whole or waited on.
+_MAX_CLAIM_BYTES = 64 * 1024
+# Longest a claimant watches a silent holder, whatever timeout its (possibly hand-edited) claim names.
+_MAX_WATCH_S = 3600.0
+
+# The newest commit of the run: its folder name and the `writer` its manifest names (job, generation).
+LastCommit = Callable[[], "tuple[str, dict | None] | None"]
+
+
 class RunLease:
     """The claim of one process (the leader of its generation) on the run under `path`."""
 
     def __init__(self, run: RunDir, timeout_s: float, job: str | None = None):
         self.fs, self.url, self.timeout_s = run.fs, run.url, timeout_s
         self.folder = run.owner
+        self.local = is_local(run.fs)
         self.job = job or job_identity()
         self.claim: Claim | None = None
         self.lost = False
+        self._beat = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -85,17 +104,20 @@ class RunLease:
 
     # -- claiming ------------------------------------------------------------------------------
 
-    def acquire(self) -> Claim:
-        """Claim the run, or raise RunOwnedError naming the job that holds it and what to do."""
+    def acquire(self, last_commit: LastCommit = lambda: None) -> Claim:
+        """Claim the run, or raise RunOwnedError naming the job that holds it and what to do.
+
+        `last_commit` tells the newest commit and its writer: where the claim files are gone, that
+        writer stands for the holder, and a holder that still commits is alive."""
         if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
             log.warning("torchrun was started without --rdzv-id: each node's agent then counts as a job of its "
                         "own for run ownership. Give every node the same --rdzv-id=NAME")
-        if is_local(self.fs):
+        if self.local:
             self.fs.makedirs(self.folder, exist_ok=True)
         for _ in range(10):
-            current = self.current()
+            current = self._holder(last_commit)
             if current is not None:
-                self._check_may_take(current)
+                self._check_may_take(current, last_commit)
             generation = current.generation + 1 if current else 1
             record = self._record(generation, since=time.time())
             try:
@@ -112,32 +134,60 @@ class RunLease:
         self._forget_before(generation - 1)
         return self.claim
 
-    def _check_may_take(self, current: Claim) -> None:
+    def _holder(self, last_commit: LastCommit) -> Claim | None:
+        """The newest claim; or, where the newest commit was written by a generation whose claim file is
+        gone, that writer (a take-over case, never a fresh run)."""
+        current = self.current()
+        commit = last_commit()
+        writer = commit[1] if commit else None
+        generation = writer.get("generation") if isinstance(writer, dict) else None
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+            return current
+        if current is not None and current.generation >= generation:
+            return current
+        log.warning("%s was last committed by job %s (generation %d, %s), whose claim file in %s is gone",
+                    self.url, writer.get("job"), generation, commit[0], self.folder)
+        return Claim(generation, {"job": writer.get("job"), "generation": generation})
+
+    def _check_may_take(self, current: Claim, last_commit: LastCommit) -> None:
         holder = current.record
         if holder.get("job") == self.job:
             return  # a new generation of this very job: restarts never wait
         if holder.get("released"):
-            log.info("taking over %s, released by job %s at %s", self.url, holder.get("job"),
-                     _when(holder.get("renewed")))
+            log.info("taking over %s, released by job %s", self.url, holder.get("job"))
             return
-        age = time.time() - float(holder.get("renewed", 0))
-        timeout = float(holder.get("timeout_s", self.timeout_s))
-        if _same_machine(holder) and not any(_alive(pid, start) for pid, start in holder.get("pids", [])):
-            log.warning("taking over %s from job %s: its processes on this machine (%s) are gone", self.url,
-                        holder.get("job"), ", ".join(str(p) for p, _ in holder.get("pids", [])))
-            return
-        if age > timeout:
-            log.warning("taking over %s from job %s on %s: it has not renewed its claim for %.0f s "
-                        "(its lease timeout is %.0f s)", self.url, holder.get("job"), holder.get("host"), age, timeout)
-            return
-        pids = ", ".join(str(p) for p, _ in holder.get("pids", []))
-        raise RunOwnedError(
-            f"{self.url} is in use by another job: {holder.get('job')} on host {holder.get('host')} "
-            f"(pid {pids}), holding it since {_when(holder.get('since'))}, last renewed {age:.0f} s ago. "
-            "Wait for that job to end or stop it, or give this one another snapshot.dir. If that job is dead, "
-            f"its claim expires {max(0.0, timeout - age):.0f} s from now (snapshot.lease_timeout_s={timeout:g} "
-            "of the holder); then run this command again. (One torchrun job on several nodes: give every "
-            "node the same --rdzv-id.)"
+        if _same_machine(holder):
+            if not any(_alive(pid, start) for pid, start in _processes(holder)):
+                log.warning("taking over %s from job %s: its processes on this machine (%s) are gone", self.url,
+                            holder.get("job"), _pids(holder))
+                return
+            raise self._owned(current, "its processes on this machine are running")
+        self._watch(current, last_commit)
+
+    def _watch(self, current: Claim, last_commit: LastCommit) -> None:
+        """Return once the holder's claim and the newest commit stood still for the holder's lease timeout,
+        on this process's monotonic clock; raise RunOwnedError as soon as either changes (it is alive)."""
+        timeout = _timeout_of(current.record, self.timeout_s)
+        log.warning("%s is held by job %s on host %s: watching its claim for up to %.0f s (its lease timeout) to "
+                    "tell whether it is alive", self.url, current.record.get("job"), current.record.get("host"), timeout)
+        state = lambda: (self._claim_bytes(), last_commit())
+        seen = state()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, timeout / 8))
+            if state() != seen:
+                raise self._owned(current, "it renewed its claim or committed while this job watched")
+        log.warning("taking over %s from job %s on host %s: it has not renewed its claim for %.0f s (watched from "
+                    "here; its lease timeout is %.0f s)", self.url, current.record.get("job"),
+                    current.record.get("host"), timeout, timeout)
+
+    def _owned(self, current: Claim, why: str) -> RunOwnedError:
+        holder = current.record
+        return RunOwnedError(
+            f"{self.url} is in use by another job: {holder.get('job')} on host {holder.get('host', 'unknown')} "
+            f"(pid {_pids(holder) or 'unknown'}), holding it since {_when(holder.get('since'))}; {why}. "
+            "Wait for that job to end or stop it, or give this one another snapshot.dir. (One torchrun job on "
+            "several nodes: give every node the same --rdzv-id.)"
         )
 
     # -- holding -------------------------------------------------------------------------------
@@ -146,20 +196,22 @@ class RunLease:
         """The fence: LeaseLostError when a newer generation (of this or another job) claimed the run."""
         if self.claim is None:
             return
-        newest = self._newest_generation()
-        if newest is not None and newest > self.claim.generation:
+        newest = self.current()
+        if newest is not None and newest.generation > self.claim.generation:
             self.lost = True
-            holder = self._read(newest) or {}
             raise LeaseLostError(
-                f"{self.url} was taken over by generation {newest} (job {holder.get('job')} on "
-                f"{holder.get('host')}) while this process held generation {self.claim.generation}; "
+                f"{self.url} was taken over by generation {newest.generation} (job {newest.record.get('job')} on "
+                f"{newest.record.get('host')}) while this process held generation {self.claim.generation}; "
                 "this process stops without writing or deleting anything there"
             )
 
     def renew(self, released: bool = False) -> None:
         """Say that the holder is alive (or, `released`, done); never writes over a newer generation."""
         self.check()
-        record = {**self.claim.record, "renewed": time.time(), "released": released}
+        self._beat += 1
+        record = {**self.claim.record, "renewed": time.time(), "beat": self._beat, "released": released}
+        if self.local:
+            self.fs.makedirs(self.folder, exist_ok=True)  # owner/ may have been deleted under us
         replace_atomically(self.fs, self._path(self.claim.generation), _encode(record))
 
     def keep_alive(self) -> None:
@@ -204,7 +256,7 @@ class RunLease:
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             pids.append(os.getppid())  # the torchrun agent: the job lives while it does
         return {"job": self.job, "generation": generation, "host": socket.gethostname(), "boot_id": _boot_id(),
-                "pids": [[pid, _start_time(pid)] for pid in pids], "since": since, "renewed": since,
+                "pids": [[pid, _start_time(pid)] for pid in pids], "since": since, "renewed": since, "beat": 0,
                 "released": False, "timeout_s": self.timeout_s}
 
     def _path(self, generation: int) -> str:
@@ -214,28 +266,36 @@ class RunLease:
         self.fs.invalidate_cache(self.folder)
         try:
             names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.folder, detail=False)]
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         return sorted(int(m[1]) for m in map(_GEN.match, names) if m)
 
-    def _newest_generation(self) -> int | None:
-        generations = self._generations()
-        return generations[-1] if generations else None
-
     def current(self) -> Claim | None:
-        """The newest claim on the run (held, expired or released), or None when nobody ever claimed it."""
-        generation = self._newest_generation()
-        if generation is None:
-            return None
-        record = self._read(generation)
-        # An unreadable claim file (a hand edit, a torn copy) holds nothing: treat it as released.
-        return Claim(generation, record if isinstance(record, dict) else {"released": True})
+        """The newest valid claim on the run (held, expired or released), or None when there is none.
+        Entries of owner/ that are not claims (damaged, foreign, not files) are skipped."""
+        for generation in reversed(self._generations()):
+            record = self._read(generation)
+            if record is not None:
+                return Claim(generation, record)
+        return None
+
+    def _claim_bytes(self) -> bytes | None:
+        """The newest claim as stored, to tell whether it changes."""
+        claim = self.current()
+        return _encode(claim.record) if claim else None
 
     def _read(self, generation: int) -> dict | None:
+        """The claim of `generation`, or None where there is none or the entry is not a valid claim."""
+        path = self._path(generation)
         try:
-            return json.loads(self.fs.cat_file(self._path(generation)))
-        except (FileNotFoundError, ValueError):
+            info = self.fs.info(path)
+            if info.get("type") != "file" or not 0 < info.get("size", 0) <= _MAX_CLAIM_BYTES:
+                return None
+            record = json.loads(self.fs.cat_file(path))
+        except (OSError, ValueError):  # gone meanwhile, unreadable, not JSON
             return None
+        valid = isinstance(record, dict) and record.get("generation") == generation and isinstance(record.get("job"), str)
+        return record if valid else None
 
     def _forget_before(self, generation: int) -> None:
         """Old generation files are history; the newest two are enough for the fence and for messages."""
@@ -243,16 +303,16 @@ class RunLease:
             if old < generation:
                 try:
                     self.fs.rm_file(self._path(old))
-                except FileNotFoundError:
+                except OSError:  # gone meanwhile, or not a file: left alone
                     pass
 
 
-def describe(claim: Claim | None, now: float | None = None) -> str:
+def describe(claim: Claim | None) -> str:
     """One line about who holds a run, for `mingpt-snapshot list`."""
     if claim is None:
         return "no job has claimed this run"
     r = claim.record
-    state = "released" if r.get("released") else f"last renewed {(now or time.time()) - float(r.get('renewed', 0)):.0f} s ago"
+    state = "released" if r.get("released") else f"last renewed at {_when(r.get('renewed'))} by that host's clock"
     return f"claimed by job {r.get('job')} on host {r.get('host')} (generation {claim.generation}), {state}"
 
 
@@ -288,11 +348,33 @@ def _start_time(pid: int) -> int:
         return 0
 
 
-def _alive(pid, start) -> bool:
+def _alive(pid: int, start: int) -> bool:
+    if pid <= 0:
+        return False  # kill(0) or kill(-n) would ask about process groups, not this process
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, TypeError, ValueError):
+    except (PermissionError, OverflowError):
         return True  # exists, owned by someone else; or we cannot tell: assume alive
-    return not start or _start_time(int(pid)) == start
+    return not start or _start_time(pid) == start
+
+
+def _processes(record: dict) -> list[tuple[int, int]]:
+    """The (pid, start time) pairs a claim names; whatever else its "pids" holds is ignored."""
+    entries = record.get("pids")
+    return [(pid, start) for pid, start in (entry for entry in entries if isinstance(entry, list) and len(entry) == 2)
+            if isinstance(pid, int) and isinstance(start, int)] if isinstance(entries, list) else []
+
+
+def _pids(record: dict) -> str:
+    return ", ".join(str(pid) for pid, _ in _processes(record))
+
+
+def _timeout_of(record: dict, default: float) -> float:
+    """The holder's lease timeout, as its claim says, within sane bounds (a claim file may be hand-edited)."""
+    try:
+        timeout = float(record.get("timeout_s", default))
+    except (TypeError, ValueError):
+        return default
+    return min(timeout, max(default, _MAX_WATCH_S)) if timeout >= 1 else default

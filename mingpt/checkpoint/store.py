@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from mingpt.errors import MinGPTError
-from mingpt.checkpoint.lease import RunLease
+from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.model import GPTConfig
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, explain_storage_error, open_exclusive, sync_folder
@@ -178,6 +178,7 @@ class SnapshotStore:
         self.run, self.keep = run, keep
         self.fs, self.path, self.url, self.local = run.fs, run.path, run.url, run.local
         self.lease: RunLease | None = None  # set by `claim`; saving then checks it still holds the run
+        self._claimed_after = -1  # the newest step committed when this process claimed the run
         self._good: set[tuple[str, str]] = set()  # snapshots verified or written by this process
 
     def url_of(self, name: str) -> str:
@@ -198,14 +199,21 @@ class SnapshotStore:
         """Become the one writer of this run (see mingpt.checkpoint.lease), renewing the claim in the background."""
         lease = RunLease(self.run, timeout_s)
         try:
-            lease.acquire()
+            lease.acquire(self._last_commit)
         except MinGPTError:
             raise
         except Exception as e:
             raise SnapshotError(f"cannot claim {self.url}: {explain_storage_error(e, self.local)}") from None
         lease.keep_alive()
         self.lease = lease
+        last = self._last_commit()
+        self._claimed_after = step_of(last[0]) if last else -1
         return lease
+
+    def _last_commit(self) -> tuple[str, dict | None] | None:
+        """The newest commit's folder name and the writer its manifest names."""
+        committed = self.committed()
+        return (committed[-1].name, committed[-1].manifest.get("writer")) if committed else None
 
     # -- listing -------------------------------------------------------------------------------
 
@@ -272,6 +280,8 @@ class SnapshotStore:
             manifest = json.loads(self.fs.cat_file(path))
         except FileNotFoundError:
             return None, None
+        except NotADirectoryError:
+            return None, "not a folder"
         except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
             return None, f"{MANIFEST} is not valid JSON"
         problem = manifest_problem(manifest, step_of(name))
@@ -335,6 +345,7 @@ class SnapshotStore:
         if manifest is not None:
             snapshot = Snapshot(self, name, manifest)
             if self._is_good(snapshot, thorough=True):
+                self._check_ours(snapshot)
                 log.info("snapshot %s is already committed; keeping it", snapshot.url)
                 return snapshot
             problem = "its files do not match its manifest"
@@ -354,8 +365,26 @@ class SnapshotStore:
         except FileExistsError:
             if self.fs.cat_file(path) == manifest:
                 return  # our own PUT, retried after a cut connection
-            raise SnapshotError(f"{self.url_of(name)} was committed by another writer meanwhile; keeping theirs") \
-                from None
+            self._another_writer(self.url_of(name), "another writer")
+
+    def _check_ours(self, snapshot: Snapshot) -> None:
+        """A commit of a step this job is saving is kept only where this job wrote it, or where it was there
+        before this job claimed the run (the snapshot it resumed from). Any other is another job's work: this
+        job writes nowhere near it, and stops."""
+        if self.lease is None or snapshot.step <= self._claimed_after:
+            return
+        writer = snapshot.manifest.get("writer")
+        if not isinstance(writer, dict) or writer.get("job") != self.lease.job:
+            who = f"job {writer.get('job')} (generation {writer.get('generation')})" if isinstance(writer, dict) \
+                else "an unknown writer"
+            self._another_writer(snapshot.url, who)
+
+    def _another_writer(self, url: str, who: str) -> None:
+        if self.lease is not None:
+            self.lease.lost = True
+        raise LeaseLostError(f"{url} was committed by {who}, not by this job: another job writes to {self.url}. "
+                             "This job stops without writing or deleting anything there; give one of the two "
+                             "jobs another snapshot.dir")
 
     def _fence(self) -> None:
         if self.lease is not None:

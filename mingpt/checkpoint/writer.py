@@ -6,6 +6,7 @@ import logging
 import threading
 from typing import Any
 
+from mingpt.checkpoint.lease import LeaseLostError
 from mingpt.checkpoint.store import SnapshotError, SnapshotStore
 from mingpt.storage import explain_storage_error
 
@@ -63,6 +64,8 @@ class SnapshotWriter:
         try:
             self.store.save(step, tensors, files, info)
             self.failures = 0
+        except LeaseLostError as e:  # not a storage failure: the trainer stops the job at the next step
+            log.error("%s", e)
         except Exception as e:
             self.failures += 1
             self.last_error = explain_storage_error(e, self.store.local)

@@ -162,7 +162,9 @@ class Checkpointer:
         "done" when it was not. Every process learns the outcome, so all exit alike."""
         self.writer.wait()
         failed = float(self.world.is_leader and self.writer.failures > 0)
-        if distributed.all_reduce_sum([failed], self.world)[0]:
+        failed, lost = distributed.all_reduce_sum([failed, float(self.problems()[1])], self.world)
+        self.stop_on(0.0, lost)
+        if failed:
             self.writer.check(final=True)
             raise SnapshotError("the process writing snapshots could not write the last one; see its log")
 
