@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from mingpt.training.config import Config, validate
+from mingpt.training.config import Config, from_hydra, validate
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "train" / "main.py")
@@ -47,7 +46,7 @@ def config(*overrides: str) -> Config:
         spec.loader.exec_module(sys.modules.setdefault("mingpt_train_app", importlib.util.module_from_spec(spec)))
     with initialize_config_dir(config_dir=str(REPO / "train" / "conf"), version_base="1.3"):
         raw = compose(config_name="config", overrides=list(overrides))
-    cfg = OmegaConf.to_object(raw)
+    cfg = from_hydra(raw)
     validate(cfg)
     return cfg
 
@@ -84,6 +83,7 @@ def port_listens(port: int) -> bool:
 
 
 def env() -> dict:
+    """The environment of the processes the tests start."""
     e = dict(os.environ)
     # Launched as users type it: mingpt-torchrun sets what torchrun needs, nothing here does.
     e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
@@ -93,6 +93,9 @@ def env() -> dict:
     return e
 
 
+default_env = env  # for Processes.start, whose parameter is named env
+
+
 class Processes:
     """Starts commands in new sessions, logging each to a file; ends them all on close."""
 
@@ -100,10 +103,11 @@ class Processes:
         self.workdir = workdir
         self.started: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], name: str, cwd: Path | None = None) -> subprocess.Popen:
+    def start(self, args: list[str], name: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.Popen:
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(args, cwd=cwd or self.workdir, env=env(), stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(args, cwd=cwd or self.workdir, env=env or default_env(), stdout=log,
+                                    stderr=subprocess.STDOUT,
                                     start_new_session=True)
         proc.log_path = log_path
         self.started.append(proc)

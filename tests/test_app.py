@@ -49,6 +49,11 @@ def one_line(error: BaseException) -> str:
         ("seed=-1", ["seed must be an integer in [0, "]),
         (f"seed={2**63}", ["seed must be an integer in [0, "]),
         ("snapshot.lease_timeout_s=0", ["snapshot.lease_timeout_s must be"]),
+        # Hydra's `+` adds keys the schema lacks; misspelt, they would be ignored.
+        ("+trainer.max_step=50", ["unknown setting trainer.max_step (did you mean trainer.max_steps?)"]),
+        ("+snapshot.every_n=5", ["unknown setting snapshot.every_n (did you mean snapshot.every?)"]),
+        ("+zzz=1", ["unknown setting zzz:"]),
+        ("++model.n_layers=3", ["unknown setting model.n_layers (did you mean model.n_layer?)"]),
     ],
 )
 def test_bad_config_is_refused_naming_the_key(override, words):

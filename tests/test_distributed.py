@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from mingpt.training import distributed
+from launch import free_port, train_here
 from mingpt.errors import ConfigError
+from mingpt.training import distributed
 
 
 def test_more_workers_than_gpus_is_a_clear_error(monkeypatch):
@@ -28,3 +29,49 @@ def test_each_worker_takes_the_gpu_of_its_local_rank(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     world = distributed.start(timeout_s=5)
     assert world.device == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
+
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.parametrize("variables, words", [
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 with WORLD_SIZE=1: a rank must be below the world size"),
+    ({"RANK": "-1"}, "RANK=-1 must be at least 0"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 with LOCAL_WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "WORLD_SIZE=2 but MASTER_ADDR is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE=2 but MASTER_PORT is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"},
+     "MASTER_PORT=70000 is not a TCP port"),
+])
+def test_inconsistent_launcher_variables_are_one_line_each(monkeypatch, variables, words):
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as refused:
+        distributed.check_launch()
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_worker_whose_peers_never_come_says_what_it_waits_for_and_stops(caplog):
+    """WORLD_SIZE=2 and no second process: one line says what this process waits for, then one error."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        with caplog.at_level("INFO", logger="mingpt"), pytest.raises(ConfigError) as refused:
+            distributed.start(timeout_s=2)
+    assert f"rank 0 of 2: joining the process group at 127.0.0.1:{env['MASTER_PORT']}, waiting up to 2 s" in caplog.text
+    assert "the other processes did not join the process group" in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_launch_is_checked_before_the_lease_or_any_data_work(tmp_path, monkeypatch):
+    """RANK=1 WORLD_SIZE=1 used to train on and end in a false "loss is nan"."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="RANK=1 with WORLD_SIZE=1"):
+        train_here(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no snapshot folder, no claim, no prepared data

@@ -13,12 +13,12 @@ import sys
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mingpt.errors import MinGPTError
 from mingpt.model import PRESETS
 from mingpt.storage import redact
-from mingpt.training.config import Config, ModelConfig, validate
+from mingpt.training.config import Config, ModelConfig, from_hydra, validate
 from mingpt.training.distributed import leads_this_generation
 from mingpt.training.trainer import train
 
@@ -37,7 +37,7 @@ def main(raw: DictConfig) -> None:
     if leads_this_generation():
         log.setLevel(logging.INFO)
     try:
-        cfg: Config = OmegaConf.to_object(raw)
+        cfg: Config = from_hydra(raw)
         validate(cfg)
         train(cfg)
     except MinGPTError as e:

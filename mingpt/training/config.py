@@ -7,9 +7,12 @@ group or data work starts.
 
 from __future__ import annotations
 
+import difflib
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional, get_type_hints
+
+from omegaconf import DictConfig, OmegaConf
 
 from mingpt.data.prepare import PrepareConfig
 from mingpt.errors import ConfigError
@@ -110,6 +113,31 @@ MAX_SEED = 2**63 - 1
 # Every float setting. `inf` and `nan` pass many range checks (inf > 0), and would reach the optimizer.
 FLOAT_KEYS = ("model.dropout", "data.val_fraction", "trainer.lr", "trainer.min_lr_ratio", "trainer.weight_decay",
               "trainer.beta1", "trainer.beta2", "trainer.grad_clip")
+
+
+def from_hydra(raw: DictConfig) -> Config:
+    """The typed Config of what Hydra composed. Hydra's `+key=value` adds keys the schema lacks (its own
+    error for a misspelt key suggests it), and they would be silently ignored: each is an error here."""
+    unknown = unknown_keys(OmegaConf.to_container(raw, resolve=False), Config)
+    if unknown:
+        key, close = unknown[0]
+        hint = f" (did you mean {close}?)" if close else ""
+        raise ConfigError(f"unknown setting {key}{hint}: `python train/main.py --cfg job` lists every setting")
+    return OmegaConf.to_object(raw)
+
+
+def unknown_keys(data: dict, schema: type, prefix: str = "") -> list[tuple[str, str | None]]:
+    """(dotted key, the closest known key or None) for every key of `data` that the dataclass `schema` lacks."""
+    hints = get_type_hints(schema)
+    known = {f.name for f in fields(schema)}
+    found = []
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            found.append((f"{prefix}{key}", f"{prefix}{close[0]}" if close else None))
+        elif is_dataclass(hints[key]) and isinstance(value, dict):
+            found += unknown_keys(value, hints[key], f"{prefix}{key}.")
+    return found
 
 
 def validate(cfg: Config) -> None:

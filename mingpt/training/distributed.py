@@ -41,29 +41,88 @@ class World:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher (torchrun, SLURM, a hand-made environment) says about this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def check_launch() -> Launch:
+    """Read RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* and refuse inconsistent values with one line each,
+    before the lease or any data work: a wrong value otherwise surfaces much later, as a hang or a
+    misleading error. Unset means a single process."""
+    world_size = _env_int("WORLD_SIZE", 1, minimum=1)
+    rank = _env_int("RANK", 0, minimum=0)
+    local_rank = _env_int("LOCAL_RANK", 0, minimum=0)
+    if rank >= world_size:
+        raise ConfigError(f"RANK={rank} with WORLD_SIZE={world_size}: a rank must be below the world size. "
+                          "Let torchrun set both (or set WORLD_SIZE to the number of processes, RANK to 0 .. WORLD_SIZE-1)")
+    local_size = _env_int("LOCAL_WORLD_SIZE", local_rank + 1, minimum=1)  # torchrun sets it; by hand, often not
+    if local_rank >= local_size:
+        raise ConfigError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_size}: a local rank must be below "
+                          "the number of processes on this node. Let torchrun set both")
+    if world_size > 1:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(name, "").strip():
+                raise ConfigError(f"WORLD_SIZE={world_size} but {name} is not set: start several processes with "
+                                  "torchrun (or mingpt-torchrun), which sets it")
+        port = _env_int("MASTER_PORT", 0, minimum=1)
+        if port > 65535:
+            raise ConfigError(f"MASTER_PORT={port} is not a TCP port: use one in 1-65535")
+    return Launch(rank=rank, world_size=world_size, local_rank=local_rank)
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not an integer: it is set by torchrun; unset it or fix the launch") \
+            from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be at least {minimum}: it is set by torchrun; unset it or fix the launch")
+    return value
+
+
 def start(timeout_s: float) -> World:
     """Join the process group torchrun describes (if any): NCCL on GPUs, gloo on CPUs.
 
     The finite timeout turns a hung collective (a peer that died mid-step) into an error,
     which torchrun answers by restarting the workers.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    launch = check_launch()
     if torch.cuda.is_available():
-        device = torch.device("cuda", gpu_of(local_rank))
+        device = torch.device("cuda", gpu_of(launch.local_rank))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1 and "MASTER_ADDR" not in os.environ:
-        raise ConfigError(f"WORLD_SIZE={world_size} but no MASTER_ADDR: start several processes with torchrun, "
-                          "which sets both")
-    if world_size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        device_id = device if device.type == "cuda" else None
+    if launch.world_size > 1:
+        _join(launch, device, timeout_s)
+    return World(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank, device=device)
+
+
+def _join(launch: Launch, device: torch.device, timeout_s: float) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    # Under torchrun the peers were started together and the wait is short; in an environment made by
+    # hand a missing peer would otherwise make this process wait silently for the whole timeout.
+    say = log.info if os.environ.get("TORCHELASTIC_RUN_ID") else log.warning
+    say("rank %d of %d: joining the process group at %s, waiting up to %.0f s (trainer.dist_timeout_s) for the "
+        "other %d process(es)", launch.rank, launch.world_size, address, timeout_s, launch.world_size - 1)
+    device_id = device if device.type == "cuda" else None
+    try:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
-        log.debug("joined process group: rank %d of %d, %s on %s", rank, world_size, backend, device)
-    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    except dist.DistStoreError as e:
+        raise ConfigError(f"rank {launch.rank} of {launch.world_size}: the other processes did not join the process "
+                          f"group at {address} within {timeout_s:.0f} s (trainer.dist_timeout_s): start all "
+                          f"WORLD_SIZE processes, or check MASTER_ADDR and MASTER_PORT ({str(e).splitlines()[0]})") \
+            from None
+    log.debug("joined process group: rank %d of %d, %s on %s", launch.rank, launch.world_size, backend, device)
 
 
 def check_store_sharing() -> None:

@@ -73,7 +73,8 @@ class StopFlag:
 
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
-    distributed.check_store_sharing()  # first: a launch that would deadlock fails before any work
+    distributed.check_launch()  # first: a launch that is inconsistent or would deadlock fails before any work
+    distributed.check_store_sharing()
     store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     # The leader of this generation claims the run before any data work: a second job started
