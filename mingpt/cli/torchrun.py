@@ -2,25 +2,112 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import socket
 import sys
+import time
 
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.utils import (
+    _matches_machine_hostname, _parse_rendezvous_config, parse_rendezvous_endpoint)
 
+from mingpt.cli import run_command
+from mingpt.errors import ConfigError
 from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf
 
+C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv-endpoint names none
+CHECK = "check with `nc -zv {host} {port}` from this node (README: Multinode troubleshooting)"
 
-def main(argv: list[str] | None = None) -> None:
+
+def main(argv: list[str] | None = None) -> int:
     """`mingpt-torchrun`: torchrun with the same arguments, the agents' store sharing off (unless the
     user set the variable) and quick rendezvous settings (merged under the user's `--rdzv-conf`)."""
     args = run.parse_args(argv)  # torchrun's own parser: the same options, the same errors
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
+    status = run_command(lambda: check_launch(args))
+    if status:
+        return status
     os.environ.setdefault(STORE_SHARING, "1")
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
           file=sys.stderr, flush=True)
     record(run.run)(args)
+    return 0
+
+
+def check_launch(args: argparse.Namespace) -> None:
+    """Refuse in one line what torchrun refuses with a traceback (node and worker counts), or only after a
+    minute and two tracebacks (a rendezvous endpoint it cannot resolve or reach)."""
+    check_nnodes(args.nnodes)
+    check_nproc_per_node(args.nproc_per_node)
+    if args.rdzv_backend == "c10d" and not args.standalone:  # --standalone makes its own store on localhost
+        check_endpoint(args.rdzv_endpoint, args.rdzv_conf)
+
+
+def check_nnodes(value: str) -> None:
+    try:  # torch's own reading: N or MIN:MAX
+        low, high = run.parse_min_max_nnodes(value)
+    except (ValueError, RuntimeError):  # not numbers; more than two of them
+        low = high = 0
+    if not 1 <= low <= high:
+        raise ConfigError(f"--nnodes={value}: give a number of nodes of at least 1, or MIN:MAX with "
+                          "1 <= MIN <= MAX (e.g. --nnodes=1:4)")
+
+
+def check_nproc_per_node(value: str) -> None:
+    try:  # torch's own reading: a number, cpu, gpu, xpu or auto, the device count where there is one
+        count, reason = run.determine_local_world_size(value), ""
+    except ValueError as e:  # "Unsupported nproc_per_node value: x", "Cuda is not available."
+        count, reason = 0, f" ({e})"
+    if count < 1:
+        raise ConfigError(f"--nproc-per-node={value}{reason}: give a number of workers of at least 1, or cpu, "
+                          "gpu or auto (one worker per CPU or GPU of this node)")
+
+
+def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
+    """The c10d store at `endpoint` resolves, and unless this node hosts it, accepts a connection.
+
+    A node may start before the store's host: it is given as long as torch's own store client waits
+    (the rendezvous `read_timeout`, 60 s unless --rdzv-conf sets it), so this check never gives up
+    sooner than torchrun would, and ends what would fail anyway in one line instead of two tracebacks."""
+    try:
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_PORT)
+        params = RendezvousParameters("c10d", endpoint, "check", 1, 1, **_parse_rendezvous_config(rdzv_conf))
+        is_host, wait_s = params.get_as_bool("is_host"), params.get_as_int("read_timeout", 60)
+        if wait_s < 1:
+            raise ValueError(f"The read timeout must be a positive integer, got {wait_s}.")
+    except ValueError as e:  # torch's messages name the port or the option
+        raise ConfigError(f"{str(e).rstrip('.')}; fix --rdzv-endpoint or --rdzv-conf") from None
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:  # socket.gaierror: unknown name, or no DNS to ask
+        raise ConfigError(f"--rdzv-endpoint={endpoint}: cannot resolve {host!r} ({e.strerror}); give the name or "
+                          f"address of the store's host as this node knows it; " + CHECK.format(host=host, port=port)
+                          ) from None
+    if is_host if is_host is not None else _is_this_machine(host):
+        return  # this agent hosts the store, as torch decides it (or joins one that already listens here)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5, wait_s)).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"--rdzv-endpoint={endpoint}: no rendezvous store answers at {host}:{port} after {wait_s} s "
+                    f"({e.strerror or e}); start the store there first (mingpt-rendezvous --port {port}, or the "
+                    f"node named in --rdzv-endpoint), and " + CHECK.format(host=host, port=port)) from None
+            time.sleep(1)
+
+
+def _is_this_machine(host: str) -> bool:
+    try:
+        return _matches_machine_hostname(host)  # torch's own test, so that both agree on who hosts the store
+    except OSError:  # this machine's own name does not resolve: torch's test fails, so the store is elsewhere
+        return False
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

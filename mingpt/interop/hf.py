@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import re
+import warnings
 
 import torch
 
@@ -25,9 +27,11 @@ from mingpt.checkpoint.load import open_model
 from mingpt.errors import ConfigError, MinGPTError
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import explain_storage_error, open_fs, redact
+from mingpt.tokenizers.files import NotReadable, json_object, read_file
 from mingpt.tokenizers.huggingface import tokenizer_files
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+SHAPE_KEYS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 # HF's Conv1D layers store (in, out); nn.Linear stores (out, in).
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -44,13 +48,19 @@ def is_hf_model(url: str) -> bool:
 def hf_model_config(url: str, block_size: int) -> GPTConfig:
     """The GPTConfig of a Hugging Face GPT-2 folder, for training on `block_size`-token windows."""
     fs, path = _fs(url)
-    config = json.loads(fs.cat_file(f"{path}/config.json"))
+    config = read_file(fs, f"{path}/config.json", json_object, error=ConfigError,
+                       advice=f"model.init_from={url} must be a Hugging Face GPT-2 folder, as save_pretrained "
+                              "writes it; download or copy it again")
     if config.get("model_type") != "gpt2":
         raise ConfigError(f"model.init_from={url}: config.json says model_type {config.get('model_type')!r}; "
                           "only GPT-2 (gpt2) folders load")
     if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"model.init_from={url}: activation {config['activation_function']!r}; this GPT uses "
                           "GPT-2's tanh GELU (gelu_new)")
+    missing = [key for key in SHAPE_KEYS if not isinstance(config.get(key), int)]
+    if missing:
+        raise ConfigError(f"model.init_from={url}: config.json gives no whole number for {', '.join(missing)}; "
+                          "give a GPT-2 config.json, as save_pretrained writes it")
     if block_size > config["n_positions"]:
         raise ConfigError(f"data.block_size={block_size} exceeds the {config['n_positions']} positions of "
                           f"model.init_from={url}; use a block_size up to {config['n_positions']}")
@@ -60,30 +70,46 @@ def hf_model_config(url: str, block_size: int) -> GPTConfig:
 
 
 def load_hf_weights(url: str, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """The state dict of a Hugging Face GPT-2 folder in mingpt.model's names, its position table cropped to
-    `config.block_size`."""
+    """The state dict of a Hugging Face GPT-2 folder in mingpt.model's names (not yet checked against `config`:
+    see mingpt.interop.pretrained)."""
     fs, path = _fs(url)
     name = next((n for n in WEIGHT_FILES if fs.exists(f"{path}/{n}")), None)
     if name is None:
         raise ConfigError(f"model.init_from={url} has config.json but no weights ({' or '.join(WEIGHT_FILES)})")
-    data = fs.cat_file(f"{path}/{name}")
-    if name.endswith(".safetensors"):
-        from safetensors.torch import load
-
-        tensors = load(data)
-    else:
-        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    parse = _safetensors if name.endswith(".safetensors") else _weights_only
+    tensors = read_file(fs, f"{path}/{name}", parse, error=ConfigError,
+                        advice="download the folder again, or give its weights as model.safetensors")
     state = {}
     for key, tensor in tensors.items():
         key = re.sub(r"^h\.(\d+)\.", r"blocks.\1.", key.removeprefix("transformer."))
         if key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers of older checkpoints
             continue
         state[key] = tensor.t() if key.endswith(CONV1D) else tensor
-    state["wpe.weight"] = state["wpe.weight"][: config.block_size]
-    if config.tie_weights:
+    if config.tie_weights and "wte.weight" in state:
         state.pop("lm_head.weight", None)
         state["lm_head.weight"] = state["wte.weight"]
     return state
+
+
+def _safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(data)
+
+
+def _weights_only(data: bytes) -> dict[str, torch.Tensor]:
+    """A torch.save file of tensors alone. Anything else is refused: unpickling it could run its code
+    (torch's own message suggests weights_only=False, which would do just that)."""
+    try:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
+            warnings.simplefilter("ignore")
+            tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise NotReadable("not tensors alone: a pickle of other Python objects, or damaged; unpickling "
+                          "those could run code, so mingpt never does") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise NotReadable("holds other things than a dict of named tensors")
+    return tensors
 
 
 def hf_files(model: GPT, eot_id: int | None) -> dict[str, bytes]:

@@ -18,7 +18,7 @@ from mingpt.checkpoint.load import open_snapshot
 from mingpt.checkpoint.store import SnapshotError
 from mingpt.errors import ConfigError
 from mingpt.interop import hf
-from mingpt.model import GPTConfig
+from mingpt.model import GPT, GPTConfig
 
 
 @dataclass
@@ -37,7 +37,7 @@ def open_pretrained(url: str, block_size: int) -> Pretrained:
     """What `model.init_from=url` names, checked before any data work; the weights are read by `load`."""
     if hf.is_hf_model(url):
         config = hf.hf_model_config(url, block_size)
-        return Pretrained(url, config, url, lambda: hf.load_hf_weights(url, config))
+        return Pretrained(url, config, url, lambda: _fit(url, hf.load_hf_weights(url, config), config))
     try:
         snapshot = open_snapshot(url)
     except (SnapshotError, OSError):
@@ -48,10 +48,29 @@ def open_pretrained(url: str, block_size: int) -> Pretrained:
         raise ConfigError(f"data.block_size={block_size} exceeds the block_size {saved.block_size} of "
                           f"model.init_from={url}; use a block_size up to {saved.block_size}")
     config = replace(saved, block_size=block_size)
+    return Pretrained(snapshot.url, config, snapshot.url, lambda: _fit(url, snapshot.load_tensors("model.pt"), config))
 
-    def load() -> dict[str, torch.Tensor]:
-        state = snapshot.load_tensors("model.pt")
-        state["wpe.weight"] = state["wpe.weight"][:block_size]
-        return state
 
-    return Pretrained(snapshot.url, config, snapshot.url, load)
+def _fit(url: str, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """`state` with its position table cropped to `config.block_size`, once its names and shapes are those of
+    a GPT of `config`: weights that do not match their own config are one line, not load_state_dict's dump."""
+    if "wpe.weight" in state:
+        state["wpe.weight"] = state["wpe.weight"][: config.block_size]
+    with torch.device("meta"):  # the names and shapes alone, no memory
+        expected = {name: tuple(t.shape) for name, t in GPT(config).state_dict().items()}
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    misshapen = [f"{name} {tuple(state[name].shape)}, not {shape}" for name, shape in expected.items()
+                 if name in state and tuple(state[name].shape) != shape]
+    problems = [f"{what} {_some(names)}" for what, names in
+                (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)) if names]
+    if problems:
+        c = config
+        raise ConfigError(f"model.init_from={url}: the weights do not fit its config ({c.n_layer} layers, "
+                          f"{c.n_head} heads, {c.n_embd} wide, vocab {c.vocab_size}): {'; '.join(problems)}; "
+                          "give a folder whose config and weights belong together")
+    return state
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

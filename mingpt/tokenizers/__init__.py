@@ -15,10 +15,7 @@ without one.)
 from __future__ import annotations
 
 import base64
-import json
 from typing import Iterable
-
-import fsspec
 
 from mingpt.errors import TokenizerError
 from mingpt.storage import open_fs
@@ -26,6 +23,7 @@ from mingpt.tokenizers import huggingface
 from mingpt.tokenizers.base import EOT, FORMAT, FORMAT_VERSION, KINDS, Tokenizer
 from mingpt.tokenizers.bpe import BPETokenizer, TiktokenTokenizer, check_bpe_vocab_size
 from mingpt.tokenizers.char import CharTokenizer
+from mingpt.tokenizers.files import json_object, read_file
 
 __all__ = ["EOT", "Tokenizer", "CharTokenizer", "BPETokenizer", "TiktokenTokenizer", "check_bpe_vocab_size",
            "is_path", "train_tokenizer", "tokenizer_from_dict", "load_tokenizer", "load_tokenizer_folder"]
@@ -75,13 +73,11 @@ def tokenizer_from_dict(payload: dict) -> Tokenizer:
 
 def load_tokenizer(path: str) -> Tokenizer:
     """Load a tokenizer saved with `Tokenizer.save` from a local path or fsspec URL."""
+    fs, file = open_fs(path)
     try:
-        with fsspec.open(path, "r", encoding="utf-8") as f:
-            payload = json.load(f)
+        payload = read_file(fs, file, json_object, "the tokenizer file is damaged; prepare the data again")
     except FileNotFoundError:
         raise TokenizerError(f"tokenizer file {path} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"tokenizer file {path} is damaged (not valid JSON: {e}); prepare the data again") from None
     return tokenizer_from_dict(payload)
 
 
@@ -93,7 +89,7 @@ def load_tokenizer_folder(url: str) -> Tokenizer:
     if fs.isfile(path):  # a tokenizer.json named itself
         path = path.rpartition("/")[0]
     if fs.exists(f"{path}/tokenizer.json"):
-        payload = json.loads(fs.cat_file(f"{path}/tokenizer.json"))
+        payload = read_file(fs, f"{path}/tokenizer.json", json_object)
         if payload.get("format") == FORMAT:
             return tokenizer_from_dict(payload)
         return huggingface.from_tokenizer_json(payload, url)

@@ -17,6 +17,7 @@ from mingpt.errors import TokenizerError
 from mingpt.tokenizers.base import EOT, Tokenizer
 from mingpt.tokenizers.bpe import BPETokenizer, TiktokenTokenizer
 from mingpt.tokenizers.char import CharTokenizer
+from mingpt.tokenizers.files import json_object, read_file
 
 # GPT-2's pre-tokenizer: what HF's ByteLevel(use_regex=True) splits words with.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -33,12 +34,17 @@ def byte_to_unicode() -> dict[int, str]:
 def from_vocab_and_merges(fs, path: str, url: str) -> BPETokenizer:
     """GPT-2's slow tokenizer files (vocab.json + merges.txt) in folder `path` of `fs`, as a tiktoken encoding."""
     if fs.exists(f"{path}/vocab.json") and fs.exists(f"{path}/merges.txt"):
-        vocab = json.loads(fs.cat_file(f"{path}/vocab.json"))
-        lines = fs.cat_file(f"{path}/merges.txt").decode("utf-8").splitlines()
-        merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+        vocab = read_file(fs, f"{path}/vocab.json", json_object)
+        merges = read_file(fs, f"{path}/merges.txt", _merges)
         added = {token: vocab.pop(token) for token in list(vocab) if token == EOT}
         return _to_bpe(vocab, merges, GPT2_PATTERN, added, url)
     raise TokenizerError(f"{url} holds no tokenizer: expected tokenizer.json, or vocab.json and merges.txt")
+
+
+def _merges(data: bytes) -> list[tuple[str, ...]]:
+    """merges.txt: a pair of tokens a line, after an optional '#version' line."""
+    lines = data.decode("utf-8").splitlines()
+    return [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
 
 
 def from_tokenizer_json(payload: dict, url: str) -> Tokenizer:
@@ -85,6 +91,12 @@ def _to_bpe(vocab: dict[str, int], merges: list, pattern: str, added: dict[str, 
     except KeyError:
         raise TokenizerError(f"{url}: not a byte-level vocabulary (a token has a character outside GPT-2's "
                              "byte alphabet)") from None
+    # Each token of several bytes is made by one merge of two: fewer merges, a truncated file.
+    several = sum(len(token) > 1 for token in ranks)
+    if any(len(pair) != 2 or "" in pair for pair in merges) or len(merges) != several:
+        raise TokenizerError(f"{url}: {len(merges)} merges for {several} tokens of several bytes, where each is "
+                             "one merge of a pair: the merges are truncated or of another vocabulary; download or "
+                             "copy the folder again")
     ordered = sorted(ranks, key=ranks.get)
     merged = [vocab.get(a + b) for a, b in merges]
     if [ranks[t] for t in ordered] != list(range(len(ordered))) or None in merged or merged != sorted(merged):

@@ -1,0 +1,211 @@
+"""Bad input from outside is one line and exit 2, never a traceback: Hugging Face model and tokenizer
+folders that are truncated, garbage, mismatched or pickles (model.init_from, data.tokenizer), and
+mingpt-torchrun's node counts and rendezvous endpoint. Every bad file here is a real file on disk."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from conftest import TEXT
+from launch import BIN, MAIN, env, train_here
+from mingpt.cli import prepare, torchrun
+from mingpt.errors import MinGPTError, TokenizerError
+from mingpt.interop import hf
+from mingpt.interop.pretrained import open_pretrained
+from mingpt.model import GPT, GPTConfig
+from mingpt.tokenizers import BPETokenizer, CharTokenizer, huggingface, load_tokenizer_folder
+
+MARKER = "UNPICKLED-AND-RAN-CODE"
+
+
+class RunsCode:
+    """What a malicious pytorch_model.bin holds: unpickling it calls print (harmless here, visible)."""
+
+    def __reduce__(self):
+        return print, (MARKER,)
+
+
+def one_line(text: str) -> str:
+    assert "Traceback" not in text and text.count("\n") <= 1, text
+    return text.strip()
+
+
+def gpt2_folder(path, vocab_size: int, n_layer: int = 2):
+    """A GPT-2 folder as mingpt-export writes it (which transformers loads: see test_hf.py)."""
+    path.mkdir()
+    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=32, n_layer=n_layer, n_head=2, n_embd=32, bias=True))
+    for name, data in hf.hf_files(model, eot_id=None).items():
+        (path / name).write_bytes(data)
+    return path
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def truncate(path, keep: float = 0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def a_pickle_that_runs_code(folder):
+    (folder / "model.safetensors").unlink()
+    torch.save({"wte.weight": torch.zeros(3), "payload": RunsCode()}, folder / "pytorch_model.bin")
+
+
+BAD_MODEL_FOLDERS = {
+    "config.json is not JSON": (lambda f: truncate(f / "config.json"), "config.json (JSONDecodeError"),
+    "config.json is not an object": (lambda f: (f / "config.json").write_text("[1, 2]"), "a JSON list, not an object"),
+    "config.json lacks a size": (lambda f: edit_config(f, n_layer=None), "no whole number for n_layer"),
+    "truncated safetensors": (lambda f: truncate(f / "model.safetensors"), "model.safetensors (SafetensorError"),
+    "garbage safetensors": (lambda f: (f / "model.safetensors").write_bytes(b"\x07" * 100), "model.safetensors"),
+    "more layers in config.json": (lambda f: edit_config(f, n_layer=3), "missing blocks.2."),
+    "other widths in config.json": (lambda f: edit_config(f, n_embd=64), "misshapen wte.weight (50, 32), not (50, 64)"),
+    "a pickle that runs code": (a_pickle_that_runs_code, "pytorch_model.bin (not tensors alone"),
+}
+
+
+@pytest.mark.parametrize("damage", BAD_MODEL_FOLDERS)
+def test_a_bad_init_from_folder_is_one_line_naming_what_is_wrong(tmp_path, capsys, damage):
+    spoil, expected = BAD_MODEL_FOLDERS[damage]
+    folder = gpt2_folder(tmp_path / "gpt2", vocab_size=50)
+    spoil(folder)
+    with pytest.raises(MinGPTError) as raised:
+        open_pretrained(str(folder), 16).load()  # what the trainer calls: the config first, the weights at start
+    assert expected in one_line(str(raised.value))
+    assert MARKER not in capsys.readouterr().out
+
+
+def test_the_trainer_refuses_a_pickle_in_init_from_without_running_it(tmp_path, capsys):
+    """In the trainer, after its tokenizer prepared the data, the weights are refused, never unpickled."""
+    tokenizer = CharTokenizer.train(TEXT)
+    folder = gpt2_folder(tmp_path / "gpt2", vocab_size=tokenizer.vocab_size)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    a_pickle_that_runs_code(folder)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    with pytest.raises(MinGPTError, match="unpickling those could run code") as raised:
+        train_here(tmp_path, f"model.init_from={folder}", f"data.corpus={tmp_path / 'corpus.txt'}")
+    one_line(str(raised.value))
+    assert MARKER not in capsys.readouterr().out
+
+
+def test_train_main_exits_2_on_a_config_json_that_is_not_json(tmp_path):
+    folder = gpt2_folder(tmp_path / "gpt2", vocab_size=50)
+    truncate(folder / "config.json")
+    done = subprocess.run([sys.executable, MAIN, f"model.init_from={folder}", f"snapshot.dir={tmp_path / 'snap'}"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line or "Traceback" in line]
+    assert len(errors) == 1 and "config.json (JSONDecodeError" in errors[0], done.stderr
+
+
+def hf_tokenizer_folder(path):
+    """tokenizer.json, vocab.json and merges.txt of a byte-level BPE with GPT-2's split pattern."""
+    path.mkdir()
+    trained = BPETokenizer.train(TEXT, 300)
+    for name, data in huggingface.tokenizer_files(BPETokenizer(huggingface.GPT2_PATTERN, trained.ranks),
+                                                  max_length=64).items():
+        (path / name).write_bytes(data)
+    return path
+
+
+def cut_merges_mid_line(folder):
+    data = (folder / "merges.txt").read_bytes().rstrip(b"\n")
+    (folder / "merges.txt").write_bytes(data[: data.rindex(b" ") + 1])  # the last line is one token
+
+
+def cut_merges_at_a_line(folder):
+    lines = (folder / "merges.txt").read_text().splitlines(keepends=True)
+    (folder / "merges.txt").write_text("".join(lines[: len(lines) // 2]))
+
+
+def slow_files_only(folder):
+    (folder / "tokenizer.json").unlink()
+
+
+def mingpt_tokenizer_json(folder):
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        (folder / name).unlink()
+    CharTokenizer.train(TEXT).save(str(folder / "tokenizer.json"))
+    truncate(folder / "tokenizer.json")
+
+
+BAD_TOKENIZER_FOLDERS = {
+    "truncated tokenizer.json": (lambda f: truncate(f / "tokenizer.json"), "tokenizer.json (JSONDecodeError"),
+    "truncated vocab.json": (lambda f: (slow_files_only(f), truncate(f / "vocab.json")), "vocab.json (JSONDecodeError"),
+    "merges.txt cut at a line": (lambda f: (slow_files_only(f), cut_merges_at_a_line(f)), "merges are truncated"),
+    "merges.txt cut in a line": (lambda f: (slow_files_only(f), cut_merges_mid_line(f)), "merges are truncated"),
+    "merges.txt cut in a character": (lambda f: (slow_files_only(f), (f / "merges.txt").write_bytes(b"a \xc3")),
+                                      "merges.txt (UnicodeDecodeError"),
+    "truncated mingpt tokenizer.json": (mingpt_tokenizer_json, "tokenizer.json (JSONDecodeError"),
+}
+
+
+@pytest.mark.parametrize("damage", BAD_TOKENIZER_FOLDERS)
+def test_a_truncated_tokenizer_folder_is_one_line_and_exit_2(tmp_path, capsys, damage):
+    spoil, expected = BAD_TOKENIZER_FOLDERS[damage]
+    folder = hf_tokenizer_folder(tmp_path / "tok")
+    spoil(folder)
+    with pytest.raises(TokenizerError) as raised:
+        load_tokenizer_folder(str(folder))
+    assert expected in one_line(str(raised.value))
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    status = prepare.main(["--corpus", str(tmp_path / "corpus.txt"), "--tokenizer", str(folder),
+                           "--out", str(tmp_path / "prepared")])
+    assert status == 2 and expected in one_line(capsys.readouterr().err)
+
+
+BAD_TORCHRUN_ARGS = [
+    ["--nnodes=0"], ["--nnodes=-1"], ["--nnodes=3:1"], ["--nnodes=a"], ["--nnodes=1:2:3"],
+    ["--nproc-per-node=0"], ["--nproc-per-node=-2"], ["--nproc-per-node=many"],
+    ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:70000"],
+    ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-conf=is_host=perhaps"],
+]
+
+
+@pytest.mark.parametrize("args", BAD_TORCHRUN_ARGS, ids=" ".join)
+def test_mingpt_torchrun_refuses_bad_counts_in_one_line(capsys, args):
+    assert torchrun.main([*args, "--no-python", "true"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and args[-1].split("=")[0] in line
+
+
+def test_an_unreachable_rendezvous_store_is_one_line_with_the_readme_check(capsys, closed_port):
+    # is_host=0: this node is a client, as every node but the store's host is (the store here would be local).
+    args = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{closed_port}",
+            "--rdzv-conf=is_host=0,read_timeout=1", "--no-python", "true"]
+    assert torchrun.main(args) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"no rendezvous store answers at 127.0.0.1:{closed_port}" in line
+    assert f"nc -zv 127.0.0.1 {closed_port}" in line and "mingpt-rendezvous" in line
+
+
+def test_a_node_started_before_the_store_waits_for_it():
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused until listen()
+        port = store.getsockname()[1]
+        listening = threading.Event()
+        late = threading.Timer(1.0, lambda: (store.listen(), listening.set()))
+        late.start()
+        try:
+            torchrun.check_endpoint(f"127.0.0.1:{port}", "is_host=0,read_timeout=30")
+        finally:
+            late.cancel()
+        assert listening.is_set()  # it returned once the store came up, not before
+
+
+def test_mingpt_torchrun_names_an_unresolvable_endpoint_at_once(tmp_path):
+    # .invalid never resolves (RFC 2606); without DNS here, resolving fails at once all the same.
+    done = subprocess.run([str(BIN / "mingpt-torchrun"), "--nnodes=1:2", "--rdzv-backend=c10d",
+                           "--rdzv-endpoint=store.invalid:29500", "--rdzv-id=job", "--no-python", "true"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    line = one_line(done.stderr)
+    assert line.startswith("error: --rdzv-endpoint=store.invalid:29500: cannot resolve 'store.invalid'")
+    assert "nc -zv store.invalid 29500" in line
