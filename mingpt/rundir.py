@@ -13,6 +13,7 @@ The folder is a local path or any fsspec URL (s3://bucket/prefix).
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 
 from mingpt.storage import is_local, open_fs, redact
@@ -59,4 +60,6 @@ class RunDir:
         """A local folder for TensorBoard's event files, which it appends to (object stores cannot)."""
         if self.local:
             return self.join(self.TENSORBOARD)
-        return os.path.abspath(os.path.join(self.TENSORBOARD, re.sub(r"^\w+://", "", self.url)))
+        # Named after the URL without its scheme; "/" first, so that ".." cannot climb out of ./tensorboard.
+        below = posixpath.normpath("/" + re.sub(r"^[\w+.-]+://", "", self.url)).lstrip("/")
+        return os.path.abspath(os.path.join(self.TENSORBOARD, below))

@@ -1,4 +1,4 @@
-"""Storage shared by corpora and snapshots: opening a path or fsspec URL, and explaining failures.
+"""Storage shared by corpora and snapshots: opening a path, file: URL or fsspec URL, and explaining failures.
 
 Every message built here is safe to log: URLs lose any credentials they carry, and storage
 options (which may hold keys) are never part of a message.
@@ -10,6 +10,7 @@ import io
 import os
 import re
 import uuid
+from urllib.parse import unquote, urlsplit
 
 from fsspec.core import url_to_fs
 from fsspec.spec import AbstractFileSystem
@@ -17,20 +18,75 @@ from fsspec.spec import AbstractFileSystem
 from mingpt.errors import MinGPTError
 
 
-def redact(url: str) -> str:
-    """`url` without credentials it may carry (scheme://user:secret@host/...), for logs and manifests."""
-    return re.sub(r"//[^/@]*@", "//", str(url))
+# scheme://user:password@host or scheme://user@host, anywhere in a text. An AWS secret may hold "/",
+# so the password runs to the "@"; a user name holds neither "/" nor ":".
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)(?:[^\s/@:]*:[^\s@]*|[^\s/@:]*)@")
+# Query parameters that carry a secret: presigned URLs (X-Amz-Signature, X-Amz-Credential,
+# X-Amz-Security-Token), Azure SAS (sig), token=, access_token=, api_key=, password= ...
+_SECRET_PARAMETER = re.compile(r"([?&;][^=&#\s]*(?:sig|token|credential|secret|password|key|auth)[^=&#\s]*=)[^&#\s]*",
+                               re.IGNORECASE)
+# Object stores take credentials from the environment or storage_options; in their URLs a user and
+# password would become part of the bucket name, and so of every message about it.
+OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
+LOCAL_SCHEMES = ("file", "local")
+
+
+def redact(text: object) -> str:
+    """`text` (a URL, or a message that may contain URLs) without the credentials URLs can carry:
+    user and password become ***, as do the values of query parameters such as X-Amz-Signature."""
+    text = _USERINFO.sub(r"\1***@", str(text))
+    return _SECRET_PARAMETER.sub(r"\1***", text)
 
 
 def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFileSystem, str]:
-    """The file system and path of `url`; MinGPTError naming the protocol when fsspec has none for it."""
+    """The file system and path of `url`: a local path, a file: URL (RFC 8089) or an fsspec URL.
+    MinGPTError for one it cannot use: an unknown protocol, a file: URL naming another machine,
+    credentials in an object store's URL."""
+    url = str(url)
+    scheme = _scheme(url)
+    if scheme in LOCAL_SCHEMES:
+        url = local_path(url)
+    elif scheme in OBJECT_STORES and _USERINFO.match(url):
+        raise MinGPTError(
+            f"cannot use {redact(url)}: credentials do not go in the URL, where they would be shown and logged; "
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for S3, or give them in storage_options")
     try:
         return url_to_fs(url, **(storage_options or {}))
     except (ValueError, ImportError) as e:  # "Protocol not known: foo", or its package is not installed
         raise MinGPTError(
-            f"cannot open {redact(url)}: {e}. Use a local path, file://, or s3://bucket/prefix "
+            f"cannot open {redact(url)}: {redact(e)}. Use a local path, file://, or s3://bucket/prefix "
             "(other fsspec protocols need their package installed)"
         ) from None
+
+
+def _scheme(url: str) -> str:
+    """The scheme of `url` in lower case ("s3", "file"); "" for a plain path."""
+    found = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", url)
+    return found[1].lower() if found else ""
+
+
+def local_path(url: str) -> str:
+    """The local path a file: URL names, as RFC 8089 reads it: file:///abs, file://localhost/abs or
+    file:/abs, percent-decoded. MinGPTError for any other form (another host, a user or password,
+    a relative path, a query), rather than a guess at what was meant."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a malformed host, such as "[x"
+        parts = None
+    if _USERINFO.match(url):  # not parts.netloc: a password may hold "/", which ends the netloc early
+        problem = "it carries a user name or password"
+    elif parts is None:
+        problem = "its host is malformed"
+    elif parts.netloc.lower() not in ("", "localhost"):
+        problem = "it names another machine"
+    elif not parts.path.startswith("/"):
+        problem = "its path is not absolute"
+    elif parts.query or parts.fragment or url.endswith(("?", "#")):
+        problem = "it has a query or fragment (percent-encode ? as %3F and # as %23)"
+    else:
+        return unquote(parts.path)
+    raise MinGPTError(f"cannot use {redact(url)}: {problem}. file:// URLs name a file on this machine: use "
+                      "file:///path or file://localhost/path, or a plain path")
 
 
 def is_local(fs: AbstractFileSystem) -> bool:
@@ -42,21 +98,22 @@ def explain_storage_error(e: BaseException, local: bool = False, setting: str = 
     """A one-line reason for a storage failure, with what to do about it. Never includes credentials.
 
     `setting` names the option the user should fix (snapshot.dir, data.corpus, ...)."""
-    text = f"{type(e).__name__}: {e}"
     name = type(e).__name__
+    detail = redact(e)  # clients echo the URL or request they failed on
+    text = f"{name}: {detail}"
     if local and isinstance(e, PermissionError):
-        return f"permission denied ({e}); make the folder writable for this user or fix {setting}"
-    if isinstance(e, FileNotFoundError) and "bucket" in str(e).lower():
-        return f"the bucket does not exist ({e}); create it or fix {setting}"
+        return f"permission denied ({detail}); make the folder writable for this user or fix {setting}"
+    if isinstance(e, FileNotFoundError) and "bucket" in detail.lower():
+        return f"the bucket does not exist ({detail}); create it or fix {setting}"
     if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text \
             or "SignatureDoesNotMatch" in text or "Forbidden" in text:
-        return (f"access denied ({e}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE / "
+        return (f"access denied ({detail}); check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE / "
                 "instance role) and that they grant access to this bucket and prefix")
     if name == "NoCredentialsError":
         return "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role"
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError") \
             or isinstance(e, (ConnectionError, TimeoutError)):
-        return (f"cannot reach the storage endpoint ({e}); check the network, and AWS_ENDPOINT_URL_S3 or "
+        return (f"cannot reach the storage endpoint ({detail}); check the network, and AWS_ENDPOINT_URL_S3 or "
                 "storage_options.client_kwargs.endpoint_url for S3-compatible stores")
     return f"{text}; check that {setting} names a reachable folder or bucket prefix"
 

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from mingpt.errors import ConfigError
 from mingpt.rundir import RunDir
-from mingpt.storage import replace_atomically
+from mingpt.storage import redact, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class Loggers(Logger):
                 getattr(logger, method)(*args)
             except Exception as e:
                 log.warning("%s failed (%s: %s); it logs nothing more in this process",
-                            type(logger).__name__, type(e).__name__, e)
+                            type(logger).__name__, type(e).__name__, redact(e))
                 self.loggers.remove(logger)
 
 
@@ -153,7 +153,7 @@ class JsonlLogger(Logger):
                 f.write("".join(self.pending))
             self.pending.clear()
         except Exception as e:  # metrics are a convenience; a storage hiccup must not stop training
-            log.warning("could not append to %s: %s", self.path, e)
+            log.warning("could not append to %s: %s", redact(self.path), redact(e))
 
     def close(self) -> None:
         self.flush()
@@ -222,7 +222,7 @@ class WandbLogger(Logger):
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mingpt"), id=self.state["run_id"],
                                   resume="allow", name=self.name, config=self.config)
         except Exception as e:
-            raise ConfigError(f"wandb.init failed ({type(e).__name__}: {e}); run `wandb login`, or set "
+            raise ConfigError(f"wandb.init failed ({type(e).__name__}: {redact(e)}); run `wandb login`, or set "
                               "WANDB_MODE=offline and `wandb sync` later") from None
         self._write_state()  # the id is known before the first step, so a crash cannot lose it
         log.info("W&B run %s (project %s, %s)", self.run.id, self.run.project, self.run.url or "offline")
@@ -256,11 +256,11 @@ class WandbLogger(Logger):
         except FileNotFoundError:
             return None
         except ValueError as e:
-            log.warning("%s is damaged (%s): starting a new W&B run", self.path, e)
+            log.warning("%s is damaged (%s): starting a new W&B run", redact(self.path), e)
             return None
         if isinstance(state, dict) and isinstance(state.get("run_id"), str) and isinstance(state.get("last_step"), int):
             return state
-        log.warning("%s is not a W&B run record: starting a new W&B run", self.path)
+        log.warning("%s is not a W&B run record: starting a new W&B run", redact(self.path))
         return None
 
     def _write_state(self) -> None:
