@@ -3,6 +3,7 @@
 `data.corpus` is one of these, or a list of them:
     a file           corpus.txt, s3://bucket/corpus.txt.gz
     a folder         every file under it, in sorted path order (names starting with "." skipped)
+                     following symbolic links to files and folders (a Hugging Face cache's layout)
     a quoted glob    'corpus/*.jsonl', s3://bucket/shards/part-*.txt
     python-docs      the built-in corpus: the Python language reference that every CPython install
                      carries as text (`pydoc_data.topics`, about 0.47 MB), so the default job needs
@@ -22,10 +23,12 @@ megabyte-long line); only there can tokens differ from encoding the document who
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import io
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import BinaryIO, Callable, Iterator, Sequence
@@ -87,14 +90,21 @@ def _expand(entry: str) -> list[Source]:
         fs, path = open_fs(entry)
     except MinGPTError as e:  # an unknown protocol, or its package is missing
         raise DataError(f"{e}; fix data.corpus (or --corpus of mingpt-prepare)") from None
+    local = is_local(fs)
+    if local and os.path.islink(path) and not os.path.exists(path):
+        raise _broken_link(path)
     try:
         fs.invalidate_cache()  # an object store's listing may be cached from before a change
         if glob.has_magic(path):  # the hidden-file check starts where the pattern does
             found, what, root = fs.glob(path, detail=True), "glob", re.split(r"[*?[]", path)[0].rsplit("/", 1)[0]
         elif fs.isdir(path):
-            found, what, root = fs.find(path, detail=True), "folder", path
+            found, what, root = _local_tree(fs, path) if local else fs.find(path, detail=True), "folder", path
         else:
             found, what, root = {path: fs.info(path)}, "file", path
+        if local:
+            found = {p: _followed(fs, p, info) for p, info in found.items() if not _hidden(p, root)}
+    except DataError:
+        raise
     except FileNotFoundError:
         raise DataError(f"corpus {redact(entry)} does not exist; give a file, folder or glob of UTF-8 text or "
                         f"JSONL, or {BUILTIN_CORPUS!r} for the built-in corpus") from None
@@ -111,6 +121,53 @@ def _expand(entry: str) -> list[Source]:
         raise DataError(f"corpus {what} {redact(entry)} holds no files; check the path (quote a glob, so that the "
                         "shell does not expand it)")
     return files
+
+
+def _local_tree(fs, folder: str, above: dict | None = None) -> dict[str, dict]:
+    """The files under the local `folder` and their info, following symbolic links to files and to
+    folders (a Hugging Face cache links each file to its blob); hidden names are left out.
+
+    `above` holds the folders this one lies in: a link back to one of them would be a loop."""
+    stat = os.stat(folder)
+    key = (stat.st_dev, stat.st_ino)
+    if key in (above or {}):
+        raise DataError(f"the corpus folder has a loop: {folder} is a symbolic link back to {above[key]}; remove "
+                        "the link, or give a folder below it")
+    above = {**(above or {}), key: folder}
+    found = {}
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if os.path.isdir(entry.path):  # follows a link (false for a broken one, told by `_followed`)
+                found.update(_local_tree(fs, entry.path, above))
+            else:
+                found[entry.path] = fs.info(entry)  # a link's info is followed by `_followed`
+    return found
+
+
+def _followed(fs, path: str, info: dict) -> dict:
+    """The info of what the local symbolic link `path` points to (its own where it is not a link)."""
+    if not info.get("islink"):
+        return info
+    try:
+        return fs.info(path)  # a path, not a directory entry: fsspec follows the link
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ELOOP):
+            raise
+        raise _broken_link(path) from None
+
+
+def _broken_link(path: str) -> DataError:
+    """Why the symbolic link `path` leads to no file: a loop of links, or a target that does not exist."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return DataError(f"corpus file {path} is a loop of symbolic links ({path} -> {os.readlink(path)} -> ...); "
+                             "fix or remove the link")
+    return DataError(f"corpus file {path} is a symbolic link to {os.readlink(path)}, which does not exist; fix or "
+                     "remove the link")
 
 
 def _hidden(path: str, root: str) -> bool:
