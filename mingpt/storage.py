@@ -57,6 +57,8 @@ def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFile
             f"cannot open {redact(url)}: {redact(e)}. Use a local path, file://, or s3://bucket/prefix "
             "(other fsspec protocols need their package installed)"
         ) from None
+    except Exception as e:  # file systems that connect when made (ftp, sftp), to a server that is not there
+        raise MinGPTError(f"cannot open {redact(url)}: {explain_storage_error(e, setting='the URL')}") from None
 
 
 def _scheme(url: str) -> str:

@@ -65,6 +65,13 @@ def test_credentials_in_an_object_store_url_are_refused_without_showing_them(url
     assert "HUSH" not in str(refused.value) and "***@bucket/x" in str(refused.value)
 
 
+def test_a_file_system_that_cannot_connect_when_made_is_one_error_without_credentials(closed_port):
+    """ftp:// uses the user and password in its URL, and connects as soon as it is opened."""
+    with pytest.raises(MinGPTError, match="cannot reach the storage endpoint") as refused:
+        open_fs(f"ftp://user:{HUSH}@127.0.0.1:{closed_port}/runs")
+    assert "HUSH" not in str(refused.value) and f"ftp://***@127.0.0.1:{closed_port}/runs" in str(refused.value)
+
+
 def test_the_trainer_refuses_an_s3_url_with_credentials_and_never_shows_them(tmp_path, s3):
     """Against a live S3 server: one line, exit 2, before any data work, nothing written to the bucket."""
     url = f"s3://AKIAKEY:{HUSH}@{s3.bucket}/run"
