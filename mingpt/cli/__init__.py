@@ -1,26 +1,45 @@
 """The command-line tools. Each module parses its flags, calls the library, and turns the outcome
 into an exit status with `run_command`: a mistake of the user's or of stored data (MinGPTError) is
-one line on stderr and exit 2, Ctrl-C is exit 130, never a traceback."""
+one line on stderr and exit 2, Ctrl-C is exit 130 and SIGTERM exit 143, never a traceback."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Callable
 
 from mingpt.errors import MinGPTError
-from mingpt.storage import redact
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the command is, so that its cleanups run (temporary files,
+    worker processes) before it exits. A KeyboardInterrupt: code that handles Ctrl-C handles both."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def run_command(command: Callable[[], int | None], interrupted: str = "interrupted") -> int:
-    """`command()`'s exit status (None is 0); MinGPTError -> its message and 2; Ctrl-C -> `interrupted` and 130."""
+    """`command()`'s exit status (None is 0); MinGPTError -> its message and 2; Ctrl-C (SIGINT) or SIGTERM ->
+    `interrupted` and 128 + the signal's number (130, 143), as shells report a process the signal ended."""
+    # Installed even where SIGINT came ignored (a background job of a script): `kill -INT` must stop a command.
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return command() or 0
     except MinGPTError as e:
-        print(f"error: {redact(e)}", file=sys.stderr)  # no URL credentials, wherever the message came from
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(interrupted, file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop(signum: int, frame) -> None:
+    raise Stopped(signum)
 
 
 def summary(doc: str) -> str:

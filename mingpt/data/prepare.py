@@ -23,6 +23,7 @@ one; it replaces only prepared data or an empty folder, never anything else.
 from __future__ import annotations
 
 import collections
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -31,6 +32,9 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
+import socket
+import sys
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
@@ -45,7 +49,7 @@ import numpy as np
 from mingpt.data.corpus import (
     BUILTIN_CORPUS, Piece, Source, as_list, documents, list_sources, read_pieces, sample_pieces,
 )
-from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKENIZER_FILE, read_meta
+from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, fingerprint, read_meta
 from mingpt.data.progress import Progress
 from mingpt.errors import DataError
 from mingpt.storage import redact
@@ -56,6 +60,7 @@ from mingpt.tokenizers import (
 log = logging.getLogger(__name__)
 
 SPLIT_SEED = 0  # the validation documents do not change with the training seed
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass
@@ -104,10 +109,12 @@ def prepare(config: PrepareConfig) -> Path:
         log.info("reusing prepared data in %s", out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _machine_lock(out.parent):  # processes on one machine prepare once; the others wait, then reuse
+    with _machine_lock(out.parent) as locked:  # processes on one machine prepare once; the others wait, then reuse
         if _matches(out, wanted):
             log.info("reusing prepared data in %s, prepared by another process", out)
             return out
+        if locked:  # nobody else on this machine prepares here now: scratch folders of ours are left from a kill
+            _remove_leftovers(out.parent)
         _Job(config, sources).build(out, {**wanted, "corpus": [redact(entry) for entry in as_list(config.corpus)]})
     return out
 
@@ -168,7 +175,7 @@ class _Job:
 
     def build(self, out: Path, meta: dict) -> None:
         started = time.perf_counter()
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = _scratch(out, "tmp")
         tmp.mkdir()
         try:
             tok = self.make_tokenizer()
@@ -186,6 +193,8 @@ class _Job:
             if meta["val_fraction"] > 0 and not counts["val"] and not self.tail_split:
                 raise DataError(f"no document of the corpus fell into the validation split (val_fraction "
                                 f"{self.config.val_fraction}); give more documents or a larger val_fraction")
+            meta["sha256"] = {name: _sha256(tmp / name) for name in TOKEN_FILES}
+            meta["fingerprint"] = fingerprint(meta["sha256"])
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
             _publish(tmp, out, meta)
         finally:
@@ -273,13 +282,15 @@ class _Pool:
 
     Workers are forked: they start at once and share this process's memory. They open only corpus
     files and their own part files, and take no lock that a thread of this process (a lease
-    renewer) could hold. A worker that dies (killed for memory, say) fails the preparation at once."""
+    renewer) could hold. A worker that dies (killed for memory, say) fails the preparation at once.
+    Workers end with this process, however it ends: it kills them when it stops (an error, Ctrl-C,
+    SIGTERM), and the kernel kills them when it is killed (see `_start_worker`)."""
 
     def __init__(self, count: int, context: dict):
         self.count = count
         if count > 1 and not multiprocessing.current_process().daemon:  # a daemon (a pool's worker) has no children
             self.pool = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"),
-                                            initializer=_init_worker, initargs=(context,))
+                                            initializer=_start_worker, initargs=(context, os.getpid()))
         else:
             _init_worker(context)
             self.pool = None
@@ -307,13 +318,30 @@ class _Pool:
     def __enter__(self) -> "_Pool":
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.pool is None:
+            return
+        if exc_type is not None:  # stopped or failed: the pieces in flight are wanted no more, so do not wait for them
+            for process in list(self.pool._processes.values()):  # Python 3.14 has kill_workers() for this
+                process.kill()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # What each worker process knows: set once by `_init_worker`.
 _worker: dict = {}
+
+
+def _start_worker(context: dict, parent: int) -> None:
+    """Set up a forked worker: it dies with `parent`, leaves stopping to it, and learns the context."""
+    if sys.platform == "linux":  # the kernel SIGKILLs this process when its parent ends, even by SIGKILL
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended between the fork and the prctl
+        os._exit(1)
+    # Ctrl-C and a SIGTERM sent to the whole process group (torchrun's) are for the parent to act on: it stops
+    # the workers itself, so a worker never ends first with a traceback of its own or a "worker died".
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    _init_worker(context)
 
 
 def _init_worker(context: dict) -> None:
@@ -404,11 +432,19 @@ def _move_tail(train: Path, val: Path, dtype: np.dtype, val_fraction: float) -> 
     return {"train": total - n_val, "val": n_val}
 
 
+# The file descriptors of the machine locks this process holds: a forked child closes its copies at once
+# (`_close_inherited_locks`), since a lock is held until every copy of its descriptor is closed.
+_lock_fds: set[int] = set()
+
+
 @contextmanager
-def _machine_lock(folder: Path):
-    """An exclusive flock on `folder` itself (no lock file to leave behind). Where the file system
-    has no flock, go on without: `_publish` keeps concurrent preparation correct, only slower."""
+def _machine_lock(folder: Path) -> Iterator[bool]:
+    """An exclusive flock on `folder` itself (no lock file to leave behind); yields whether it is held.
+    Where the file system has no flock, go on without: `_publish` keeps concurrent preparation correct,
+    only slower. The kernel releases the lock when this process ends, however it ends."""
     fd = os.open(folder, os.O_RDONLY)
+    _lock_fds.add(fd)
+    held = True
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -416,10 +452,50 @@ def _machine_lock(folder: Path):
             log.info("waiting: another process on this machine is preparing data in %s", folder)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
-            pass
-        yield
+            held = False
+        yield held
     finally:
+        _lock_fds.discard(fd)
         os.close(fd)  # releases the lock
+
+
+def _close_inherited_locks() -> None:
+    for fd in _lock_fds:
+        os.close(fd)
+    _lock_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+def _scratch(out: Path, kind: str) -> Path:
+    """A new name for a scratch folder next to `out`: it names this machine and process."""
+    return out.parent / f".{out.name}.{kind}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", socket.gethostname())
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Remove the scratch folders this machine's preparations left in `folder` when killed. Called with
+    the machine lock held: no preparation on this machine is running there (other machines' are left)."""
+    for kind in ("tmp", "stale"):
+        for path in folder.glob(f".*.{kind}-{_host()}-*"):
+            log.info("removing %s, left by a preparation that was killed", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _sha256_or_none(path: Path) -> str | None:
+    try:
+        return _sha256(path)
+    except FileNotFoundError:
+        return None
 
 
 def _matches(directory: Path, wanted: dict) -> bool:
@@ -464,7 +540,7 @@ def _publish(tmp: Path, out: Path, wanted: dict) -> None:
             if _matches(out, {key: wanted[key] for key in ("sources", "tokenizer", "val_fraction")}):
                 return  # another process prepared the same data first; theirs is as good
             check_replaceable(out)  # again: files may have appeared since `prepare` checked
-            stale = out.parent / f".{out.name}.stale-{uuid.uuid4().hex[:8]}"
+            stale = _scratch(out, "stale")
             try:
                 out.rename(stale)
             except FileNotFoundError:
@@ -474,10 +550,13 @@ def _publish(tmp: Path, out: Path, wanted: dict) -> None:
 
 
 def verify(directory: str | os.PathLike) -> list[str]:
-    """Re-list and re-read the corpus a folder was prepared from; what differs, one line each (empty: current)."""
+    """Re-list and re-read the corpus a folder was prepared from, and re-read the folder's own files; what
+    differs, one line each (empty: current)."""
     meta = read_meta(directory)
     recorded = [Source(**s) for s in meta["sources"]]
-    problems = []
+    problems = [f"{Path(directory) / name}: damaged, it is not what was prepared (sha256 {digest[:12]}...); delete "
+                f"{directory} and prepare the data again"
+                for name, digest in meta["sha256"].items() if _sha256_or_none(Path(directory) / name) != digest]
     try:
         listed = {source.url: source for entry in meta["corpus"] for source in list_sources(entry)}
     except DataError as e:

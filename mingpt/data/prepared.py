@@ -3,7 +3,8 @@
 A prepared folder holds
     train.bin, val.bin   the token ids, raw little-endian uint16 (uint32 when the vocabulary needs it)
     tokenizer.json       the tokenizer (see mingpt.tokenizers)
-    meta.json            what was prepared from what: the sources as listed, settings, counts, dtype
+    meta.json            what was prepared from what: the sources as listed, settings, counts, dtype,
+                         the sha256 of each file above and the fingerprint of them all
 
 An example is a window of `block_size` input tokens `x` and the same window shifted by one, `y`.
 Windows are addressed by their token offset, so that which windows a step reads is decided
@@ -12,6 +13,7 @@ elsewhere (by the trainer's sampler) as a pure function of seed and position.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,9 +26,15 @@ from mingpt.errors import DataError
 from mingpt.tokenizers import Tokenizer, load_tokenizer
 
 FORMAT = "mingpt-prepared"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the files' sha256 and the fingerprint (a folder of an older version is prepared again)
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKEN_FILES = (TOKENIZER_FILE, "train.bin", "val.bin")  # what the tokens are: the fingerprint covers these
+
+
+def fingerprint(digests: dict[str, str]) -> str:
+    """One sha256 over the sha256 of each of TOKEN_FILES: it changes whenever the tokens do."""
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
@@ -119,6 +127,12 @@ class PreparedData:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
+
+    @property
+    def fingerprint(self) -> str:
+        """A sha256 of the tokens and the tokenizer: the same for the same prepared data on any machine,
+        different when the corpus, the tokenizer or a setting that changes the tokens differ."""
+        return self.meta["fingerprint"]
 
     def split(self, name: str, block_size: int, stride: int | None = None) -> TokenBlocks:
         """The 'train' or 'val' examples; DataError when the split is shorter than one block."""

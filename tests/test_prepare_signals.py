@@ -1,0 +1,93 @@
+"""A preparation that is stopped or killed: its workers end with it, the machine lock is free, and
+no temporary folder outlives it for long. Real `mingpt-prepare` processes, real signals."""
+
+import fcntl
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import children, output, wait_for
+from mingpt.data.prepare import PrepareConfig, prepare
+
+PREPARE = str(Path(sys.executable).parent / "mingpt-prepare")
+INTERRUPTED = "interrupted: nothing was published; run the same command again"
+
+
+def slow_corpus(path: Path, megabytes: int = 200) -> Path:
+    """JSONL of tiny records: about 80 s of tokenizing on 2 cores, in 2 MB of disk (one gzip member repeated:
+    concatenated members are one valid gzip stream). A test stops it within seconds of starting."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    block = "".join(json.dumps({"text": f"{words[i % 12]} {i % 89}"}) + "\n" for i in range(50_000)).encode()
+    member = gzip.compress(block)
+    with open(path, "wb") as f:
+        for _ in range(megabytes * 2**20 // len(block)):
+            f.write(member)
+    return path
+
+
+def start_tokenizing(procs, tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """mingpt-prepare with 2 workers, once they tokenize (past the BPE sample: its token file is open);
+    the process and its workers' PIDs. It starts with SIGINT ignored, as a script's background job does."""
+    corpus = slow_corpus(tmp_path / "records.jsonl.gz")
+    command = [PREPARE, "--corpus", str(corpus), "--tokenizer", "bpe", "--vocab-size", "300",
+               "--bpe-sample-bytes", "100000", "--num-workers", "2", "--out", str(tmp_path / "data" / "web")]
+    proc = procs.start(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command], "prepare")
+    wait_for(lambda: list((tmp_path / "data").glob(".web.tmp-*/train.bin")) and len(children(proc.pid)) == 2, 120,
+             "the workers to tokenize", [proc])
+    return proc, children(proc.pid)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def lock_free(folder: Path) -> bool:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # releases it again
+
+
+def scratch(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_preparation_at_once_and_leaves_nothing(tmp_path, procs, sig, code):
+    proc, workers = start_tokenizing(procs, tmp_path)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) == code  # well before the minute or more that the rest would take
+    text = output(proc)
+    assert text.splitlines()[-1] == INTERRUPTED and text.count(INTERRUPTED) == 1 and "Traceback" not in text, text
+    assert not [pid for pid in workers if alive(pid)]  # ended and reaped before the command exited
+    assert scratch(tmp_path / "data") == [] and not (tmp_path / "data" / "web").exists()
+    assert lock_free(tmp_path / "data")
+
+
+def test_a_killed_preparation_leaves_no_worker_nor_lock_and_the_next_one_cleans_up(tmp_path, procs):
+    proc, workers = start_tokenizing(procs, tmp_path)
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    wait_for(lambda: not [pid for pid in workers if alive(pid)], 30, "the workers to die with their parent")
+    assert lock_free(tmp_path / "data")  # the kernel released it: no worker held a copy
+    assert len(scratch(tmp_path / "data")) == 1  # the killed one's temporary folder
+
+    (tmp_path / "small.txt").write_text("a small corpus, prepared next to the killed one\n")
+    prepare(PrepareConfig(corpus=str(tmp_path / "small.txt"), prepared_dir=tmp_path / "data" / "small",
+                          val_fraction=0.0))
+    assert scratch(tmp_path / "data") == []  # its owner is gone: removed under the machine lock
