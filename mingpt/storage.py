@@ -43,13 +43,16 @@ def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFile
     MinGPTError for one it cannot use: an unknown protocol, a file: URL naming another machine,
     credentials in an object store's URL."""
     url = str(url)
-    scheme = _scheme(url)
+    scheme, userinfo = _scheme(url), _USERINFO.match(url)
     if scheme in LOCAL_SCHEMES:
         url = local_path(url)
-    elif scheme in OBJECT_STORES and _USERINFO.match(url):
+    elif scheme in OBJECT_STORES and userinfo:
         raise MinGPTError(
             f"cannot use {redact(url)}: credentials do not go in the URL, where they would be shown and logged; "
             "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for S3, or give them in storage_options")
+    elif userinfo and "/" in userinfo[0].split("://", 1)[1]:  # URL parsers would split it, and show a piece
+        raise MinGPTError(f"cannot use {redact(url)}: its password holds a '/', which ends the host part of a "
+                          "URL; write each '/' in it as %2F")
     try:
         return url_to_fs(url, **(storage_options or {}))
     except (ValueError, ImportError) as e:  # "Protocol not known: foo", or its package is not installed

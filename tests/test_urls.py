@@ -68,8 +68,11 @@ def test_credentials_in_an_object_store_url_are_refused_without_showing_them(url
 def test_a_file_system_that_cannot_connect_when_made_is_one_error_without_credentials(closed_port):
     """ftp:// uses the user and password in its URL, and connects as soon as it is opened."""
     with pytest.raises(MinGPTError, match="cannot reach the storage endpoint") as refused:
-        open_fs(f"ftp://user:{HUSH}@127.0.0.1:{closed_port}/runs")
+        open_fs(f"ftp://user:{HUSH.replace('/', '%2F')}@127.0.0.1:{closed_port}/runs")
     assert "HUSH" not in str(refused.value) and f"ftp://***@127.0.0.1:{closed_port}/runs" in str(refused.value)
+    with pytest.raises(MinGPTError, match="write each '/' in it as %2F") as refused:  # a parser would show a piece
+        open_fs(f"ftp://user:{HUSH}@127.0.0.1:{closed_port}/runs")
+    assert "wJalrX" not in str(refused.value)
 
 
 def test_the_trainer_refuses_an_s3_url_with_credentials_and_never_shows_them(tmp_path, s3):
@@ -89,7 +92,7 @@ def test_mingpt_prepare_never_shows_corpus_credentials(tmp_path, closed_port, ca
                     "--out", str(tmp_path / "p")], tmp_path)
     assert rc == 2 and text.startswith("error: ") and len(text.splitlines()) == 1, text
     assert "HUSH" not in text and "s3://***@bucket/c.txt" in text
-    for url in (f"http://user:{HUSH}@127.0.0.1:{closed_port}/c.txt",
+    for url in (f"http://user:{HUSH.replace('/', '%2F')}@127.0.0.1:{closed_port}/c.txt",
                 f"http://127.0.0.1:{closed_port}/c.txt?token=HUSH"):
         assert prepare.main(["--corpus", url, "--out", str(tmp_path / "p")]) == 2
         captured = capsys.readouterr()
