@@ -64,7 +64,8 @@ BAD_MODEL_FOLDERS = {
     "config.json is not an object": (lambda f: (f / "config.json").write_text("[1, 2]"), "a JSON list, not an object"),
     "config.json lacks a size": (lambda f: edit_config(f, n_layer=None), "no whole number for n_layer"),
     "truncated safetensors": (lambda f: truncate(f / "model.safetensors"), "model.safetensors (SafetensorError"),
-    "garbage safetensors": (lambda f: (f / "model.safetensors").write_bytes(b"\x07" * 100), "model.safetensors"),
+    "garbage safetensors": (lambda f: (f / "model.safetensors").write_bytes(b"\x07" * 100),
+                            "model.safetensors (SafetensorError"),
     "more layers in config.json": (lambda f: edit_config(f, n_layer=3), "missing blocks.2."),
     "other widths in config.json": (lambda f: edit_config(f, n_embd=64), "misshapen wte.weight (50, 32), not (50, 64)"),
     "a pickle that runs code": (a_pickle_that_runs_code, "pytorch_model.bin (not tensors alone"),
@@ -191,7 +192,7 @@ def test_a_node_started_before_the_store_waits_for_it():
         store.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused until listen()
         port = store.getsockname()[1]
         listening = threading.Event()
-        late = threading.Timer(1.0, lambda: (store.listen(), listening.set()))
+        late = threading.Timer(1.0, lambda: (listening.set(), store.listen()))
         late.start()
         try:
             torchrun.check_endpoint(f"127.0.0.1:{port}", "is_host=0,read_timeout=30")

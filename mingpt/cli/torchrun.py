@@ -1,4 +1,7 @@
-"""`mingpt-torchrun ARGS...`: torchrun with the settings elastic jobs need (see mingpt.training.launcher)."""
+"""`mingpt-torchrun ARGS...`: torchrun with the settings elastic jobs need (see mingpt.training.launcher).
+
+Before the agent starts, the node and worker counts and the rendezvous endpoint are checked: what
+torchrun would refuse with a traceback, or after a minute with two, is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -80,14 +83,16 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
             raise ValueError(f"The read timeout must be a positive integer, got {wait_s}.")
     except ValueError as e:  # torch's messages name the port or the option
         raise ConfigError(f"{str(e).rstrip('.')}; fix --rdzv-endpoint or --rdzv-conf") from None
+    check = CHECK.format(host=host, port=port)
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:  # socket.gaierror: unknown name, or no DNS to ask
         raise ConfigError(f"--rdzv-endpoint={endpoint}: cannot resolve {host!r} ({e.strerror}); give the name or "
-                          f"address of the store's host as this node knows it; " + CHECK.format(host=host, port=port)
-                          ) from None
-    if is_host if is_host is not None else _is_this_machine(host):
-        return  # this agent hosts the store, as torch decides it (or joins one that already listens here)
+                          f"address of the store's host as this node knows it; {check}") from None
+    if is_host is None:
+        is_host = _is_this_machine(host)
+    if is_host:
+        return  # this agent hosts the store (or joins one that already listens here), as torch decides it
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -98,8 +103,8 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
                 raise ConfigError(
                     f"--rdzv-endpoint={endpoint}: no rendezvous store answers at {host}:{port} after {wait_s} s "
                     f"({e.strerror or e}); start the store there first (mingpt-rendezvous --port {port}, or the "
-                    f"node named in --rdzv-endpoint), and " + CHECK.format(host=host, port=port)) from None
-            time.sleep(1)
+                    f"node named in --rdzv-endpoint), and {check}") from None
+            time.sleep(1)  # refused at once while the store's host is still starting: ask again
 
 
 def _is_this_machine(host: str) -> bool:
