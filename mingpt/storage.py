@@ -138,6 +138,17 @@ class _DurableLocalFile(io.FileIO):
         return super().__exit__(exc_type, *rest)
 
 
+def check_regular_file(fs: AbstractFileSystem, path: str) -> None:
+    """OSError unless `path` is a regular file or absent: opening a FIFO would block forever, and a
+    folder or device in place of a file the run keeps (metrics.jsonl, wandb_run.json) is not it."""
+    try:
+        kind = fs.info(path).get("type")
+    except FileNotFoundError:
+        return
+    if kind != "file":
+        raise OSError(f"{redact(path)} is not a regular file ({kind}); move it away")
+
+
 def open_exclusive(fs: AbstractFileSystem, path: str):
     """A new binary file to stream into; FileExistsError when `path` exists (at open on local disk, at
     the final PUT on object stores), so two writers never mix their bytes in one file. On local disk

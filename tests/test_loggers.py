@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import MAIN, SMALL, children, latest_step, metrics, run, standalone, wait_for
+from launch import MAIN, SMALL, children, latest_step, metrics, run, standalone, train_here, wait_for
+from mingpt.cli import plot as plot_command
 from mingpt.metrics import loggers
 from mingpt.rundir import RunDir
 from mingpt.training.config import Config, TrainerConfig, validate
@@ -231,3 +232,15 @@ def history_steps(records) -> list[int]:
 def summary_items(records) -> list[tuple[str, str]]:
     return [(item_key(item), item.value_json) for record in records if record.WhichOneof("record_type") == "summary"
             for item in record.summary.update]
+
+
+def test_a_fifo_in_place_of_metrics_jsonl_neither_blocks_nor_stops_the_run(tmp_path, caplog, capsys):
+    """Opening a FIFO for appending blocks until a reader comes, which none ever does: the logger is
+    dropped with a warning instead, training finishes, and mingpt-plot says what is wrong."""
+    (tmp_path / "snap").mkdir()
+    os.mkfifo(tmp_path / "snap" / "metrics.jsonl")
+    log = train_here(tmp_path, "trainer.max_steps=10")
+    assert "done: step 10" in log
+    assert re.search(r"JsonlLogger failed .*metrics.jsonl is not a regular file \(other\)", caplog.text)
+    assert plot_command.main([str(tmp_path / "snap"), "--out", str(tmp_path / "plot.png")]) == 2
+    assert "metrics.jsonl is not a regular file" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from mingpt.errors import ConfigError
 from mingpt.rundir import RunDir
-from mingpt.storage import redact, replace_atomically
+from mingpt.storage import check_regular_file, redact, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class JsonlLogger(Logger):
     def flush(self) -> None:
         if not self.pending:
             return
+        check_regular_file(self.fs, self.path)  # not a hiccup: the logger is dropped
         try:
             with self.fs.open(self.path, "a") as f:
                 f.write("".join(self.pending))
@@ -252,10 +253,11 @@ class WandbLogger(Logger):
 
     def _read_state(self) -> dict | None:
         try:
+            check_regular_file(self.fs, self.path)
             state = json.loads(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return None
-        except ValueError as e:
+        except (OSError, ValueError) as e:
             log.warning("%s is damaged (%s): starting a new W&B run", redact(self.path), e)
             return None
         if isinstance(state, dict) and isinstance(state.get("run_id"), str) and isinstance(state.get("last_step"), int):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from mingpt.errors import MinGPTError
 from mingpt.rundir import RunDir
-from mingpt.storage import explain_storage_error
+from mingpt.storage import check_regular_file, explain_storage_error
 
 
 @dataclass
@@ -37,6 +37,7 @@ def read_records(run: str) -> list[dict]:
     folder = RunDir(run)
     url = folder.url_of(RunDir.METRICS)
     try:
+        check_regular_file(folder.fs, folder.metrics)
         text = folder.fs.cat_file(folder.metrics).decode("utf-8", errors="replace")
     except FileNotFoundError:
         raise MinGPTError(f"{url} does not exist: RUN must be a snapshot.dir that a job with "
