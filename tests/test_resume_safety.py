@@ -134,3 +134,19 @@ def test_a_snapshot_from_before_end_of_text_tokens_is_explained(tmp_path):
         train_here(tmp_path, "trainer.max_steps=20")
     assert "made before tokenizers reserved an end-of-text token" in str(refused.value)
     assert "mingpt-sample" in str(refused.value)
+
+
+def test_a_corpus_replaced_by_other_text_of_the_same_characters_is_named_on_resume(tmp_path):
+    """Same characters, same settings, other text: the data is prepared again (as before), and the resume
+    now says that the data changed, by the fingerprint each manifest records."""
+    corpus = tmp_path / "corpus.txt"
+    lines = [f"the {word} sat on {n} mats, did it not?\n" for n, word in enumerate(["cat", "dog", "owl"] * 300)]
+    corpus.write_text("".join(lines))
+    first = train_here(tmp_path, f"data.corpus={corpus}", "trainer.max_steps=10")
+    assert "the data changed" not in first
+    corpus.write_text("".join(reversed(lines)))  # the same characters, other text
+    second = train_here(tmp_path, f"data.corpus={corpus}", "trainer.max_steps=20")
+    assert "resumed from" in second and "the data changed since that snapshot" in second
+    assert "settings changed since that snapshot: trainer.max_steps: 10 -> 20\n" in second  # the data is not a setting
+    fingerprints = [m["data_fingerprint"] for m in manifests(tmp_path / "snap")]
+    assert len(fingerprints) == 2 and fingerprints[0] != fingerprints[1] and all(len(f) == 64 for f in fingerprints)

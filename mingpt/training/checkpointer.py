@@ -52,8 +52,9 @@ class Replica:
 class Checkpointer:
     """Resume, periodic and final saves, and the rescue save of a failed step, for one generation."""
 
-    def __init__(self, cfg: Config, world: World, store: SnapshotStore, tokenizer: Tokenizer):
+    def __init__(self, cfg: Config, world: World, store: SnapshotStore, tokenizer: Tokenizer, data_fingerprint: str):
         self.cfg, self.world, self.store, self.tokenizer = cfg, world, store, tokenizer
+        self.data_fingerprint = data_fingerprint  # of the prepared tokens: a replaced corpus changes it
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
 
     # -- resuming ------------------------------------------------------------------------------
@@ -91,6 +92,11 @@ class Checkpointer:
         changed = _changed_settings(snapshot.manifest.get("config", {}), self.cfg.to_dict())
         if changed:
             self._log("settings changed since that snapshot: %s", ", ".join(changed))
+        saved = snapshot.manifest.get("data_fingerprint")
+        if saved and saved != self.data_fingerprint and self.world.is_leader:
+            log.warning("the data changed since that snapshot: its prepared tokens had fingerprint %s, now %s (the "
+                        "corpus or its preparation is not what the run trained on so far); training goes on with "
+                        "the data as it is now", saved[:12], self.data_fingerprint[:12])
 
     def _apply_configured(self, optimizer: torch.optim.Optimizer, configured: list[dict]) -> None:
         """`load_state_dict` brings back the saved betas, weight decay, ...; this run's config wins."""
@@ -137,6 +143,7 @@ class Checkpointer:
             "model_config": replica.model.config.to_dict(),
             "config": self.cfg.to_dict(),
             "world_size": self.world.world_size,
+            "data_fingerprint": self.data_fingerprint,
             "metrics": metrics,
             "library_version": mingpt.__version__,
         }

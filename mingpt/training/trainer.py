@@ -134,7 +134,7 @@ class Trainer:
         self.autocast, scaler = autocast_for(precision, world.device)
         self.replica = Replica(model, optimizer, scaler, TrainState())
         self.ddp: DDP | None = None
-        self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer)
+        self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer, data.fingerprint)
         self.metrics = Loggers(t.loggers, store.run, cfg.to_dict(), world.is_leader)  # trainer.loggers
         self.events: list[tuple[str, str]] = []  # (kind, text): what resume found, marked on the dashboards
         self.train_loss: float | None = None
