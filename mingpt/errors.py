@@ -4,6 +4,8 @@ Each message says what is wrong and what to do about it; the command-line
 entry points print the message alone, without a traceback.
 """
 
+import signal
+
 
 class MinGPTError(Exception):
     """Base class for every error caused by user input or stored data."""
@@ -23,3 +25,18 @@ class TokenizerError(MinGPTError, ValueError):
 
 class TrainingError(MinGPTError):
     """Training cannot go on as configured (for example, the loss became infinite or NaN)."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the program is, so that its cleanups run (temporary files,
+    worker processes, the run's lease) before it exits. A KeyboardInterrupt: code that handles Ctrl-C
+    handles both."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_stopped(signum: int, frame) -> None:
+    """A signal handler: raise Stopped."""
+    raise Stopped(signum)

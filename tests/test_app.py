@@ -212,4 +212,4 @@ def test_second_ctrl_c_ends_at_once_with_one_line(tmp_path, procs, s3):
     text = output(job)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     # One line says so (the held upload, released, may still log from its thread while the process exits).
-    assert sum(line.startswith("interrupted: ") for line in text.splitlines()) == 1, text
+    assert sum(line.startswith("interrupted (SIGINT): ") for line in text.splitlines()) == 1, text

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import children, output, wait_for
+from launch import MAIN, SMALL, children, output, wait_for
 from mingpt.data.prepare import PrepareConfig, prepare
 
 PREPARE = str(Path(sys.executable).parent / "mingpt-prepare")
@@ -31,12 +31,18 @@ def slow_corpus(path: Path, megabytes: int = 200) -> Path:
     return path
 
 
-def start_tokenizing(procs, tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """mingpt-prepare with 2 workers, once they tokenize (past the BPE sample: its token file is open);
-    the process and its workers' PIDs. It starts with SIGINT ignored, as a script's background job does."""
+def start_tokenizing(procs, tmp_path: Path, trainer: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    """mingpt-prepare (or, `trainer`, a training process) with 2 workers, once they tokenize (past the BPE
+    sample: its token file is open); the process and its workers' PIDs. It starts with SIGINT ignored, as
+    a script's background job does."""
     corpus = slow_corpus(tmp_path / "records.jsonl.gz")
+    out = tmp_path / "data" / "web"
     command = [PREPARE, "--corpus", str(corpus), "--tokenizer", "bpe", "--vocab-size", "300",
-               "--bpe-sample-bytes", "100000", "--num-workers", "2", "--out", str(tmp_path / "data" / "web")]
+               "--bpe-sample-bytes", "100000", "--num-workers", "2", "--out", str(out)]
+    if trainer:
+        command = [sys.executable, MAIN, *SMALL, f"data.corpus={corpus}", "data.tokenizer=bpe", "data.vocab_size=300",
+                   "data.bpe_sample_bytes=1000000", "data.num_workers=2", f"data.prepared_dir={out}",
+                   f"snapshot.dir={tmp_path / 'snap'}"]
     proc = procs.start(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command], "prepare")
     wait_for(lambda: list((tmp_path / "data").glob(".web.tmp-*/train.bin")) and len(children(proc.pid)) == 2, 120,
              "the workers to tokenize", [proc])
@@ -91,3 +97,16 @@ def test_a_killed_preparation_leaves_no_worker_nor_lock_and_the_next_one_cleans_
     prepare(PrepareConfig(corpus=str(tmp_path / "small.txt"), prepared_dir=tmp_path / "data" / "small",
                           val_fraction=0.0))
     assert scratch(tmp_path / "data") == []  # its owner is gone: removed under the machine lock
+
+
+def test_sigterm_to_a_training_process_that_prepares_stops_it_at_once_and_leaves_nothing(tmp_path, procs):
+    """torchrun sends SIGTERM at every membership change, often while a worker still prepares data."""
+    proc, workers = start_tokenizing(procs, tmp_path, trainer=True)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    text = output(proc)
+    assert text.splitlines()[-1].startswith("interrupted (SIGTERM): ") and "Traceback" not in text, text
+    assert not [pid for pid in workers if alive(pid)]
+    assert scratch(tmp_path / "data") == [] and lock_free(tmp_path / "data")
+    claim = json.loads(next((tmp_path / "snap" / "owner").glob("gen-*.json")).read_text())
+    assert claim["released"] is True  # the next job starts at once, without waiting for the lease to expire

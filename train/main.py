@@ -9,7 +9,9 @@ See the README for multinode and SLURM launching. Hydra's multirun (-m) is refus
 
 import logging
 import os
+import signal
 import sys
+import traceback
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -43,6 +45,9 @@ def main(raw: DictConfig) -> None:
     except MinGPTError as e:
         log.error("%s", redact(e))  # a storage client may have echoed a URL with its credentials
         exit_now(2)
+    except Exception:  # a bug or another library's error: its traceback, never the credentials in URLs
+        log.error("%s", redact(traceback.format_exc()))
+        exit_now(1)
 
 
 def exit_now(code: int) -> None:
@@ -69,7 +74,8 @@ if __name__ == "__main__":
     refuse_multirun(sys.argv[1:])
     try:
         main()
-    except KeyboardInterrupt:  # a second Ctrl-C: the first one's orderly stop was cut short
-        print("interrupted: the last snapshot may not have been written; run the same command to resume from "
-              "the newest committed snapshot", file=sys.stderr)
-        exit_now(130)  # 128 + SIGINT, as shells report a process that Ctrl-C ended
+    except KeyboardInterrupt as e:  # SIGTERM before training, or a second Ctrl-C cutting the first one's stop short
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"interrupted ({signal.Signals(signum).name}): the last snapshot may not have been written; run the "
+              "same command to resume from the newest committed snapshot", file=sys.stderr)
+        exit_now(128 + signum)  # 130, 143: as shells report a process that the signal ended

@@ -8,23 +8,14 @@ import signal
 import sys
 from typing import Callable
 
-from mingpt.errors import MinGPTError
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM, raised where the command is, so that its cleanups run (temporary files,
-    worker processes) before it exits. A KeyboardInterrupt: code that handles Ctrl-C handles both."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+from mingpt.errors import MinGPTError, raise_stopped
 
 
 def run_command(command: Callable[[], int | None], interrupted: str = "interrupted") -> int:
     """`command()`'s exit status (None is 0); MinGPTError -> its message and 2; Ctrl-C (SIGINT) or SIGTERM ->
     `interrupted` and 128 + the signal's number (130, 143), as shells report a process the signal ended."""
     # Installed even where SIGINT came ignored (a background job of a script): `kill -INT` must stop a command.
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return command() or 0
     except MinGPTError as e:
@@ -36,10 +27,6 @@ def run_command(command: Callable[[], int | None], interrupted: str = "interrupt
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _stop(signum: int, frame) -> None:
-    raise Stopped(signum)
 
 
 def summary(doc: str) -> str:

@@ -23,7 +23,7 @@ from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepare import prepare
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import micro_batches, shard, window_order
-from mingpt.errors import ConfigError, TrainingError
+from mingpt.errors import ConfigError, TrainingError, raise_stopped
 from mingpt.interop.pretrained import Pretrained, open_pretrained
 from mingpt.metrics.loggers import Loggers
 from mingpt.model import GPT, GPTConfig
@@ -75,6 +75,16 @@ def train(cfg: Config) -> TrainResult:
     """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
     distributed.check_launch()  # first: a launch that is inconsistent or would deadlock fails before any work
     distributed.check_store_sharing()
+    # SIGTERM (torchrun's at every membership change) before the training loop stops preparation at once,
+    # through its cleanups (worker processes, temporary folders, the lease); the loop has its own StopFlag.
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        return _train(cfg)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _train(cfg: Config) -> TrainResult:
     store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     # The leader of this generation claims the run before any data work: a second job started
