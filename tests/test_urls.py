@@ -174,3 +174,17 @@ def test_tensorboard_folder_of_an_s3_run_stays_under_tensorboard(url, below, tmp
     logger.close()
     written = [p for p in tmp_path.rglob("events.out.tfevents.*")]
     assert written and all(p.is_relative_to(work / "tensorboard") for p in written)
+
+
+def test_the_prepared_folder_is_a_local_path_or_file_url_and_never_named_after_a_secret(tmp_path):
+    from mingpt.data.prepare import PrepareConfig, default_out_dir, out_dir
+
+    assert out_dir(PrepareConfig(prepared_dir=f"file://localhost{tmp_path}/p")) == tmp_path / "p"
+    assert out_dir(PrepareConfig(prepared_dir=f"file:{tmp_path}/p")) == tmp_path / "p"
+    for refused in (f"file://other-host{tmp_path}/p", "s3://bucket/prepared"):
+        with pytest.raises(MinGPTError) as e:
+            out_dir(PrepareConfig(prepared_dir=refused))
+        assert "\n" not in str(e.value)
+    assert "data.prepared_dir=s3://bucket/prepared: prepared data is memory-mapped" in str(e.value)
+    named = default_out_dir("https://user:HUSH@example.invalid", "char", None)
+    assert "HUSH" not in str(named) and "user" not in str(named) and named.parent == Path("data")

@@ -52,7 +52,7 @@ from mingpt.data.corpus import (
 from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, fingerprint, read_meta
 from mingpt.data.progress import Progress
 from mingpt.errors import DataError
-from mingpt.storage import redact
+from mingpt.storage import local_path, redact
 from mingpt.tokenizers import (
     BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, is_path, tokenizer_from_dict, train_tokenizer,
 )
@@ -122,8 +122,18 @@ def prepare(config: PrepareConfig) -> Path:
 def out_dir(config: PrepareConfig) -> Path:
     """`config.prepared_dir`, or the folder named after the corpus and tokenizer."""
     if config.prepared_dir:
-        return Path(config.prepared_dir)
+        return _local_folder(str(config.prepared_dir))
     return default_out_dir(config.corpus, config.tokenizer, config.vocab_size)
+
+
+def _local_folder(location: str) -> Path:
+    """A prepared folder is memory-mapped, so it lives on this machine: a path or a file: URL."""
+    if location.lower().startswith("file:"):
+        return Path(local_path(location))
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location):
+        raise DataError(f"data.prepared_dir={redact(location)}: prepared data is memory-mapped from a local folder; "
+                        "give a path on this machine (the corpus itself may be a URL)")
+    return Path(location)
 
 
 def default_out_dir(corpus: str | Sequence[str], tokenizer: str, vocab_size: int | None, root: str = "data") -> Path:
@@ -131,7 +141,7 @@ def default_out_dir(corpus: str | Sequence[str], tokenizer: str, vocab_size: int
 
     The hash keeps two corpora of the same name (./input.txt, s3://b/input.txt) apart."""
     entries = as_list(corpus)
-    first = entries[0].rstrip("/").split("://")[-1]
+    first = redact(entries[0]).rstrip("/").split("://")[-1].replace("***@", "")  # never a secret in a folder name
     if re.search(r"[*?[]", first):  # a glob: name it after its folder
         first = re.split(r"[*?[]", first)[0].rstrip("/")
     stem = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(first).name.split(".")[0]) or "corpus"
