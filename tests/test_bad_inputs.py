@@ -210,3 +210,16 @@ def test_mingpt_torchrun_names_an_unresolvable_endpoint_at_once(tmp_path):
     line = one_line(done.stderr)
     assert line.startswith("error: --rdzv-endpoint=store.invalid:29500: cannot resolve 'store.invalid'")
     assert "nc -zv store.invalid 29500" in line
+
+
+@pytest.mark.parametrize("payload", [
+    {"model": {"type": "BPE"}},  # no vocab
+    {"model": {"type": "BPE", "vocab": []}},  # a list where an object belongs
+    {"model": {"type": "BPE", "vocab": {"a": 0}}, "added_tokens": [{"id": 1}]},  # an added token without content
+    {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a"]}, "pre_tokenizer": {"type": "ByteLevel"}},
+])
+def test_a_tokenizer_json_of_another_shape_is_one_line(tmp_path, payload):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(payload))
+    with pytest.raises(TokenizerError) as refused:
+        load_tokenizer_folder(str(tmp_path) + "/")
+    assert str(refused.value).startswith(str(tmp_path)) and "\n" not in str(refused.value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from mingpt.errors import TokenizerError
+from mingpt.storage import redact
 from mingpt.tokenizers.base import EOT, Tokenizer
 from mingpt.tokenizers.bpe import BPETokenizer, TiktokenTokenizer
 from mingpt.tokenizers.char import CharTokenizer
@@ -49,7 +50,18 @@ def _merges(data: bytes) -> list[tuple[str, ...]]:
 
 def from_tokenizer_json(payload: dict, url: str) -> Tokenizer:
     """A Hugging Face tokenizer.json (parsed): a byte-level BPE as a tiktoken encoding, or the character
-    vocabulary that mingpt-export writes."""
+    vocabulary that mingpt-export writes. Valid JSON of another shape (a key missing, a list where an
+    object belongs) is one TokenizerError, whatever the parser trips on."""
+    try:
+        return _from_tokenizer_json(payload, url)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+        if isinstance(e, TokenizerError):
+            raise
+        raise TokenizerError(f"{redact(url)}/tokenizer.json is not a tokenizer file this reads ({type(e).__name__}: "
+                             f"{e}); download or copy it again") from None
+
+
+def _from_tokenizer_json(payload: dict, url: str) -> Tokenizer:
     model = payload.get("model") or {}
     if model.get("type") != "BPE" or payload.get("normalizer"):
         raise TokenizerError(f"{url}/tokenizer.json is not a byte-level BPE without normalizer; only those convert")
