@@ -150,6 +150,7 @@ def test_a_commit_this_job_did_not_write_stops_it_with_exit_2(tmp_path, procs):
     is, and never reports done."""
     first = procs.start(job(tmp_path, "model=gpt-micro", steps=200), "first")
     wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first job's snapshot", [first])
+    os.killpg(first.pid, signal.SIGSTOP)  # planted while it stands still: surely ahead of it, on any machine
     source = tmp_path / "snap" / f"step-{latest_step(tmp_path / 'snap'):09d}"
     planted_step = latest_step(tmp_path / "snap") + 50
     planted = tmp_path / "snap" / f"step-{planted_step:09d}"
@@ -159,6 +160,7 @@ def test_a_commit_this_job_did_not_write_stops_it_with_exit_2(tmp_path, procs):
     (tmp_path / "planting" / "manifest.json").write_text(json.dumps(manifest))
     os.rename(tmp_path / "planting", planted)  # appears whole, as a commit does
     planted_bytes = (planted / "manifest.json").read_bytes()
+    os.killpg(first.pid, signal.SIGCONT)
 
     assert first.wait(timeout=120) == 2, output(first)[-3000:]
     text = output(first)

@@ -38,7 +38,7 @@ from typing import Callable
 
 from mingpt.errors import MinGPTError
 from mingpt.rundir import RunDir
-from mingpt.storage import create_exclusive, is_local, replace_atomically
+from mingpt.storage import create_exclusive, is_local, redact, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class RunLease:
             return current
         log.warning("%s was last committed by job %s (generation %d, %s), whose claim file in %s is gone",
                     self.url, writer.get("job"), generation, commit[0], self.folder)
-        return Claim(generation, {"job": writer.get("job"), "generation": generation})
+        return Claim(generation, {"job": writer.get("job"), "generation": generation, "timeout_s": writer.get("timeout_s")})
 
     def _check_may_take(self, current: Claim, last_commit: LastCommit) -> None:
         holder = current.record
@@ -176,6 +176,10 @@ class RunLease:
         while time.monotonic() < deadline:
             time.sleep(min(1.0, timeout / 8))
             if state() != seen:
+                newest = self.current()
+                if newest is not None and newest.generation == current.generation and newest.record.get("released"):
+                    log.info("taking over %s, released by job %s meanwhile", self.url, newest.record.get("job"))
+                    return
                 raise self._owned(current, "it renewed its claim or committed while this job watched")
         log.warning("taking over %s from job %s on host %s: it has not renewed its claim for %.0f s (watched from "
                     "here; its lease timeout is %.0f s)", self.url, current.record.get("job"),
@@ -197,13 +201,18 @@ class RunLease:
         if self.claim is None:
             return
         newest = self.current()
-        if newest is not None and newest.generation > self.claim.generation:
+        # Newer, or the same generation claimed by someone else (its file was deleted and claimed anew).
+        if newest is not None and (newest.generation > self.claim.generation or
+                                   (newest.generation == self.claim.generation and not self._ours(newest.record))):
             self.lost = True
             raise LeaseLostError(
                 f"{self.url} was taken over by generation {newest.generation} (job {newest.record.get('job')} on "
                 f"{newest.record.get('host')}) while this process held generation {self.claim.generation}; "
                 "this process stops without writing or deleting anything there"
             )
+
+    def _ours(self, record: dict) -> bool:
+        return record.get("job") == self.job and record.get("since") == self.claim.record["since"]
 
     def renew(self, released: bool = False) -> None:
         """Say that the holder is alive (or, `released`, done); never writes over a newer generation."""
@@ -226,7 +235,7 @@ class RunLease:
                     log.error("%s", e)
                     return
                 except Exception as e:  # a storage hiccup: the next renewal may get through
-                    log.warning("could not renew the claim on %s: %s: %s", self.url, type(e).__name__, e)
+                    log.warning("could not renew the claim on %s: %s: %s", self.url, type(e).__name__, redact(e))
 
         self._thread = threading.Thread(target=loop, name="run-lease", daemon=True)
         self._thread.start()
@@ -241,7 +250,7 @@ class RunLease:
         try:
             self.renew(released=True)
         except Exception as e:  # the claim then expires by itself after timeout_s
-            log.warning("could not release the claim on %s: %s", self.url, e)
+            log.warning("could not release the claim on %s: %s", self.url, redact(e))
 
     def __enter__(self) -> "RunLease":
         return self
@@ -362,9 +371,11 @@ def _alive(pid: int, start: int) -> bool:
 
 def _processes(record: dict) -> list[tuple[int, int]]:
     """The (pid, start time) pairs a claim names; whatever else its "pids" holds is ignored."""
-    entries = record.get("pids")
-    return [(pid, start) for pid, start in (entry for entry in entries if isinstance(entry, list) and len(entry) == 2)
-            if isinstance(pid, int) and isinstance(start, int)] if isinstance(entries, list) else []
+    found = []
+    for entry in record.get("pids") if isinstance(record.get("pids"), list) else []:
+        if isinstance(entry, list) and len(entry) == 2 and all(isinstance(n, int) for n in entry):
+            found.append((entry[0], entry[1]))
+    return found
 
 
 def _pids(record: dict) -> str:
@@ -372,9 +383,12 @@ def _pids(record: dict) -> str:
 
 
 def _timeout_of(record: dict, default: float) -> float:
-    """The holder's lease timeout, as its claim says, within sane bounds (a claim file may be hand-edited)."""
+    """The holder's lease timeout, as its claim says; `default` where it says none or nonsense; at most
+    an hour, or `default` where that is longer (a claim file may be hand-edited)."""
     try:
-        timeout = float(record.get("timeout_s", default))
+        timeout = float(record.get("timeout_s"))
     except (TypeError, ValueError):
         return default
-    return min(timeout, max(default, _MAX_WATCH_S)) if timeout >= 1 else default
+    if not timeout >= 1:  # also NaN
+        return default
+    return min(timeout, max(default, _MAX_WATCH_S))

@@ -199,14 +199,18 @@ class SnapshotStore:
         """Become the one writer of this run (see mingpt.checkpoint.lease), renewing the claim in the background."""
         lease = RunLease(self.run, timeout_s)
         try:
+            last = self._last_commit()  # before the claim: a commit after this one is checked, never trusted
             lease.acquire(self._last_commit)
         except MinGPTError:
             raise
         except Exception as e:
             raise SnapshotError(f"cannot claim {self.url}: {explain_storage_error(e, self.local)}") from None
-        lease.keep_alive()
+        try:
+            lease.keep_alive()
+        except BaseException:  # Ctrl-C right here: release, or another host would wait out the timeout
+            lease.release()
+            raise
         self.lease = lease
-        last = self._last_commit()
         self._claimed_after = step_of(last[0]) if last else -1
         return lease
 
@@ -324,7 +328,8 @@ class SnapshotStore:
             "step": step,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **info,
-            **({"writer": {"job": self.lease.job, "generation": self.lease.generation}} if self.lease else {}),
+            **({"writer": {"job": self.lease.job, "generation": self.lease.generation,
+                           "timeout_s": self.lease.timeout_s}} if self.lease else {}),
             "files": entries,
         }
         self._commit(name, json.dumps(manifest, indent=2).encode())
@@ -365,7 +370,12 @@ class SnapshotStore:
         except FileExistsError:
             if self.fs.cat_file(path) == manifest:
                 return  # our own PUT, retried after a cut connection
-            self._another_writer(self.url_of(name), "another writer")
+            theirs, _ = self._read_manifest(name)
+            if theirs is None:
+                self._another_writer(self.url_of(name), "another writer")
+            self._check_ours(Snapshot(self, name, theirs))
+            raise SnapshotError(f"{self.url_of(name)} was committed meanwhile by another generation of this job; "
+                                "keeping it") from None
 
     def _check_ours(self, snapshot: Snapshot) -> None:
         """A commit of a step this job is saving is kept only where this job wrote it, or where it was there

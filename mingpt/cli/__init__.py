@@ -9,6 +9,7 @@ import sys
 from typing import Callable
 
 from mingpt.errors import MinGPTError, raise_stopped
+from mingpt.storage import redact
 
 
 def run_command(command: Callable[[], int | None], interrupted: str = "interrupted") -> int:
@@ -19,7 +20,7 @@ def run_command(command: Callable[[], int | None], interrupted: str = "interrupt
     try:
         return command() or 0
     except MinGPTError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(e)}", file=sys.stderr)  # a storage client may have echoed a URL with its credentials
         return 2
     except KeyboardInterrupt as e:
         print(interrupted, file=sys.stderr)

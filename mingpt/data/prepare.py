@@ -490,8 +490,9 @@ def _host() -> str:
 def _remove_leftovers(folder: Path) -> None:
     """Remove the scratch folders this machine's preparations left in `folder` when killed. Called with
     the machine lock held: no preparation on this machine is running there (other machines' are left)."""
-    for kind in ("tmp", "stale"):
-        for path in folder.glob(f".*.{kind}-{_host()}-*"):
+    ours = re.compile(rf"^\..+\.(tmp|stale)-{re.escape(_host())}-\d+-[0-9a-f]{{8}}$")  # not host "node1-b"'s
+    for path in folder.iterdir():
+        if ours.match(path.name):
             log.info("removing %s, left by a preparation that was killed", path)
             shutil.rmtree(path, ignore_errors=True)
 

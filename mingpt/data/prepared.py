@@ -48,6 +48,10 @@ def read_meta(directory: str | os.PathLike) -> dict:
         raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise DataError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} description; prepare the data again")
+    digests = meta.get("sha256")
+    if not isinstance(meta.get("fingerprint"), str) or not isinstance(digests, dict) or set(digests) != set(TOKEN_FILES):
+        raise DataError(f"{path} is damaged (its fingerprint or sha256 entries); delete {directory} and prepare the "
+                        "data again")
     return meta
 
 

@@ -117,11 +117,10 @@ def _join(launch: Launch, device: torch.device, timeout_s: float) -> None:
     device_id = device if device.type == "cuda" else None
     try:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
-    except dist.DistStoreError as e:
-        raise ConfigError(f"rank {launch.rank} of {launch.world_size}: the other processes did not join the process "
-                          f"group at {address} within {timeout_s:.0f} s (trainer.dist_timeout_s): start all "
-                          f"WORLD_SIZE processes, or check MASTER_ADDR and MASTER_PORT ({str(e).splitlines()[0]})") \
-            from None
+    except dist.DistError as e:  # peers that never came, a master that never answered, a port in use
+        raise ConfigError(f"rank {launch.rank} of {launch.world_size} could not join the process group at {address} "
+                          f"within {timeout_s:.0f} s (trainer.dist_timeout_s): start all WORLD_SIZE processes, or "
+                          f"check MASTER_ADDR and MASTER_PORT ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     log.debug("joined process group: rank %d of %d, %s on %s", launch.rank, launch.world_size, backend, device)
 
 
@@ -206,4 +205,7 @@ def broadcast_object(obj, world: World):
 
 def leads_this_generation() -> bool:
     """Whether this process will lead its generation (rank 0), known before joining the process group."""
-    return os.environ.get("RANK", "0") == "0"
+    try:
+        return int(os.environ.get("RANK", "0")) == 0  # as check_launch reads it: "00" and " 0" lead too
+    except ValueError:
+        return False  # check_launch refuses it, as the first thing train() does

@@ -99,6 +99,7 @@ def _train(cfg: Config) -> TrainResult:
             _check_batch(cfg, world)
             with StopFlag() as stop:
                 result = Trainer(cfg, world, store, data, model_config, pretrained).run(stop)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the last snapshot is committed: only leaving is left
             distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
             return result
         finally:
