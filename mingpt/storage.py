@@ -7,6 +7,7 @@ options (which may hold keys) are never part of a message.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
 import uuid
@@ -68,6 +69,19 @@ def _scheme(url: str) -> str:
     """The scheme of `url` in lower case ("s3", "file"); "" for a plain path."""
     found = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", url)
     return found[1].lower() if found else ""
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that passes every record through `redact`: whatever a library logs (a storage
+    client echoing a URL, a traceback), no credential reaches the screen or a log file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.exc_info:  # the traceback text too, formatted here so that it can be redacted
+            message += "\n" + logging.Formatter().formatException(record.exc_info)
+            record.exc_info, record.exc_text = None, None
+        record.msg, record.args = redact(message), None
+        return True
 
 
 def local_path(url: str) -> str:

@@ -188,3 +188,30 @@ def test_the_prepared_folder_is_a_local_path_or_file_url_and_never_named_after_a
     assert "data.prepared_dir=s3://bucket/prepared: prepared data is memory-mapped" in str(e.value)
     named = default_out_dir("https://user:HUSH@example.invalid", "char", None)
     assert "HUSH" not in str(named) and "user" not in str(named) and named.parent == Path("data")
+
+
+def test_every_log_record_of_a_command_is_redacted_tracebacks_too(capfd):
+    """Libraries log URLs as they got them (a storage client's retry warning, a traceback): the
+    commands' logging redacts every record at the handler, whoever logged it."""
+    import logging
+
+    from mingpt.cli import configure_logging
+    from mingpt.storage import RedactingFilter
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()  # stderr, as basicConfig makes it
+    root.addHandler(handler)
+    try:
+        configure_logging(logging.WARNING)
+        configure_logging(logging.WARNING)  # twice: one filter
+        assert sum(isinstance(f, RedactingFilter) for f in handler.filters) == 1
+        logging.getLogger("botocore.retries").warning("retrying %s", "s3://AKIA:HUSH/abc@bucket/key")
+        try:
+            raise OSError("cannot open https://user:HUSH@example.invalid/corpus.txt")
+        except OSError:
+            logging.getLogger("fsspec").exception("failed")
+    finally:
+        root.removeHandler(handler)
+    err = capfd.readouterr().err
+    assert "HUSH" not in err and "retrying s3://***@bucket/key" in err
+    assert "OSError: cannot open https://***@example.invalid/corpus.txt" in err

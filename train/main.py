@@ -17,6 +17,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from mingpt.cli import configure_logging
 from mingpt.errors import MinGPTError
 from mingpt.model import PRESETS
 from mingpt.storage import redact
@@ -35,7 +36,7 @@ log = logging.getLogger("mingpt")
 def main(raw: DictConfig) -> None:
     # One process logs its progress; the others, and other libraries (botocore's credential notes),
     # report warnings and errors only.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     if leads_this_generation():
         log.setLevel(logging.INFO)
     try:

@@ -4,12 +4,13 @@ one line on stderr and exit 2, Ctrl-C is exit 130 and SIGTERM exit 143, never a 
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from typing import Callable
 
 from mingpt.errors import MinGPTError, raise_stopped
-from mingpt.storage import redact
+from mingpt.storage import RedactingFilter, redact
 
 
 def run_command(command: Callable[[], int | None], interrupted: str = "interrupted") -> int:
@@ -28,6 +29,14 @@ def run_command(command: Callable[[], int | None], interrupted: str = "interrupt
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def configure_logging(level: int, fmt: str = "%(levelname)s %(message)s", datefmt: str | None = None) -> None:
+    """A command's logging to stderr, every record redacted (see storage.RedactingFilter)."""
+    logging.basicConfig(level=level, format=fmt, datefmt=datefmt)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
 
 
 def summary(doc: str) -> str:

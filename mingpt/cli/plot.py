@@ -13,7 +13,7 @@ import argparse
 import logging
 import os
 
-from mingpt.cli import run_command, summary
+from mingpt.cli import configure_logging, run_command, summary
 from mingpt.errors import MinGPTError
 from mingpt.metrics.plot import curves, draw, pyplot, read_records
 from mingpt.storage import redact
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", help="a snapshot.dir holding metrics.jsonl (local path or s3://...)")
     parser.add_argument("-o", "--output", default="loss.png", help="the picture to write (default: loss.png)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    configure_logging(logging.WARNING, "%(levelname)s %(message)s")
     return run_command(lambda: plot(args.run, args.output))
 
 

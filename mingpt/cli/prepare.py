@@ -10,7 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from mingpt.cli import run_command, summary
+from mingpt.cli import configure_logging, run_command, summary
 from mingpt.data.corpus import BUILTIN_CORPUS
 from mingpt.data.prepare import PrepareConfig, out_dir, prepare, verify
 from mingpt.data.prepared import read_meta
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_workers < 0:
         parser.error("--num-workers must be >= 0")
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    configure_logging(logging.WARNING, "%(message)s")
     logging.getLogger("mingpt").setLevel(logging.INFO)  # our progress; other libraries' INFO is noise here
     config = PrepareConfig(
         corpus=args.corpus[0] if len(args.corpus) == 1 else args.corpus, text_field=args.text_field,

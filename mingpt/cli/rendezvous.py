@@ -10,7 +10,7 @@ import sys
 
 from torch.distributed import TCPStore
 
-from mingpt.cli import summary
+from mingpt.cli import configure_logging, summary
 
 log = logging.getLogger("mingpt")
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     log.setLevel(logging.INFO)
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait below: either stops us in order

@@ -23,7 +23,7 @@ import torch
 
 from mingpt.checkpoint.load import open_model
 from mingpt.checkpoint.store import SnapshotError
-from mingpt.cli import run_command, summary
+from mingpt.cli import configure_logging, run_command, summary
 from mingpt.errors import ConfigError
 from mingpt.model import GPT
 from mingpt.tokenizers import Tokenizer
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="makes the output reproducible")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    configure_logging(logging.WARNING, "%(levelname)s %(message)s")
     return run_command(lambda: sample(args))
 
 

@@ -12,7 +12,7 @@ import sys
 
 from mingpt.checkpoint.lease import RunLease, describe
 from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, step_of
-from mingpt.cli import run_command, summary
+from mingpt.cli import configure_logging, run_command, summary
 from mingpt.errors import MinGPTError
 from mingpt.storage import explain_storage_error, redact
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["list", "verify"], help="list reads manifests; verify also checks every file")
     parser.add_argument("url", help="a snapshot folder: local path or s3://bucket/prefix")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
+    configure_logging(logging.ERROR, "%(levelname)s %(message)s")
     return run_command(lambda: show(args.url, verify=args.command == "verify"))
 
 
