@@ -7,7 +7,6 @@ process group, and `Processes` ends whatever is still running when the test fini
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -19,9 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from mingpt.training.config import Config, from_hydra, validate
+from mingpt.training.app import compose_config
+from mingpt.training.config import Config
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = str(REPO / "train" / "main.py")
@@ -40,15 +39,8 @@ RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_inte
 
 def config(*overrides: str) -> Config:
     """The Config that `python train/main.py OVERRIDES` runs with, composed by Hydra in this process
-    from train/conf and train/main.py's schema, and validated as main.py validates it."""
-    if "mingpt_train_app" not in sys.modules:  # its ConfigStore entries: the schema and the model presets
-        spec = importlib.util.spec_from_file_location("mingpt_train_app", MAIN)
-        spec.loader.exec_module(sys.modules.setdefault("mingpt_train_app", importlib.util.module_from_spec(spec)))
-    with initialize_config_dir(config_dir=str(REPO / "train" / "conf"), version_base="1.3"):
-        raw = compose(config_name="config", overrides=list(overrides))
-    cfg = from_hydra(raw)
-    validate(cfg)
-    return cfg
+    from train/conf, and validated as main.py validates it."""
+    return compose_config(REPO / "train" / "conf", list(overrides))
 
 
 def train_here(root: Path, *overrides: str) -> str:

@@ -223,3 +223,27 @@ def test_a_tokenizer_json_of_another_shape_is_one_line(tmp_path, payload):
     with pytest.raises(TokenizerError) as refused:
         load_tokenizer_folder(str(tmp_path) + "/")
     assert str(refused.value).startswith(str(tmp_path)) and "\n" not in str(refused.value)
+
+
+def test_mingpt_torchrun_refuses_a_bad_override_before_any_agent_or_data_work(tmp_path, capsys, monkeypatch):
+    """The data step before joining composes the job's configuration: a typo is one line, and nothing runs."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torchrun.run, "run", lambda args: pytest.fail("the agent started"))
+    assert torchrun.main(["--standalone", "--nproc-per-node=1", MAIN, "+trainer.max_step=5"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["error: unknown setting trainer.max_step (did you mean trainer.max_steps?): "
+                                "`python train/main.py --cfg job` lists every setting"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mingpt_torchrun_prepares_only_for_a_mingpt_application(tmp_path, monkeypatch):
+    """Another script (no conf/config.yaml beside it) is launched as torchrun would, with no data step."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)  # main sets it: undone after the test
+    script = tmp_path / "other.py"
+    script.write_text("print('hello')\n")
+    started = []
+    monkeypatch.setattr(torchrun.run, "run", started.append)
+    monkeypatch.setattr(torchrun, "prepare_data", lambda cfg: pytest.fail("prepared data for another script"))
+    assert torchrun.main(["--standalone", "--nproc-per-node=1", str(script), "model=gpt-nano"]) == 0
+    assert len(started) == 1 and started[0].training_script_args == ["model=gpt-nano"]

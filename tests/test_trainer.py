@@ -36,6 +36,9 @@ def test_standalone_two_workers_run_to_the_end(tmp_path, procs):
     final = manifests(tmp_path / "snap")[-1]
     assert final["step"] == 20 and final["world_size"] == 2 and final["samples_seen"] == 20 * 8
     assert "done: step 20" in text
+    # mingpt-torchrun prepared the data before its agent started (a node that joins a running job must not
+    # make it wait while it tokenizes); the workers reuse it.
+    assert text.index("mingpt-torchrun: data ready in") < text.index("this job holds") < text.index("reusing prepared")
     assert [m["step"] for m in metrics(tmp_path / "snap") if "train_loss" in m] == [5, 10, 15, 20]
     # One process logs: every progress line appears once.
     assert text.count("step 20/20") == 1

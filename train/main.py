@@ -14,21 +14,17 @@ import sys
 import traceback
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from mingpt.cli import configure_logging
 from mingpt.errors import MinGPTError
-from mingpt.model import PRESETS
 from mingpt.storage import redact
-from mingpt.training.config import Config, ModelConfig, from_hydra, validate
+from mingpt.training.app import register
+from mingpt.training.config import Config, from_hydra, validate
 from mingpt.training.distributed import leads_this_generation
 from mingpt.training.trainer import train
 
-store = ConfigStore.instance()
-store.store(name="schema", node=Config)
-for preset in PRESETS:  # model=gpt-mini: the config group's options are the model's presets, defined once
-    store.store(group="model", name=preset, node=ModelConfig(name=preset))
+register()  # the schema and the model presets (mingpt.training.app)
 log = logging.getLogger("mingpt")
 
 

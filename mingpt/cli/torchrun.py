@@ -6,10 +6,12 @@ torchrun would refuse with a traceback, or after a minute with two, is one line 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -17,11 +19,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.utils import (
     _matches_machine_hostname, _parse_rendezvous_config, parse_rendezvous_endpoint)
 
-from mingpt.cli import run_command
+from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError
+from mingpt.training.app import compose_config
 from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf
+from mingpt.training.trainer import prepare_data
 
 C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv-endpoint names none
+log = logging.getLogger(__name__)
 CHECK = "check with `nc -zv {host} {port}` from this node (README: Multinode troubleshooting)"
 
 
@@ -30,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     user set the variable) and quick rendezvous settings (merged under the user's `--rdzv-conf`)."""
     args = run.parse_args(argv)  # torchrun's own parser: the same options, the same errors
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
-    status = run_command(lambda: check_launch(args))
+    status = run_command(lambda: check_launch(args)) or run_command(lambda: prepare_before_joining(args))
     if status:
         return status
     os.environ.setdefault(STORE_SHARING, "1")
@@ -38,6 +43,22 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr, flush=True)
     record(run.run)(args)
     return 0
+
+
+def prepare_before_joining(args: argparse.Namespace) -> None:
+    """Prepare (or reuse) the data the job's overrides describe, on this node, before its agent enters the
+    rendezvous: a node joining a running job would otherwise make every other node wait while its workers
+    tokenize, and past trainer.dist_timeout_s end the job. Only for a mingpt application (a `conf/` folder
+    beside the script); a mistake in the overrides is one line here, before any agent starts."""
+    conf = Path(args.training_script).resolve().parent / "conf"
+    if args.no_python or args.module or not (conf / "config.yaml").is_file():
+        return
+    configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
+    logging.getLogger("mingpt").setLevel(logging.INFO)  # this node's own progress, on its own log
+    cfg = compose_config(conf, args.training_script_args)
+    started = time.monotonic()
+    folder = prepare_data(cfg)
+    log.info("mingpt-torchrun: data ready in %s (%.0f s); joining the job", folder, time.monotonic() - started)
 
 
 def check_launch(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+from pathlib import Path
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -92,7 +93,7 @@ def _train(cfg: Config) -> TrainResult:
     # can no longer commit (see mingpt.checkpoint.lease).
     with store.claim(cfg.snapshot.lease_timeout_s) if distributed.leads_this_generation() else nullcontext():
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
-        data = PreparedData(prepare(replace(cfg.data, tokenizer=_tokenizer(cfg, pretrained))))
+        data = PreparedData(prepare_data(cfg, pretrained))
         model_config = _model_config(cfg, data, pretrained)
         world = distributed.start(cfg.trainer.dist_timeout_s)
         try:
@@ -104,6 +105,15 @@ def _train(cfg: Config) -> TrainResult:
             return result
         finally:
             distributed.stop()
+
+
+def prepare_data(cfg: Config, pretrained: Pretrained | None = None) -> Path:
+    """The prepared folder of `cfg.data` (reused, or prepared now), tokenized with model.init_from's
+    tokenizer where data.tokenizer is left at its default. mingpt-torchrun calls it before its node
+    joins the job, so that the job never waits while a new node tokenizes."""
+    if pretrained is None and cfg.model.init_from:
+        pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size)
+    return prepare(replace(cfg.data, tokenizer=_tokenizer(cfg, pretrained)))
 
 
 def _tokenizer(cfg: Config, pretrained: Pretrained | None) -> str:
