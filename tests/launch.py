@@ -7,6 +7,7 @@ process group, and `Processes` ends whatever is still running when the test fini
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -219,3 +220,15 @@ def worker(agent_pid: int, local_rank: int) -> int:
 def metrics(snapdir: Path) -> list[dict]:
     path = snapdir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def slow_corpus(path: Path, megabytes: int = 200) -> Path:
+    """JSONL of tiny records: about 80 s of tokenizing on 2 cores, in 2 MB of disk (one gzip member repeated:
+    concatenated members are one valid gzip stream). A test stops it within seconds of starting."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    block = "".join(json.dumps({"text": f"{words[i % 12]} {i % 89}"}) + "\n" for i in range(50_000)).encode()
+    member = gzip.compress(block)
+    with open(path, "wb") as f:
+        for _ in range(megabytes * 2**20 // len(block)):
+            f.write(member)
+    return path

@@ -5,6 +5,7 @@ as main.py does, and the trainer raises the error that main.py prints as one lin
 itself runs once per kind of outcome: a bad value (exit 2), a value of the wrong type (Hydra's
 exit 1), multirun, and Ctrl-C."""
 
+import importlib.util
 import json
 import re
 import signal
@@ -178,8 +179,10 @@ def test_ctrl_c_finishes_the_step_and_snapshots(tmp_path, procs):
 
 
 def test_multirun_is_refused(capsys):
-    config()  # loads train/main.py, whose refuse_multirun the command runs before Hydra starts
-    refuse = sys.modules["mingpt_train_app"].refuse_multirun
+    spec = importlib.util.spec_from_file_location("mingpt_train_app", MAIN)  # without running it
+    app_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app_module)
+    refuse = app_module.refuse_multirun  # what the command runs before Hydra starts
     for flag in ["-m", "--multirun", "hydra.mode=MULTIRUN"]:
         with pytest.raises(SystemExit) as stopped:
             refuse([flag, "seed=1,2"])

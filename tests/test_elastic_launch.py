@@ -6,14 +6,16 @@ mingpt-rendezvous) are in test_trainer.py.
 
 import logging
 import os
+import re
 import signal
 
 import pytest
 
 from launch import (
     BIN, RDZV_CONF, REPO, SMALL, free_port, manifests, output, plain_torchrun, port_listens, rendezvous,
-    wait_for,
+    slow_corpus, wait_for,
 )
+from mingpt.data.prepare import PrepareConfig, prepare
 from mingpt.training import distributed
 from mingpt.training.launcher import QUICK_RENDEZVOUS, merge_rendezvous_conf
 from mingpt.errors import ConfigError
@@ -118,3 +120,21 @@ def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, pro
     assert final["step"] == 6 and final["world_size"] == 2
     assert "rendezvous store listening on port" in output(job)
     assert not port_listens(port)  # the script stopped its store on the way out
+
+
+def test_a_peer_still_preparing_its_data_is_waited_for_not_timed_out(tmp_path, procs):
+    """Under plain torchrun each worker prepares its own data before the process group forms. Here rank 1
+    has a folder of its own to prepare (a node with an empty disk) while rank 0's is ready, and
+    trainer.dist_timeout_s is 2 s: rank 0 used to give up in init_process_group. Now rank 1 says it is
+    preparing, rank 0 waits for it as long as that takes, and says whom it waits for."""
+    corpus = slow_corpus(tmp_path / "records.jsonl.gz", megabytes=6)  # seconds of preparing on this class of machine
+    for_rank = lambda rank: tmp_path / f"prepared-{rank}"
+    prepare(PrepareConfig(corpus=str(corpus), prepared_dir=for_rank(0)))
+    overrides = [*SMALL, f"data.corpus={corpus}", "data.num_workers=1", "trainer.dist_timeout_s=2",
+                 "trainer.max_steps=4", f"snapshot.dir={tmp_path / 'snap'}",
+                 f"data.prepared_dir={tmp_path}/prepared-${{oc.env:LOCAL_RANK}}"]  # a folder per rank
+    job = procs.start(plain_torchrun("--standalone", "--nproc-per-node=2") + overrides, "job")
+    assert job.wait(timeout=180) == 0, output(job)[-3000:]
+    text = output(job)
+    assert "done: step 4" in text and (for_rank(1) / "meta.json").exists()
+    assert re.search(r"waiting for 1 process\(es\) to prepare their data: rank 1 on \S+", text), text[-3000:]

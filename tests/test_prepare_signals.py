@@ -2,7 +2,6 @@
 no temporary folder outlives it for long. Real `mingpt-prepare` processes, real signals."""
 
 import fcntl
-import gzip
 import json
 import os
 import signal
@@ -12,23 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from launch import MAIN, SMALL, children, output, wait_for
+from launch import MAIN, SMALL, children, output, slow_corpus, wait_for
 from mingpt.data.prepare import PrepareConfig, prepare
 
 PREPARE = str(Path(sys.executable).parent / "mingpt-prepare")
 INTERRUPTED = "interrupted: nothing was published; run the same command again"
-
-
-def slow_corpus(path: Path, megabytes: int = 200) -> Path:
-    """JSONL of tiny records: about 80 s of tokenizing on 2 cores, in 2 MB of disk (one gzip member repeated:
-    concatenated members are one valid gzip stream). A test stops it within seconds of starting."""
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    block = "".join(json.dumps({"text": f"{words[i % 12]} {i % 89}"}) + "\n" for i in range(50_000)).encode()
-    member = gzip.compress(block)
-    with open(path, "wb") as f:
-        for _ in range(megabytes * 2**20 // len(block)):
-            f.write(member)
-    return path
 
 
 def start_tokenizing(procs, tmp_path: Path, trainer: bool = False) -> tuple[subprocess.Popen, list[int]]:

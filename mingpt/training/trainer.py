@@ -86,6 +86,7 @@ def train(cfg: Config) -> TrainResult:
 
 
 def _train(cfg: Config) -> TrainResult:
+    meeting = distributed.meet(cfg.trainer.dist_timeout_s)  # first: peers wait for this process while it prepares
     store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     # The leader of this generation claims the run before any data work: a second job started
@@ -95,7 +96,7 @@ def _train(cfg: Config) -> TrainResult:
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         data = PreparedData(prepare_data(cfg, pretrained))
         model_config = _model_config(cfg, data, pretrained)
-        world = distributed.start(cfg.trainer.dist_timeout_s)
+        world = distributed.start(cfg.trainer.dist_timeout_s, meeting)
         try:
             _check_batch(cfg, world)
             with StopFlag() as stop:
