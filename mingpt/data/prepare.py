@@ -331,10 +331,18 @@ class _Pool:
     def __exit__(self, exc_type, *exc) -> None:
         if self.pool is None:
             return
-        if exc_type is not None:  # stopped or failed: the pieces in flight are wanted no more, so do not wait for them
-            for process in list(self.pool._processes.values()):  # Python 3.14 has kill_workers() for this
-                process.kill()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if exc_type is None:
+            self.pool.shutdown(wait=True)
+            return
+        # Stopped or failed: the pieces in flight are wanted no more. Kill the workers and reap them here, so that
+        # none outlives the preparation; the pool's own shutdown is not waited for, since a pool whose workers
+        # were killed under it can block in it (its queue feeder on a full pipe).
+        processes = list(self.pool._processes.values())  # Python 3.14 has kill_workers() for this
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.join()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 # What each worker process knows: set once by `_init_worker`.
