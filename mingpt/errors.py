@@ -37,6 +37,24 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+# Signals whose Stopped was raised. Python runs a handler wherever the main thread is, and an exception
+# raised inside a callback whose exceptions are printed and dropped (logging's after-fork hook, while a
+# worker process is forked) would lose the stop: loops that run long call `check_stopped`.
+_received: list[int] = []
+
+
 def raise_stopped(signum: int, frame) -> None:
-    """A signal handler: raise Stopped."""
+    """A signal handler: raise Stopped, and remember it (see `check_stopped`)."""
+    _received.append(signum)
     raise Stopped(signum)
+
+
+def check_stopped() -> None:
+    """Raise Stopped again for a signal whose first Stopped was swallowed where it was raised."""
+    if _received:
+        raise Stopped(_received[-1])
+
+
+def forget_stops() -> None:
+    """The stop was handled (the command ends, or a new one starts in this process)."""
+    _received.clear()

@@ -215,7 +215,8 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, 
 
     history = [m for m in metrics(snap) if "train_loss" in m]
     sizes = [m["world_size"] for m in history]
-    assert 1 in sizes and sizes[0] == 2 and sizes[-1] == 2
+    # Two nodes, then one, then two again (the first node may train alone for a moment before the second joins).
+    assert 2 in sizes and 1 in sizes[sizes.index(2):] and sizes[-1] == 2, sizes
     for m in manifests(snap):
         assert m["samples_seen"] == m["step"] * 16  # the global batch never changed
     # Against an uninterrupted run: the same examples in the same steps; only float summation

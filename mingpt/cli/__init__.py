@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Callable
 
-from mingpt.errors import MinGPTError, raise_stopped
+from mingpt.errors import MinGPTError, forget_stops, raise_stopped
 from mingpt.storage import RedactingFilter, redact
 
 
@@ -18,6 +18,7 @@ def run_command(command: Callable[[], int | None], interrupted: str = "interrupt
     `interrupted` and 128 + the signal's number (130, 143), as shells report a process the signal ended."""
     # Installed even where SIGINT came ignored (a background job of a script): `kill -INT` must stop a command.
     previous = {sig: signal.signal(sig, raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    forget_stops()
     try:
         return command() or 0
     except MinGPTError as e:
@@ -29,6 +30,7 @@ def run_command(command: Callable[[], int | None], interrupted: str = "interrupt
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        forget_stops()
 
 
 def configure_logging(level: int, fmt: str = "%(levelname)s %(message)s", datefmt: str | None = None) -> None:

@@ -24,7 +24,7 @@ from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepare import prepare
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import micro_batches, shard, window_order
-from mingpt.errors import ConfigError, TrainingError, raise_stopped
+from mingpt.errors import ConfigError, TrainingError, forget_stops, raise_stopped
 from mingpt.interop.pretrained import Pretrained, open_pretrained
 from mingpt.metrics.loggers import Loggers
 from mingpt.model import GPT, GPTConfig
@@ -79,10 +79,12 @@ def train(cfg: Config) -> TrainResult:
     # SIGTERM (torchrun's at every membership change) before the training loop stops preparation at once,
     # through its cleanups (worker processes, temporary folders, the lease); the loop has its own StopFlag.
     previous = signal.signal(signal.SIGTERM, raise_stopped)
+    forget_stops()
     try:
         return _train(cfg)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        forget_stops()
 
 
 def _train(cfg: Config) -> TrainResult:
