@@ -44,16 +44,12 @@ def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFile
     MinGPTError for one it cannot use: an unknown protocol, a file: URL naming another machine,
     credentials in an object store's URL."""
     url = str(url)
-    scheme, userinfo = _scheme(url), _USERINFO.match(url)
-    if scheme in LOCAL_SCHEMES:
-        url = local_path(url)
-    elif scheme in OBJECT_STORES and userinfo:
-        raise MinGPTError(
-            f"cannot use {redact(url)}: credentials do not go in the URL, where they would be shown and logged; "
-            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for S3, or give them in storage_options")
-    elif userinfo and "/" in userinfo[0].split("://", 1)[1]:  # URL parsers would split it, and show a piece
-        raise MinGPTError(f"cannot use {redact(url)}: its password holds a '/', which ends the host part of a "
-                          "URL; write each '/' in it as %2F")
+    if "::" in url:  # an fsspec chain (simplecache::s3://...): each link is checked as a URL of its own
+        for link in url.split("::")[1:]:
+            _check_link(link)
+        _check_link(url.split("::")[0], chained=True)
+    else:
+        url = _check_link(url)
     try:
         return url_to_fs(url, **(storage_options or {}))
     except (ValueError, ImportError) as e:  # "Protocol not known: foo", or its package is not installed
@@ -63,6 +59,25 @@ def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFile
         ) from None
     except Exception as e:  # file systems that connect when made (ftp, sftp), to a server that is not there
         raise MinGPTError(f"cannot open {redact(url)}: {explain_storage_error(e, setting='the URL')}") from None
+
+
+def _check_link(url: str, chained: bool = False) -> str:
+    """`url` as open_fs uses it (a file: URL becomes its path); MinGPTError for credentials where they would
+    be shown, or a file: URL that names another machine."""
+    scheme, userinfo = _scheme(url), _USERINFO.match(url)
+    if scheme in LOCAL_SCHEMES:
+        path = local_path(url)
+        if chained and path != url:
+            raise MinGPTError(f"cannot use {redact(url)} in an fsspec chain: give the plain path there")
+        return path
+    if scheme in OBJECT_STORES and userinfo:
+        raise MinGPTError(
+            f"cannot use {redact(url)}: credentials do not go in the URL, where they would be shown and logged; "
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for S3, or give them in storage_options")
+    elif userinfo and "/" in userinfo[0].split("://", 1)[1]:  # URL parsers would split it, and show a piece
+        raise MinGPTError(f"cannot use {redact(url)}: its password holds a '/', which ends the host part of a "
+                          "URL; write each '/' in it as %2F")
+    return url
 
 
 def _scheme(url: str) -> str:

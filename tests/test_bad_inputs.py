@@ -3,6 +3,7 @@ folders that are truncated, garbage, mismatched or pickles (model.init_from, dat
 mingpt-torchrun's node counts and rendezvous endpoint. Every bad file here is a real file on disk."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -167,6 +168,8 @@ BAD_TORCHRUN_ARGS = [
     ["--nproc-per-node=0"], ["--nproc-per-node=-2"], ["--nproc-per-node=many"],
     ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:70000"],
     ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-conf=is_host=perhaps"],
+    ["--rdzv-conf=foo"], ["--rdzv-conf=join_timeout=abc"], ["--rdzv-backend=nope"], ["--max-restarts=-1"],
+    ["--nnodes=2", "--rdzv-endpoint=user:HUSH@example.invalid:29500"],
 ]
 
 
@@ -174,7 +177,7 @@ BAD_TORCHRUN_ARGS = [
 def test_mingpt_torchrun_refuses_bad_counts_in_one_line(capsys, args):
     assert torchrun.main([*args, "--no-python", "true"]) == 2
     line = one_line(capsys.readouterr().err)
-    assert line.startswith("error: ") and args[-1].split("=")[0] in line
+    assert line.startswith("error: ") and args[-1].split("=")[0] in line and "HUSH" not in line
 
 
 def test_an_unreachable_rendezvous_store_is_one_line_with_the_readme_check(capsys, closed_port):
@@ -247,3 +250,14 @@ def test_mingpt_torchrun_prepares_only_for_a_mingpt_application(tmp_path, monkey
     monkeypatch.setattr(torchrun, "prepare_data", lambda cfg: pytest.fail("prepared data for another script"))
     assert torchrun.main(["--standalone", "--nproc-per-node=1", str(script), "model=gpt-nano"]) == 0
     assert len(started) == 1 and started[0].training_script_args == ["model=gpt-nano"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zeros", "folder"])
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_special_files_in_a_model_or_tokenizer_folder_are_one_line_never_read(tmp_path, kind, name):
+    """A FIFO would block the read for ever, /dev/zero fill the memory, a folder fail with a traceback."""
+    path = tmp_path / name
+    {"fifo": lambda: os.mkfifo(path), "zeros": lambda: path.symlink_to("/dev/zero"), "folder": path.mkdir}[kind]()
+    with pytest.raises(MinGPTError) as refused:
+        open_pretrained(str(tmp_path), 32) if name == "config.json" else load_tokenizer_folder(str(tmp_path) + "/")
+    assert one_line(str(refused.value)).startswith(f"{path} is not a regular file")

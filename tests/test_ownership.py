@@ -198,6 +198,24 @@ def test_stray_entries_in_owner_and_the_run_folder_are_skipped(tmp_path, capsys)
     assert re.search(r"step-banana .* damaged: not a snapshot name", listing)
     assert re.search(r"step-000000010 +10 .* committed", listing) and "(generation 1), released" in listing
 
+    # The next claim's own name taken by junk, and a snapshot name that loops: skipped, the run resumes.
+    os.mkfifo(snap / "owner" / "gen-000000002.json")
+    os.symlink("step-000000099", snap / "step-000000099")
+    log = train_here(tmp_path, "trainer.max_steps=20")
+    assert "gen-000000002.json is not a claim; skipping it" in log and "done: step 20" in log
+    assert lease.current().generation == 3
+    assert os.path.islink(snap / "step-000000099")  # left alone, for inspection
+
+
+def test_a_run_whose_claim_file_went_before_its_first_commit_is_watched_not_started_afresh(tmp_path):
+    """No claim and no commit, but metrics: a job may be training there (its claim deleted before its first
+    commit). A new job watches it for the lease timeout before it claims the run."""
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "metrics.jsonl").write_text('{"step": 5, "train_loss": 4.0}\n')
+    log = train_here(tmp_path, "trainer.max_steps=5", "snapshot.lease_timeout_s=1")
+    assert "has metrics but no claim and no commit" in log and "has not renewed its claim for 1 s" in log
+    assert "done: step 5" in log
+
 
 @pytest.mark.slow
 def test_a_worker_left_from_an_older_generation_cannot_commit(tmp_path, procs):

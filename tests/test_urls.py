@@ -215,3 +215,11 @@ def test_every_log_record_of_a_command_is_redacted_tracebacks_too(capfd):
     err = capfd.readouterr().err
     assert "HUSH" not in err and "retrying s3://***@bucket/key" in err
     assert "OSError: cannot open https://***@example.invalid/corpus.txt" in err
+
+
+@pytest.mark.parametrize("url", ["simplecache::s3://AKIAXX:HUSH@bucket/x.txt",
+                                 "simplecache::file://user:HUSH@localhost/tmp/x"])
+def test_every_link_of_an_fsspec_chain_is_checked_for_credentials(url):
+    with pytest.raises(MinGPTError) as refused:
+        open_fs(url)
+    assert "HUSH" not in str(refused.value) and "\n" not in str(refused.value)

@@ -89,7 +89,7 @@ class RunLease:
 
     def __init__(self, run: RunDir, timeout_s: float, job: str | None = None):
         self.fs, self.url, self.timeout_s = run.fs, run.url, timeout_s
-        self.folder = run.owner
+        self.folder, self.metrics = run.owner, run.metrics
         self.local = is_local(run.fs)
         self.job = job or job_identity()
         self.claim: Claim | None = None
@@ -113,18 +113,26 @@ class RunLease:
             log.warning("torchrun was started without --rdzv-id: each node's agent then counts as a job of its "
                         "own for run ownership. Give every node the same --rdzv-id=NAME")
         if self.local:
-            self.fs.makedirs(self.folder, exist_ok=True)
+            try:
+                self.fs.makedirs(self.folder, exist_ok=True)
+            except FileExistsError:
+                raise RunOwnedError(f"{self.folder} is not a folder: move it away, then run this again") from None
+        damaged = 0  # the highest generation whose name is taken by something that is not a claim
         for _ in range(10):
             current = self._holder(last_commit)
             if current is not None:
                 self._check_may_take(current, last_commit)
-            generation = current.generation + 1 if current else 1
+            generation = max(current.generation if current else 0, damaged) + 1
             record = self._record(generation, since=time.time())
             try:
                 create_exclusive(self.fs, self._path(generation), _encode(record))
             except FileExistsError:
-                if self._read(generation) == record:  # our own PUT, retried after a cut connection
+                existing = self._read(generation)
+                if existing == record:  # our own PUT, retried after a cut connection
                     break
+                if existing is None:  # a folder, a FIFO, garbage: skipped as damaged, like every such entry
+                    log.warning("%s is not a claim; skipping it", self._path(generation))
+                    damaged = generation
                 continue  # another process claimed this generation first: look again
             break
         else:
@@ -139,6 +147,11 @@ class RunLease:
         gone, that writer (a take-over case, never a fresh run)."""
         current = self.current()
         commit = last_commit()
+        if current is None and commit is None and self._has_metrics():
+            # A job trained here and its claim file is gone, before its first commit: watch it like any holder.
+            log.warning("%s has metrics but no claim and no commit: the claim file of the job training there may "
+                        "have been deleted", self.url)
+            return Claim(0, {"job": "the job that wrote metrics.jsonl", "generation": 0})
         writer = commit[1] if commit else None
         generation = writer.get("generation") if isinstance(writer, dict) else None
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
@@ -287,6 +300,13 @@ class RunLease:
             if record is not None:
                 return Claim(generation, record)
         return None
+
+    def _has_metrics(self) -> bool:
+        try:
+            info = self.fs.info(self.metrics)
+        except OSError:
+            return False
+        return info.get("type") == "file" and info.get("size", 0) > 0
 
     def _claim_bytes(self) -> bytes | None:
         """The newest claim as stored, to tell whether it changes."""

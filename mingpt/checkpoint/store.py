@@ -286,6 +286,8 @@ class SnapshotStore:
             return None, None
         except NotADirectoryError:
             return None, "not a folder"
+        except OSError as e:  # a symbolic link loop, no permission, ...
+            return None, f"unreadable ({e.strerror or type(e).__name__})"
         except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
             return None, f"{MANIFEST} is not valid JSON"
         problem = manifest_problem(manifest, step_of(name))

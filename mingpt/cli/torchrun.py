@@ -66,8 +66,32 @@ def check_launch(args: argparse.Namespace) -> None:
     minute and two tracebacks (a rendezvous endpoint it cannot resolve or reach)."""
     check_nnodes(args.nnodes)
     check_nproc_per_node(args.nproc_per_node)
+    check_rendezvous(args)
     if args.rdzv_backend == "c10d" and not args.standalone:  # --standalone makes its own store on localhost
         check_endpoint(args.rdzv_endpoint, args.rdzv_conf)
+
+
+# torch's rendezvous backends, and the --rdzv-conf keys that are numbers of seconds or attempts.
+BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+NUMERIC_CONF = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt",
+                "read_timeout", "timeout")
+
+
+def check_rendezvous(args: argparse.Namespace) -> None:
+    if args.rdzv_backend not in BACKENDS:
+        raise ConfigError(f"--rdzv-backend={args.rdzv_backend}: use one of {', '.join(BACKENDS)} (c10d, the default, "
+                          "needs no other service)")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts}: give a number of restarts of at least 0")
+    if "@" in args.rdzv_endpoint:
+        raise ConfigError("--rdzv-endpoint takes HOST:PORT, with no user name or password")
+    try:
+        conf = _parse_rendezvous_config(args.rdzv_conf)
+    except ValueError as e:
+        raise ConfigError(f"--rdzv-conf: {str(e).rstrip('.')}; give KEY=VALUE pairs separated by commas") from None
+    for key in NUMERIC_CONF:
+        if key in conf and not (conf[key].isdigit() and int(conf[key]) >= 0):
+            raise ConfigError(f"--rdzv-conf: {key}={conf[key]} must be a whole number of at least 0")
 
 
 def check_nnodes(value: str) -> None:

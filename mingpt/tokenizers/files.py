@@ -13,7 +13,7 @@ from typing import Callable, TypeVar
 from fsspec.spec import AbstractFileSystem
 
 from mingpt.errors import MinGPTError, TokenizerError
-from mingpt.storage import is_local, redact
+from mingpt.storage import check_regular_file, is_local, redact
 
 T = TypeVar("T")
 
@@ -26,14 +26,19 @@ class NotReadable(ValueError):
 
 def read_file(fs: AbstractFileSystem, path: str, parse: Callable[[bytes], T], advice: str = AGAIN,
               error: type[MinGPTError] = TokenizerError) -> T:
-    """`parse` of the bytes of `path`; a failure to parse them as `error`, one line naming the file."""
+    """`parse` of the bytes of `path`; a failure to parse them as `error`, one line naming the file. Only a
+    regular file is read: a FIFO would block for ever, /dev/zero would fill the memory, a folder fails."""
+    name = path if is_local(fs) else fs.unstrip_protocol(path)
+    try:
+        check_regular_file(fs, path)
+    except OSError as e:
+        raise error(str(e)) from None  # names the file, without credentials
     data = fs.cat_file(path)
     try:
         return parse(data)
     except MinGPTError:
         raise
     except Exception as e:  # parsers raise many types: JSONDecodeError, UnicodeDecodeError, SafetensorError, ...
-        name = path if is_local(fs) else fs.unstrip_protocol(path)
         raise error(f"cannot read {redact(name)} ({_reason(e)}); {advice}") from None
 
 

@@ -293,6 +293,6 @@ def broadcast_object(obj, world: World):
 def leads_this_generation() -> bool:
     """Whether this process will lead its generation (rank 0), known before joining the process group."""
     try:
-        return int(os.environ.get("RANK", "0")) == 0  # as check_launch reads it: "00" and " 0" lead too
-    except ValueError:
+        return _env_int("RANK", 0, minimum=0) == 0  # as check_launch reads it: "00", " 0" and "" lead too
+    except ConfigError:
         return False  # check_launch refuses it, as the first thing train() does
