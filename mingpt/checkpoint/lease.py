@@ -143,8 +143,8 @@ class RunLease:
         return self.claim
 
     def _holder(self, last_commit: LastCommit) -> Claim | None:
-        """The newest claim; or, where the newest commit was written by a generation whose claim file is
-        gone, that writer (a take-over case, never a fresh run)."""
+        """The newest claim; or, where the claim files are gone, who stands for the holder (a take-over case,
+        never a fresh run): the writer of the newest commit, or, with no commit yet, whoever wrote metrics."""
         current = self.current()
         commit = last_commit()
         if current is None and commit is None and self._has_metrics():
