@@ -4,7 +4,9 @@ Each message says what is wrong and what to do about it; the command-line
 entry points print the message alone, without a traceback.
 """
 
+import contextlib
 import signal
+from typing import Iterator
 
 
 class MinGPTError(Exception):
@@ -39,14 +41,30 @@ class Stopped(KeyboardInterrupt):
 
 # Signals whose Stopped was raised. Python runs a handler wherever the main thread is, and an exception
 # raised inside a callback whose exceptions are printed and dropped (logging's after-fork hook, while a
-# worker process is forked) would lose the stop: loops that run long call `check_stopped`.
+# worker process is forked) would lose the stop: loops that run long call `check_stopped`, and code that
+# forks defers the raise to it (`deferred_stops`).
 _received: list[int] = []
+_deferred = False
 
 
 def raise_stopped(signum: int, frame) -> None:
     """A signal handler: raise Stopped, and remember it (see `check_stopped`)."""
     _received.append(signum)
-    raise Stopped(signum)
+    if not _deferred:
+        raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def deferred_stops() -> Iterator[None]:
+    """Within: a stop is only remembered, and raised by `check_stopped` on the way out. For code that forks,
+    whose hooks would print a Stopped raised in them as a traceback, and drop it."""
+    global _deferred
+    _deferred = True
+    try:
+        yield
+    finally:
+        _deferred = False
+    check_stopped()
 
 
 def check_stopped() -> None:

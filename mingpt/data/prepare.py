@@ -51,7 +51,7 @@ from mingpt.data.corpus import (
 )
 from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, fingerprint, read_meta
 from mingpt.data.progress import Progress
-from mingpt.errors import DataError, check_stopped
+from mingpt.errors import DataError, check_stopped, deferred_stops
 from mingpt.storage import local_path, redact
 from mingpt.tokenizers import (
     BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, is_path, tokenizer_from_dict, train_tokenizer,
@@ -311,8 +311,8 @@ class _Pool:
             return
         pending: collections.deque = collections.deque()
         for piece in pieces:
-            pending.append((piece, self.pool.submit(fn, piece)))  # the first submit forks the workers
-            check_stopped()  # a SIGTERM handled inside the fork's hooks is swallowed there
+            with deferred_stops():  # the first submit forks the workers: no Stopped inside the fork's hooks
+                pending.append((piece, self.pool.submit(fn, piece)))
             if len(pending) >= 2 * self.count:
                 yield self._result(*pending.popleft())
         while pending:
