@@ -86,9 +86,6 @@ def env() -> dict:
     return e
 
 
-default_env = env  # for Processes.start, whose parameter is named env
-
-
 class Processes:
     """Starts commands in new sessions, logging each to a file; ends them all on close."""
 
@@ -96,10 +93,11 @@ class Processes:
         self.workdir = workdir
         self.started: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], name: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.Popen:
+    def start(self, args: list[str], name: str, cwd: Path | None = None,
+              environment: dict | None = None) -> subprocess.Popen:
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(args, cwd=cwd or self.workdir, env=env or default_env(), stdout=log,
+            proc = subprocess.Popen(args, cwd=cwd or self.workdir, env=environment or env(), stdout=log,
                                     stderr=subprocess.STDOUT,
                                     start_new_session=True)
         proc.log_path = log_path

@@ -107,7 +107,7 @@ def test_another_host_never_takes_over_a_live_holder_whatever_the_clocks_and_tak
     commits or deletes nothing more."""
     timeout = 6
     first = procs.start(job(tmp_path, "model=gpt-micro", f"snapshot.lease_timeout_s={timeout}"), "first",
-                        env=skewed_clock(tmp_path, -600))
+                        environment=skewed_clock(tmp_path, -600))
     wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first job's snapshot", [first])
     assert claims(tmp_path / "snap")[-1]["renewed"] < time.time() - 500  # its clock is behind
 

@@ -11,14 +11,12 @@ import logging
 import os
 import signal
 import sys
-import traceback
 
 import hydra
 from omegaconf import DictConfig
 
 from mingpt.cli import configure_logging
 from mingpt.errors import MinGPTError
-from mingpt.storage import redact
 from mingpt.training.app import register
 from mingpt.training.config import Config, from_hydra, validate
 from mingpt.training.distributed import leads_this_generation
@@ -40,10 +38,10 @@ def main(raw: DictConfig) -> None:
         validate(cfg)
         train(cfg)
     except MinGPTError as e:
-        log.error("%s", redact(e))  # a storage client may have echoed a URL with its credentials
+        log.error("%s", e)  # redacted by the handler's filter (configure_logging), as every record is
         exit_now(2)
-    except Exception:  # a bug or another library's error: its traceback, never the credentials in URLs
-        log.error("%s", redact(traceback.format_exc()))
+    except Exception:  # a bug or another library's error: its traceback (redacted too), not Hydra's report
+        log.exception("unexpected error")
         exit_now(1)
 
 

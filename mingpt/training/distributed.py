@@ -62,6 +62,7 @@ def check_launch() -> Launch:
     if rank >= world_size:
         raise ConfigError(f"RANK={rank} with WORLD_SIZE={world_size}: a rank must be below the world size. "
                           "Let torchrun set both (or set WORLD_SIZE to the number of processes, RANK to 0 .. WORLD_SIZE-1)")
+    # LOCAL_RANK serves device placement only (gpu_of); it must at least fit the node's process count.
     local_size = _env_int("LOCAL_WORLD_SIZE", local_rank + 1, minimum=1)  # torchrun sets it; by hand, often not
     if local_rank >= local_size:
         raise ConfigError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_size}: a local rank must be below "
@@ -169,7 +170,7 @@ def start(timeout_s: float, meeting: Meeting | None = None) -> World:
     The finite timeout turns a hung collective (a peer that died mid-step) into an error,
     which torchrun answers by restarting the workers.
     """
-    launch = check_launch()
+    launch = meeting.launch if meeting else check_launch()
     if torch.cuda.is_available():
         device = torch.device("cuda", gpu_of(launch.local_rank))
         torch.cuda.set_device(device)
