@@ -1,5 +1,6 @@
-"""A preparation that is stopped or killed: its workers end with it, the machine lock is free, and
-no temporary folder outlives it for long. Real `mingpt-prepare` processes, real signals."""
+"""A preparation that is stopped or killed: its workers end with it, the machine lock is free, and the
+next start goes on from what it had tokenized, or removes what it left. Real `mingpt-prepare`
+processes, real signals."""
 
 import fcntl
 import json
@@ -15,12 +16,12 @@ from launch import MAIN, SMALL, children, output, slow_corpus, wait_for
 from mingpt.data.prepare import PrepareConfig, prepare
 
 PREPARE = str(Path(sys.executable).parent / "mingpt-prepare")
-INTERRUPTED = "interrupted: nothing was published; run the same command again"
+INTERRUPTED = "interrupted: nothing was published; the same command goes on from where it stopped"
 
 
 def start_tokenizing(procs, tmp_path: Path, trainer: bool = False) -> tuple[subprocess.Popen, list[int]]:
     """mingpt-prepare (or, `trainer`, a training process) with 2 workers, once they tokenize (past the BPE
-    sample: its token file is open); the process and its workers' PIDs. It starts with SIGINT ignored, as
+    sample: a piece's tokens are written); the process and its workers' PIDs. It starts with SIGINT ignored, as
     a script's background job does."""
     corpus = slow_corpus(tmp_path / "records.jsonl.gz")
     out = tmp_path / "data" / "web"
@@ -31,8 +32,8 @@ def start_tokenizing(procs, tmp_path: Path, trainer: bool = False) -> tuple[subp
                    "data.bpe_sample_bytes=1000000", "data.num_workers=2", f"data.prepared_dir={out}",
                    f"snapshot.dir={tmp_path / 'snap'}"]
     proc = procs.start(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command], "prepare")
-    wait_for(lambda: list((tmp_path / "data").glob(".web.tmp-*/train.bin")) and len(children(proc.pid)) == 2, 120,
-             "the workers to tokenize", [proc])
+    wait_for(lambda: list((tmp_path / "data").glob(".web.tmp-*/progress.json")) and len(children(proc.pid)) == 2,
+             120, "the workers to tokenize", [proc])
     return proc, children(proc.pid)
 
 
@@ -61,14 +62,14 @@ def scratch(folder: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_stops_preparation_at_once_and_leaves_nothing(tmp_path, procs, sig, code):
+def test_a_signal_stops_preparation_at_once_and_keeps_what_it_tokenized(tmp_path, procs, sig, code):
     proc, workers = start_tokenizing(procs, tmp_path)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == code  # well before the minute or more that the rest would take
     text = output(proc)
     assert text.splitlines()[-1] == INTERRUPTED and text.count(INTERRUPTED) == 1 and "Traceback" not in text, text
     assert not [pid for pid in workers if alive(pid)]  # ended and reaped before the command exited
-    assert scratch(tmp_path / "data") == [] and not (tmp_path / "data" / "web").exists()
+    assert len(scratch(tmp_path / "data")) == 1 and not (tmp_path / "data" / "web").exists()  # kept to go on from
     assert lock_free(tmp_path / "data")
 
 
@@ -83,18 +84,49 @@ def test_a_killed_preparation_leaves_no_worker_nor_lock_and_the_next_one_cleans_
     (tmp_path / "small.txt").write_text("a small corpus, prepared next to the killed one\n")
     prepare(PrepareConfig(corpus=str(tmp_path / "small.txt"), prepared_dir=tmp_path / "data" / "small",
                           val_fraction=0.0))
-    assert scratch(tmp_path / "data") == []  # its owner is gone: removed under the machine lock
+    assert scratch(tmp_path / "data") == []  # its owner is gone and it is not this data: removed under the lock
 
 
-def test_sigterm_to_a_training_process_that_prepares_stops_it_at_once_and_leaves_nothing(tmp_path, procs):
-    """torchrun sends SIGTERM at every membership change, often while a worker still prepares data."""
+def test_a_killed_preparation_goes_on_from_what_it_tokenized_and_ends_as_if_never_stopped(tmp_path, procs):
+    """Killed twice (SIGKILL, then SIGTERM) in the middle; each start goes on from the pieces finished.
+    The result equals a preparation that was never stopped, byte for byte."""
+    corpus = slow_corpus(tmp_path / "records.jsonl.gz", megabytes=12)
+    out = tmp_path / "data" / "web"
+    command = [PREPARE, "--corpus", str(corpus), "--num-workers", "2", "--out", str(out)]
+    progress = lambda: [json.loads(p.read_text())["pieces"] for p in (tmp_path / "data").glob(".web.tmp-*/progress.json")
+                        if p.stat().st_size]
+    gone_on = []
+    for name, sig in (("killed", signal.SIGKILL), ("stopped", signal.SIGTERM)):
+        proc = procs.start(command, name)
+        wait_for(lambda: progress() and progress()[0] >= (gone_on[-1] if gone_on else 0) + 2, 120,
+                 "two more pieces tokenized", [proc])
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        gone_on.append(progress()[0])
+    last = procs.start(command, "last")
+    assert last.wait(timeout=120) == 0, output(last)
+    assert "going on with a preparation that was stopped" in output(last)
+    assert output(proc).count("going on with a preparation that was stopped") == 1  # the second start too
+    assert scratch(tmp_path / "data") == []
+
+    whole = prepare(PrepareConfig(corpus=str(corpus), prepared_dir=tmp_path / "whole"))
+    for name in ("tokenizer.json", "train.bin", "val.bin"):
+        assert (out / name).read_bytes() == (whole / name).read_bytes(), name
+    resumed, uninterrupted = (json.loads((d / "meta.json").read_text()) for d in (out, whole))
+    assert {k: v for k, v in resumed.items() if k != "created"} == {k: v for k, v in uninterrupted.items() if k != "created"}
+
+
+def test_sigterm_to_a_training_process_that_prepares_stops_it_at_once_and_keeps_its_tokens(tmp_path, procs):
+    """torchrun sends SIGTERM at every membership change, often while a worker still prepares data: the
+    tokens so far are kept for the restarted worker to go on from."""
     proc, workers = start_tokenizing(procs, tmp_path, trainer=True)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     text = output(proc)
     assert text.splitlines()[-1].startswith("interrupted (SIGTERM): ") and "Traceback" not in text, text
     assert not [pid for pid in workers if alive(pid)]
-    assert scratch(tmp_path / "data") == [] and lock_free(tmp_path / "data")
+    assert len(scratch(tmp_path / "data")) == 1 and lock_free(tmp_path / "data")
+    assert (next((tmp_path / "data").iterdir()) / "progress.json").is_file()
     claim = json.loads(next((tmp_path / "snap" / "owner").glob("gen-*.json")).read_text())
     assert claim["released"] is True  # the next job starts at once, without waiting for the lease to expire
 

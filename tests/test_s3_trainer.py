@@ -17,9 +17,9 @@ from mingpt.errors import MinGPTError
 from s3server import ACCESS_KEY, SECRET_KEY
 
 
-def job(tmp_path, url, steps, every=10, extra=()):
+def job(tmp_path, url, steps, every=10, extra=(), prepared=None):
     return [*SMALL, f"trainer.max_steps={steps}", f"snapshot.every={every}", f"snapshot.dir={url}",
-            f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
+            f"data.prepared_dir={prepared or tmp_path / 'prepared'}", *extra]
 
 
 def committed_steps(s3) -> list[int]:
@@ -35,11 +35,13 @@ def test_resume_from_s3_on_a_fresh_machine_is_bitwise_identical(tmp_path, procs,
     """The whole job is killed, and a fresh machine resumes from S3. Both it and the uninterrupted
     reference are endless (neither ends by itself, however fast this machine is) and are compared
     at a common snapshot step, then stopped with SIGTERM. One process each: what matters is the
-    machine's loss, which the tests of torchrun cover at two and more workers."""
+    machine's loss, which the tests of torchrun cover at two and more workers. The prepared data is
+    shared in S3 too: the fresh machine copies it instead of tokenizing."""
     url = f"s3://{s3.bucket}/run"
     endless = ["snapshot.keep=1000"]
+    shared = f"s3://{s3.bucket}/prepared"
     python = [sys.executable, MAIN]
-    first = procs.start(python + job(tmp_path, url, 10**8, extra=endless), "first")
+    first = procs.start(python + job(tmp_path, url, 10**8, extra=endless, prepared=shared), "first")
     # The reference trains meanwhile: one thread each, two cores.
     reference = procs.start(python + job(tmp_path, tmp_path / "reference", 10**8, extra=endless), "reference")
     wait_for(lambda: committed_steps(s3) and committed_steps(s3)[-1] >= 20, 120, "a snapshot in S3", [first])
@@ -49,13 +51,16 @@ def test_resume_from_s3_on_a_fresh_machine_is_bitwise_identical(tmp_path, procs,
 
     fresh = tmp_path / "fresh-machine"
     fresh.mkdir()
-    args = [*SMALL, "trainer.max_steps=100000000", "snapshot.every=10", f"snapshot.dir={url}", *endless]  # data/ anew
+    args = job(fresh, url, 10**8, extra=endless, prepared=shared)  # its local copy: fresh/data/copies/...
     second = procs.start(python + args, "second", cwd=fresh)
     wait_for(lambda: committed_steps(s3)[-1] >= compare_at, 180, f"step {compare_at} in S3", [second])
     second.send_signal(signal.SIGTERM)
     second.wait(timeout=60)
     assert re.search(r"resumed from s3://\S+/run/step-\d+", output(second))
-    assert (fresh / "data").is_dir()  # it prepared the corpus itself
+    assert "this node claimed it" in output(first) and "published s3://" in output(first)
+    assert "copied s3://" in output(second) and "this node claimed it" not in output(second)
+    copies = list((fresh / "data" / "copies").iterdir())
+    assert len(copies) == 1 and (copies[0] / "meta.json").is_file()
 
     wait_for(lambda: latest_step(tmp_path / "reference") >= compare_at, 180, f"the reference's step {compare_at}",
              [reference])

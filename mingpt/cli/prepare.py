@@ -12,8 +12,9 @@ from pathlib import Path
 
 from mingpt.cli import configure_logging, run_command, summary
 from mingpt.data.corpus import BUILTIN_CORPUS
-from mingpt.data.prepare import PrepareConfig, out_dir, prepare, verify
+from mingpt.data.prepare import PrepareConfig, is_remote, out_dir, prepare, verify
 from mingpt.data.prepared import read_meta
+from mingpt.storage import redact
 
 DEFAULTS = PrepareConfig()
 
@@ -33,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="share held out for validation (default 0.1)")
     parser.add_argument("--num-workers", type=int, default=DEFAULTS.num_workers,
                         help="tokenizing processes (default 0: one per core)")
-    parser.add_argument("--out", default=None, help="output folder (default data/<corpus>-<tokenizer>[-<vocab>])")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default data/<corpus>-<tokenizer>[-<vocab>]), or an object-store URL "
+                             "(s3://...) to share with other machines, which copy it instead of tokenizing")
+    parser.add_argument("--local-copy", default=None,
+                        help="where an --out URL is copied to on this machine (default data/copies/<name>-<hash>)")
     parser.add_argument("--verify", action="store_true",
                         help="re-read the corpus of an existing prepared folder and report what changed (exit 1)")
     args = parser.parse_args(argv)
@@ -44,17 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     config = PrepareConfig(
         corpus=args.corpus[0] if len(args.corpus) == 1 else args.corpus, text_field=args.text_field,
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, bpe_sample_bytes=args.bpe_sample_bytes,
-        num_workers=args.num_workers, val_fraction=args.val_fraction, prepared_dir=args.out)
+        num_workers=args.num_workers, val_fraction=args.val_fraction, prepared_dir=args.out,
+        local_copy=args.local_copy)
     if args.verify:
         return run_command(lambda: _verify(out_dir(config)))
-    return run_command(lambda: _prepare(config), interrupted="interrupted: nothing was published; run the same "
-                                                             "command again")
+    return run_command(lambda: _prepare(config), interrupted="interrupted: nothing was published; the same command "
+                                                             "goes on from where it stopped")
 
 
 def _prepare(config: PrepareConfig) -> None:
     out = prepare(config)
     meta = read_meta(out)
-    print(f"{out}: {meta['train_tokens']} train + {meta['val_tokens']} val tokens "
+    shared = f" (the local copy of {redact(config.prepared_dir)})" if is_remote(config.prepared_dir) else ""
+    print(f"{out}{shared}: {meta['train_tokens']} train + {meta['val_tokens']} val tokens "
           f"({meta['dtype']}), tokenizer {meta['tokenizer']} with vocab {meta['vocab_size']}")
 
 

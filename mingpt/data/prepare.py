@@ -40,7 +40,7 @@ import uuid
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -51,15 +51,18 @@ from mingpt.data.corpus import (
 )
 from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, fingerprint, read_meta
 from mingpt.data.progress import Progress
+from mingpt.data.remote import RemoteFolder
 from mingpt.errors import DataError, check_stopped, deferred_stops
 from mingpt.storage import local_path, redact
 from mingpt.tokenizers import (
-    BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, is_path, tokenizer_from_dict, train_tokenizer,
+    BPETokenizer, CharTokenizer, Tokenizer, check_bpe_vocab_size, is_path, load_tokenizer, tokenizer_from_dict,
+    train_tokenizer,
 )
 
 log = logging.getLogger(__name__)
 
 SPLIT_SEED = 0  # the validation documents do not change with the training seed
+PROGRESS_FILE = "progress.json"  # in a scratch folder: how far tokenizing got, for the next start to go on
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -78,7 +81,10 @@ class PrepareConfig:
     bpe_sample_bytes: int = 100_000_000  # bpe is trained on a sample of this many bytes, drawn across the corpus
     num_workers: int = 0  # processes that tokenize; 0: one per CPU core
     val_fraction: float = 0.1
-    prepared_dir: Optional[str] = None  # default: data/<corpus>-<tokenizer>[-<vocab_size>]
+    # default: data/<corpus>-<tokenizer>[-<vocab_size>]. An object-store URL (s3://...) is prepared by the
+    # first node to claim it and copied by every other node into `local_copy` (see mingpt.data.remote).
+    prepared_dir: Optional[str] = None
+    local_copy: Optional[str] = None  # where a prepared_dir URL is copied to; default data/copies/<name>-<hash>
 
     def wanted(self, sources: list[Source]) -> dict:
         """What meta.json must say for a prepared folder to be reused: the listed sources and the settings
@@ -96,13 +102,15 @@ class PrepareConfig:
 
 def prepare(config: PrepareConfig) -> Path:
     """Tokenize the corpus into `config.prepared_dir` (default: see `default_out_dir`) unless it is already
-    there; return that folder."""
+    there; return that folder, or for a prepared_dir URL the local copy of it."""
     if config.tokenizer == "bpe":
         check_bpe_vocab_size(config.vocab_size)
     if not 0.0 <= config.val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {config.val_fraction}")
     out = out_dir(config)
     check_replaceable(out)  # before any reading: refusing late wastes the expensive part
+    if is_remote(config.prepared_dir):
+        return _prepare_remote(config, RemoteFolder(str(config.prepared_dir)), out)
     sources = list_sources(config.corpus)
     wanted = config.wanted(sources)
     if _matches(out, wanted):
@@ -113,27 +121,79 @@ def prepare(config: PrepareConfig) -> Path:
         if _matches(out, wanted):
             log.info("reusing prepared data in %s, prepared by another process", out)
             return out
-        if locked:  # nobody else on this machine prepares here now: scratch folders of ours are left from a kill
-            _remove_leftovers(out.parent)
-        _Job(config, sources).build(out, {**wanted, "corpus": [redact(entry) for entry in as_list(config.corpus)]})
+        meta = {**wanted, "corpus": [redact(entry) for entry in as_list(config.corpus)]}
+        # Nobody else on this machine prepares here now: scratch folders of ours were left by a stop or a kill.
+        resume = _take_leftover(out, meta) if locked else None
+        _Job(config, sources).build(out, meta, resume)
+    return out
+
+
+def _prepare_remote(config: PrepareConfig, remote: RemoteFolder, out: Path) -> Path:
+    """Copy the published data at `remote` into `out`; or, where none that matches `config` is published,
+    claim it, prepare it into `out` and publish it; or wait for the node that claimed it."""
+    wanted = config.wanted(list_sources(config.corpus))
+    current = lambda meta: meta is not None and all(meta.get(key) == value for key, value in wanted.items())
+    while True:
+        meta = remote.meta()
+        if current(meta):
+            return _copy(remote, meta, out)
+        claim = remote.try_claim()
+        if claim is None:
+            remote.wait_for_holder(remote.holder() or {}, lambda: current(remote.meta()))
+            continue
+        with claim:
+            meta = remote.meta()  # published between the look and the claim?
+            if current(meta):
+                return _copy(remote, meta, out)
+            log.info("preparing %s here (this node claimed it)", redact(remote.url))
+            prepare(replace(config, prepared_dir=str(out), local_copy=None))  # reuses a current local copy
+            remote.upload(out, read_meta(out))
+        return out
+
+
+def _copy(remote: RemoteFolder, meta: dict, out: Path) -> Path:
+    """`out`, made a copy of the published data `meta` describes (unless it is one already)."""
+    same = lambda: _matches(out, {"fingerprint": meta["fingerprint"]})
+    if same():
+        log.info("reusing the local copy %s of %s", out, redact(remote.url))
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _machine_lock(out.parent) as locked:  # processes on one machine copy once
+        if same():
+            return out
+        if locked:
+            _remove_leftovers(out.parent)  # copies are not resumed: they take seconds
+        tmp = _scratch(out, "tmp")
+        tmp.mkdir()
+        try:
+            remote.download(meta, tmp)
+            _publish(tmp, out, meta)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 def out_dir(config: PrepareConfig) -> Path:
-    """`config.prepared_dir`, or the folder named after the corpus and tokenizer."""
-    if config.prepared_dir:
-        return _local_folder(str(config.prepared_dir))
+    """The local prepared folder: `config.prepared_dir`, the local copy of a prepared_dir URL, or the
+    folder named after the corpus and tokenizer."""
+    location = str(config.prepared_dir) if config.prepared_dir else None
+    if is_remote(location):
+        return Path(config.local_copy) if config.local_copy else default_copy_dir(location)
+    if location:
+        return Path(local_path(location)) if location.lower().startswith("file:") else Path(location)
     return default_out_dir(config.corpus, config.tokenizer, config.vocab_size)
 
 
-def _local_folder(location: str) -> Path:
-    """A prepared folder is memory-mapped, so it lives on this machine: a path or a file: URL."""
-    if location.lower().startswith("file:"):
-        return Path(local_path(location))
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location):
-        raise DataError(f"data.prepared_dir={redact(location)}: prepared data is memory-mapped from a local folder; "
-                        "give a path on this machine (the corpus itself may be a URL)")
-    return Path(location)
+def is_remote(location: str | os.PathLike | None) -> bool:
+    """Whether a prepared_dir is a URL of a file system other than this machine's (s3://...)."""
+    text = str(location or "")
+    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text)) and not text.lower().startswith("file:")
+
+
+def default_copy_dir(url: str, root: str = "data/copies") -> Path:
+    """`data/copies/<last part of the URL>-<hash of the URL>`: the local copy of a prepared_dir URL."""
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", redact(url).rstrip("/").rsplit("/", 1)[-1]) or "prepared"
+    return Path(root) / f"{name}-{hashlib.sha256(redact(url).encode()).hexdigest()[:8]}"
 
 
 def default_out_dir(corpus: str | Sequence[str], tokenizer: str, vocab_size: int | None, root: str = "data") -> Path:
@@ -183,15 +243,24 @@ class _Job:
             "val_sources": [] if self.tail_split else _val_files(sources, config.val_fraction),
         }
 
-    def build(self, out: Path, meta: dict) -> None:
+    def build(self, out: Path, meta: dict, resume: tuple[Path, "_Tokenized"] | None = None) -> None:
+        """Prepare into a scratch folder, then publish it as `out`. `resume`: a scratch folder that a stopped
+        preparation of the same data left, and how far it got: tokenizing goes on from there."""
         started = time.perf_counter()
         tmp = _scratch(out, "tmp")
-        tmp.mkdir()
+        if resume:
+            resume[0].rename(tmp)
+        else:
+            tmp.mkdir()
+        keep = False
         try:
-            tok = self.make_tokenizer()
-            tok.save(str(tmp / TOKENIZER_FILE))
+            if resume:
+                tok = load_tokenizer(str(tmp / TOKENIZER_FILE))
+            else:
+                tok = self.make_tokenizer()
+                tok.save(str(tmp / TOKENIZER_FILE))
             dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-            counts, digests, read = self.tokenize(tok, dtype, tmp)
+            counts, digests, read = self.tokenize(tok, dtype, tmp, resume[1] if resume else _Tokenized.start(meta))
             meta = {
                 "format": FORMAT, "version": FORMAT_VERSION, **meta,
                 "source_sha256": [digests[i] for i in range(len(self.sources))],
@@ -203,12 +272,19 @@ class _Job:
             if meta["val_fraction"] > 0 and not counts["val"] and not self.tail_split:
                 raise DataError(f"no document of the corpus fell into the validation split (val_fraction "
                                 f"{self.config.val_fraction}); give more documents or a larger val_fraction")
+            (tmp / PROGRESS_FILE).unlink()
             meta["sha256"] = {name: _sha256(tmp / name) for name in TOKEN_FILES}
             meta["fingerprint"] = fingerprint(meta["sha256"])
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
             _publish(tmp, out, meta)
+        except KeyboardInterrupt:  # stopped (Ctrl-C, SIGTERM): what is tokenized stays for the next start
+            keep = (tmp / PROGRESS_FILE).exists()
+            if keep:
+                log.info("stopped; what was tokenized is kept in %s, and the next start goes on from there", tmp)
+            raise
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(tmp, ignore_errors=True)
         seconds = time.perf_counter() - started
         log.info("prepared %s: %d train + %d val tokens, %s, %.1f MB in %.1fs (%.1f MB/s, %d workers) -> %s",
                  ", ".join(meta["corpus"]), meta["train_tokens"], meta["val_tokens"], tok.describe(),
@@ -245,37 +321,50 @@ class _Job:
                 if taken >= budget:
                     return
 
-    def tokenize(self, tok: Tokenizer, dtype, folder: Path) -> tuple[dict, dict, int]:
-        """Write train.bin and val.bin; return token counts, each source's sha256 and the bytes read."""
-        counts, digests, read, any_text = {"train": 0, "val": 0}, {}, 0, False
-        files = {split: open(folder / f"{split}.bin", "wb") for split in counts}
+    def tokenize(self, tok: Tokenizer, dtype, folder: Path, done: "_Tokenized") -> tuple[dict, dict, int]:
+        """Write train.bin and val.bin, going on after the pieces `done` has; return token counts, each
+        source's sha256 and the bytes read. After each piece, how far it got is saved in the folder."""
+        digests: dict[int, str] = {}
+        files = {split: open(folder / f"{split}.bin", "r+b" if done.pieces else "wb") for split in done.sizes}
         try:
+            for split, f in files.items():
+                f.truncate(done.sizes[split])  # tokens of pieces in flight when it stopped
+                f.seek(0, os.SEEK_END)
+            if done.pieces:
+                log.info("going on with a preparation that was stopped: %.1f MB of the corpus were tokenized",
+                         done.read / 1e6)
             with Progress("tokenizing", self.listed_bytes) as progress, self.workers(tok, dtype, folder) as pool:
-                for piece, (written, has_text) in pool.map(_encode, self.pieces(digests)):
+                progress.update(done.read)
+                for piece, (written, has_text) in pool.map(_encode, self.pieces(digests, skip=done.pieces)):
                     for split, (part, count) in written.items():
                         _append(files[split], part)
-                        counts[split] += count
-                    read += piece.size
-                    any_text = any_text or has_text
+                        done.counts[split] += count
+                    done.add(piece.size, has_text, {split: f.tell() for split, f in files.items()})
+                    for f in files.values():
+                        f.flush()  # before the progress that counts these tokens
+                    done.save(folder)
                     progress.update(piece.size)
         finally:
             for f in files.values():
                 f.close()
-        if not any_text:
+        if not done.any_text:
             raise self.empty()
+        counts = done.counts
         if self.tail_split:
             counts = _move_tail(folder / "train.bin", folder / "val.bin", np.dtype(dtype), self.config.val_fraction)
-        return counts, digests, read
+        return counts, digests, done.read
 
     def empty(self) -> DataError:
         return DataError(f"the corpus ({', '.join(self.context['names'])}) is empty or only whitespace; give text "
                          "with some content")
 
-    def pieces(self, digests: dict[int, str] | None = None) -> Iterator[Piece]:
-        """The corpus in pieces, sent lean where workers can read the bytes themselves: a local file that
-        is not compressed (so that its bytes do not go through a pipe, which costs more than reading)."""
-        for piece in read_pieces(self.sources, digests):
-            yield piece.lean() if self.sources[piece.source].local_plain else piece
+    def pieces(self, digests: dict[int, str] | None = None, skip: int = 0) -> Iterator[Piece]:
+        """The corpus in pieces after the first `skip` (which are read for `digests` only), sent lean where
+        workers can read the bytes themselves: a local file that is not compressed (so that its bytes do
+        not go through a pipe, which costs more than reading)."""
+        for number, piece in enumerate(read_pieces(self.sources, digests)):
+            if number >= skip:
+                yield piece.lean() if self.sources[piece.source].local_plain else piece
 
     @contextmanager
     def workers(self, tok: Tokenizer | None = None, dtype=None, folder: Path | None = None, count: int = 0):
@@ -497,14 +586,70 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", socket.gethostname())
 
 
-def _remove_leftovers(folder: Path) -> None:
-    """Remove the scratch folders this machine's preparations left in `folder` when killed. Called with
-    the machine lock held: no preparation on this machine is running there (other machines' are left)."""
-    ours = re.compile(rf"^\..+\.(tmp|stale)-{re.escape(_host())}-\d+-[0-9a-f]{{8}}$")  # not host "node1-b"'s
-    for path in folder.iterdir():
-        if ours.match(path.name):
-            log.info("removing %s, left by a preparation that was killed", path)
+def _leftovers(folder: Path) -> list[Path]:
+    """The scratch folders that this machine's preparations left in `folder` when stopped or killed (not
+    another machine's, not host "node1-b"'s for host "node1"). Only looked at with the machine lock held:
+    then no preparation of this machine is running there."""
+    ours = re.compile(rf"^\..+\.(tmp|stale)-{re.escape(_host())}-\d+-[0-9a-f]{{8}}$")
+    return sorted(path for path in folder.iterdir() if ours.match(path.name))
+
+
+def _remove_leftovers(folder: Path, keep: Path | None = None) -> None:
+    for path in _leftovers(folder):
+        if path != keep:
+            log.info("removing %s, left by a preparation that was stopped", path)
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _take_leftover(out: Path, meta: dict) -> tuple[Path, "_Tokenized"] | None:
+    """The scratch folder of a stopped preparation of the same data into `out` that got furthest, and how
+    far; every other scratch folder this machine left beside `out` is removed."""
+    best = None
+    for path in _leftovers(out.parent):
+        done = _Tokenized.load(path, meta) if path.name.startswith(f".{out.name}.tmp-") else None
+        if done and (best is None or done.pieces > best[1].pieces):
+            best = (path, done)
+    _remove_leftovers(out.parent, keep=best[0] if best else None)
+    return best
+
+
+@dataclass
+class _Tokenized:
+    """How far tokenizing got (saved as PROGRESS_FILE in the scratch folder after every piece): the pieces
+    done, the bytes of each token file that hold their tokens, and what `meta` they were prepared for."""
+
+    meta: dict
+    pieces: int
+    read: int
+    any_text: bool
+    sizes: dict
+    counts: dict
+
+    @classmethod
+    def start(cls, meta: dict) -> "_Tokenized":
+        return cls(json.loads(json.dumps(meta)), 0, 0, False, {"train": 0, "val": 0}, {"train": 0, "val": 0})
+
+    def add(self, size: int, has_text: bool, sizes: dict) -> None:
+        self.pieces, self.read, self.any_text, self.sizes = self.pieces + 1, self.read + size, \
+            self.any_text or has_text, sizes
+
+    def save(self, folder: Path) -> None:
+        tmp = folder / f".{PROGRESS_FILE}.tmp"
+        tmp.write_text(json.dumps(self.__dict__))
+        os.replace(tmp, folder / PROGRESS_FILE)
+
+    @classmethod
+    def load(cls, folder: Path, meta: dict) -> "_Tokenized | None":
+        """The progress saved in `folder`, if it is for `meta` and its token files hold what it counts."""
+        try:
+            done = cls(**json.loads((folder / PROGRESS_FILE).read_text()))
+            held = {split: (folder / f"{split}.bin").stat().st_size for split in done.sizes}
+        except (OSError, ValueError, TypeError):
+            return None
+        if done.meta != json.loads(json.dumps(meta)) or any(held[s] < done.sizes[s] for s in held) \
+                or not (folder / TOKENIZER_FILE).is_file():
+            return None
+        return done
 
 
 def _sha256(path: Path) -> str:

@@ -41,10 +41,20 @@ def read_meta(directory: str | os.PathLike) -> dict:
     """The meta.json of a prepared folder; DataError when it is missing or damaged."""
     path = Path(directory) / META_FILE
     try:
-        meta = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise DataError(f"{directory} is not prepared data (no {META_FILE}); run mingpt-prepare") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except UnicodeDecodeError:
+        text = ""
+    return parse_meta(text, str(path), str(directory))
+
+
+def parse_meta(text: str, path: str, directory: str) -> dict:
+    """The description in `text`, read from `path` of the prepared folder `directory`; DataError when
+    it is not a valid one."""
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError:
         raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise DataError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} description; prepare the data again")

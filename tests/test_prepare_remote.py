@@ -1,0 +1,148 @@
+"""data.prepared_dir on S3 (a real S3 server on 127.0.0.1): prepared once by the node that claims it,
+copied by every other node with ranged reads, each file checked before it is used."""
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import boto3
+import pytest
+
+from conftest import s3_keys
+from launch import BIN, output
+from mingpt.data import prepare as prepare_module
+from mingpt.data import remote
+from mingpt.data.prepare import PrepareConfig, prepare
+from mingpt.data.prepared import PreparedData
+from mingpt.errors import DataError
+
+
+@pytest.fixture
+def shared(s3, corpus_file, monkeypatch):
+    """A config per node: the same corpus and prepared_dir URL, each node its own local copy."""
+    monkeypatch.setattr(remote, "CHUNK_BYTES", 4096)  # several ranged reads per file
+    monkeypatch.setattr(remote, "POLL_S", 0.05)
+    url = f"s3://{s3.bucket}/prepared/corpus-char"
+    return lambda copy: PrepareConfig(corpus=str(corpus_file), prepared_dir=url, local_copy=str(copy))
+
+
+def refuse_to_tokenize(monkeypatch):
+    """This node must copy: preparing here fails the test."""
+    def refuse(*args):
+        raise AssertionError("this node tokenized the corpus")
+    monkeypatch.setattr(prepare_module._Job, "build", refuse)
+
+
+def put(s3, key: str, body: bytes) -> None:
+    boto3.client("s3", endpoint_url=s3.endpoint).put_object(Bucket=s3.bucket, Key=key, Body=body)
+
+
+def test_the_first_node_publishes_and_the_next_copies_without_tokenizing(tmp_path, s3, shared, monkeypatch):
+    first = prepare(shared(tmp_path / "node-a"))
+    assert first == tmp_path / "node-a"
+    assert s3_keys(s3, "prepared/") == [f"prepared/corpus-char/{name}" for name in
+                                        ("meta.json", "tokenizer.json", "train.bin", "val.bin")]  # no claim left
+
+    refuse_to_tokenize(monkeypatch)
+    s3.requests.clear()
+    second = prepare(shared(tmp_path / "node-b"))
+    assert second == tmp_path / "node-b"
+    for name in ("meta.json", "tokenizer.json", "train.bin", "val.bin"):
+        assert (second / name).read_bytes() == (first / name).read_bytes(), name
+    assert PreparedData(second).fingerprint == PreparedData(first).fingerprint
+    size = (first / "train.bin").stat().st_size
+    reads = [r for r in s3.requests if r[0] == "GET" and r[1].endswith("/train.bin")]
+    assert len(reads) == -(-size // 4096) > 1  # ranged reads, one per chunk
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no scratch folders
+
+    s3.requests.clear()
+    assert prepare(shared(tmp_path / "node-b")) == second  # a restart: the copy is current, nothing is read
+    assert not [r for r in s3.requests if r[1].endswith(".bin")]
+
+
+def test_a_changed_corpus_is_prepared_again_and_published_over_the_old(tmp_path, s3, shared, corpus_file, monkeypatch):
+    old = PreparedData(prepare(shared(tmp_path / "node-a"))).fingerprint
+    corpus_file.write_text(corpus_file.read_text() + "A line that was not there before.\n")
+    new = PreparedData(prepare(shared(tmp_path / "node-a"))).fingerprint
+    assert new != old
+    refuse_to_tokenize(monkeypatch)
+    assert PreparedData(prepare(shared(tmp_path / "node-b"))).fingerprint == new
+
+
+def test_a_damaged_upload_is_never_used_and_nothing_is_left(tmp_path, s3, shared, monkeypatch):
+    first = prepare(shared(tmp_path / "node-a"))
+    tokens = bytearray((first / "train.bin").read_bytes())
+    tokens[len(tokens) // 2] ^= 1  # one bit, same size
+    put(s3, "prepared/corpus-char/train.bin", bytes(tokens))
+    refuse_to_tokenize(monkeypatch)
+    with pytest.raises(DataError) as e:
+        prepare(shared(tmp_path / "node-b"))
+    message = str(e.value)
+    assert "train.bin is not what meta.json describes (sha256)" in message and "\n" not in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "node-a"]  # no copy, no scratch folder
+
+
+def test_a_claim_whose_beat_stops_is_taken_over_and_a_beating_one_is_waited_for(tmp_path, s3, shared, caplog,
+                                                                                  monkeypatch):
+    monkeypatch.setattr(remote, "CLAIM_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(remote, "BEAT_S", 0.2)
+    # A live node holds the claim (its beat advances) for 3 s, three times the timeout: it is waited for.
+    folder = remote.RemoteFolder(shared(tmp_path).prepared_dir)
+    claim = folder.try_claim()
+    assert claim is not None and folder.try_claim() is None
+
+    def publish_late():
+        time.sleep(3)
+        built = prepare(replace(shared(tmp_path), prepared_dir=str(tmp_path / "built")))
+        folder.upload(built, PreparedData(built).meta)
+        claim.release()
+    holder = threading.Thread(target=publish_late)
+    holder.start()
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        waited = prepare(shared(tmp_path / "waiter"))
+    holder.join()
+    assert time.monotonic() - started >= 3
+    assert "stopped; preparing it here instead" not in caplog.text
+    assert "copied s3://" in caplog.text
+    assert PreparedData(waited).fingerprint == PreparedData(tmp_path / "built").fingerprint
+
+    # A node that died left its claim: its beat never moves, and after the timeout it is taken over.
+    for key in s3_keys(s3, "prepared/"):
+        boto3.client("s3", endpoint_url=s3.endpoint).delete_object(Bucket=s3.bucket, Key=key)
+    put(s3, "prepared/corpus-char/claim.json", json.dumps({"host": "node-that-died", "pid": 7, "beat": 3}).encode())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        prepare(shared(tmp_path / "survivor"))
+    assert "(host node-that-died, pid 7) stopped; preparing it here instead" in caplog.text
+    assert "prepared/corpus-char/meta.json" in s3_keys(s3, "prepared/")
+    assert "prepared/corpus-char/claim.json" not in s3_keys(s3, "prepared/")
+
+
+def test_a_claim_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_path, s3, shared, monkeypatch):
+    monkeypatch.setattr(remote, "CLAIM_TIMEOUT_S", 3600.0)  # only the dead pid can end the wait
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    put(s3, "prepared/corpus-char/claim.json",
+        json.dumps({"host": socket.gethostname(), "pid": gone.pid, "beat": 0}).encode())
+    assert PreparedData(prepare(shared(tmp_path / "node-a"))).meta["train_tokens"] > 0
+
+
+def test_two_nodes_starting_together_prepare_once(tmp_path, s3, corpus_file, procs):
+    """Two mingpt-prepare processes (two machines' worth: each its own local copy) on one URL."""
+    url = f"s3://{s3.bucket}/prepared/corpus-bpe"
+    command = [str(BIN / "mingpt-prepare"), "--corpus", str(corpus_file), "--tokenizer", "bpe", "--vocab-size", "300",
+               "--out", url, "--local-copy"]
+    nodes = [procs.start(command + [str(tmp_path / name)], name) for name in ("node-a", "node-b")]
+    for node in nodes:
+        assert node.wait(timeout=120) == 0, output(node)
+    texts = [output(node) for node in nodes]
+    assert sum("here (this node claimed it)" in text for text in texts) == 1, texts
+    assert sum("copied s3://" in text for text in texts) == 1, texts
+    assert PreparedData(tmp_path / "node-a").fingerprint == PreparedData(tmp_path / "node-b").fingerprint
+    assert f"(the local copy of {url})" in texts[0]
