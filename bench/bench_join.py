@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -132,6 +133,7 @@ def main() -> None:
     from moto.server import ThreadedMotoServer
     import boto3
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -158,7 +160,7 @@ def main() -> None:
                         f"data.bpe_sample_bytes={args.bpe_sample_mb * 1_000_000}", f"data.prepared_dir={url}"]
                 to_step, pause = join(work, data)
                 debris = [p for p in work.rglob(".*.tmp-*")]
-                print(f"{gb:>6.1f}GB {prepare:>10.1f} {publish:>10.1f} {copy:>7.1f} {prepare / copy:>5.1f}x "
+                print(f"{gb:>6g}GB {prepare:>10.1f} {publish:>10.1f} {copy:>7.1f} {prepare / copy:>5.1f}x "
                       f"{to_step:>12.1f} {pause:>8.1f} {len(debris):>7}", flush=True)
             finally:
                 shutil.rmtree(work, ignore_errors=True)

@@ -19,7 +19,7 @@ from mingpt.cli import configure_logging
 from mingpt.errors import MinGPTError
 from mingpt.training.app import register
 from mingpt.training.config import Config, from_hydra, validate
-from mingpt.training.distributed import leads_this_generation
+from mingpt.training.distributed import first_on_its_node, leads_this_generation
 from mingpt.training.trainer import train
 
 register()  # the schema and the model presets (mingpt.training.app)
@@ -28,11 +28,13 @@ log = logging.getLogger("mingpt")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(raw: DictConfig) -> None:
-    # One process logs its progress; the others, and other libraries (botocore's credential notes),
-    # report warnings and errors only.
+    # The leader logs the job's progress, the first process of every other node its data preparation;
+    # the rest, and other libraries (botocore's credential notes), report warnings and errors only.
     configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     if leads_this_generation():
         log.setLevel(logging.INFO)
+    elif first_on_its_node():
+        logging.getLogger("mingpt.data").setLevel(logging.INFO)  # every node's log shows its own data preparation
     try:
         cfg: Config = from_hydra(raw)
         validate(cfg)

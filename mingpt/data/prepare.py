@@ -250,6 +250,9 @@ class _Job:
         tmp = _scratch(out, "tmp")
         if resume:
             resume[0].rename(tmp)
+            for path in tmp.iterdir():  # part files of pieces in flight, a half-written progress file
+                if path.name not in (TOKENIZER_FILE, "train.bin", "val.bin", PROGRESS_FILE):
+                    path.unlink()
         else:
             tmp.mkdir()
         keep = False

@@ -148,6 +148,7 @@ class RemoteFolder:
         """Copy the published files into the new `folder`, each checked against `meta`'s sha256, and
         `meta` itself last. DataError when a file is not what `meta` describes."""
         started, size = time.perf_counter(), 0
+        self.fs.invalidate_cache()  # sizes as they are now, not as listed earlier in this process
         for name in TOKEN_FILES:
             path, target = self._join(name), folder / name
             try:
@@ -195,8 +196,9 @@ class _Claim:
                     log.warning("another node took over the claim of %s; preparing on: the data is the same",
                                 redact(self.folder.url))
                     return
-                self.mine = {**self.mine, "beat": self.mine["beat"] + 1}
-                replace_atomically(self.folder.fs, self.path, self.content())
+                beat = {**self.mine, "beat": self.mine["beat"] + 1}
+                replace_atomically(self.folder.fs, self.path, json.dumps(beat).encode())
+                self.mine = beat  # only once written: `release` removes the claim that is there
             except Exception as e:  # a network hiccup: the next beat tries again; waiters allow for some
                 log.warning("could not renew the claim of %s: %s", redact(self.folder.url), redact(e))
 

@@ -291,6 +291,15 @@ def broadcast_object(obj, world: World):
     return box[0]
 
 
+def first_on_its_node() -> bool:
+    """Whether this process is the first of its node (local rank 0): it reports the node's own work,
+    such as preparing its data, which the leader cannot see."""
+    try:
+        return _env_int("LOCAL_RANK", 0, minimum=0) == 0
+    except ConfigError:
+        return False  # check_launch refuses it
+
+
 def leads_this_generation() -> bool:
     """Whether this process will lead its generation (rank 0), known before joining the process group."""
     try:
