@@ -11,6 +11,7 @@ import gzip
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -109,6 +110,19 @@ class Processes:
             if proc.poll() is None:
                 kill_node(proc)
             proc.wait(timeout=30)
+        remove_memory_tiers({proc.pid for proc in self.started})
+
+
+def remove_memory_tiers(launchers: set[int]) -> None:
+    """Remove the memory tiers (/dev/shm/mingpt-*) whose jobs these processes launched: a killed job's
+    tier stays until a job of the same run starts again, which in a test never happens."""
+    for header in Path("/dev/shm").glob("mingpt-*/slot-*.json"):
+        try:
+            launcher = json.loads(header.read_text()).get("launcher")
+        except (OSError, ValueError):
+            continue
+        if launcher in launchers:
+            shutil.rmtree(header.parent, ignore_errors=True)
 
 
 def kill_node(proc: subprocess.Popen) -> None:

@@ -13,6 +13,7 @@ from launch import (
     port_listens, rendezvous, run, standalone, torchrun, train_here, wait_for, weights, worker,
 )
 from conftest import TEXT
+from mingpt.checkpoint.memory import MemoryTier
 from mingpt.cli import sample
 
 
@@ -121,6 +122,37 @@ def test_killed_worker_resumes_bitwise_identical(tmp_path, procs, reference):
     assert_equal_weights(weights(uninterrupted, compared), weights(snap, compared))
     loss = lambda d: manifest_at(d, compared)["metrics"]["train_loss"]
     assert loss(snap) == loss(uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_killed_leader_costs_at_most_a_step_and_the_run_stays_bitwise_identical(tmp_path, procs, reference):
+    """The leader cannot save a rescue snapshot for itself: the memory tier holds its last steps. The kill
+    lands between two periodic snapshots; the next generation resumes from the tier, past the snapshot."""
+    snap = tmp_path / "leader"
+    reached = MemoryTier(str(snap), "").folder / "reached"
+    every_step = [*HEAVIER, *KEEP_ALL, "snapshot.memory=on", "snapshot.memory_every=1"]
+    job = procs.start(standalone(2, max_restarts=2) + overrides(tmp_path, "leader", ENDLESS_STEPS, extra=every_step),
+                      "leader")
+    step = lambda: int(reached.read_text()) if reached.exists() else 0
+    wait_for(lambda: step() >= 30 and 3 <= step() % 10 <= 6, 120, "a step between two snapshots", [job])
+    os.kill(worker(job.pid, local_rank=0), signal.SIGKILL)  # standalone: local rank 0 leads
+    killed_at = step()
+    found = lambda: re.search(r"resumed from the memory tier of \S+ \(newer than step (\d+)\): step (\d+)", output(job))
+    wait_for(found, 120, "the resume from memory", [job])
+    durable, resumed = int(found()[1]), int(found()[2])
+    assert durable < killed_at - 1 <= resumed  # past the snapshot; at most the step in flight lost
+    compared = (resumed // 10 + 2) * 10
+    wait_for(lambda: latest_step(snap) >= compared, 120, f"the step-{compared} snapshot", [job])
+    stop(job)
+    lost = [m["steps_lost"] for m in metrics(snap) if "steps_lost" in m]
+    assert len(lost) == 1 and lost[0] <= 1, lost
+    assert f"steps lost: {lost[0]}" in output(job)
+
+    uninterrupted = reference.at(compared)
+    assert_equal_weights(weights(uninterrupted, compared), weights(snap, compared))
+    loss = lambda d: manifest_at(d, compared)["metrics"]["train_loss"]
+    assert loss(snap) == loss(uninterrupted)
+    assert not reached.parent.exists()  # released when the job ended
 
 
 @pytest.mark.slow

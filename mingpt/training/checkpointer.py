@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -17,17 +20,22 @@ import torch
 import torch.distributed as dist
 
 import mingpt
-from mingpt.checkpoint.lease import LeaseLostError
+from mingpt.checkpoint.lease import LeaseLostError, job_identity
+from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore
 from mingpt.checkpoint.writer import SnapshotWriter
 from mingpt.model import GPTConfig
 from mingpt.storage import explain_storage_error
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 from mingpt.training import distributed
-from mingpt.training.config import Config
+from mingpt.errors import ConfigError
+from mingpt.training.config import Config, SnapshotConfig
 from mingpt.training.distributed import World
 
 log = logging.getLogger(__name__)
+
+MEMORY_OVERHEAD = 0.03  # the share of the step time that the memory tier may take (snapshot.memory_every=0)
+SHARED_MEMORY = "/dev/shm"
 
 # The parts of GPTConfig that decide the shape of the weights.
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights")
@@ -56,6 +64,13 @@ class Checkpointer:
         self.cfg, self.world, self.store, self.tokenizer = cfg, world, store, tokenizer
         self.data_fingerprint = data_fingerprint  # of the prepared tokens: a replaced corpus changes it
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
+        # Every process reads it; each node's first process writes it. Named after where the run is: a local
+        # snapshot.dir by its absolute path, so that two jobs on one machine never share a tier.
+        self.memory = _memory_tier(cfg.snapshot, os.path.abspath(store.run.path) if store.local else store.url)
+        self.memory_every = cfg.snapshot.memory_every
+        self.reached = 0  # the furthest step any node recorded before this start (0: unknown)
+        self._last_step_at: float | None = None
+        self._step_seconds: float | None = None
 
     # -- resuming ------------------------------------------------------------------------------
 
@@ -80,23 +95,51 @@ class Checkpointer:
     def load(self, snapshot: Snapshot, replica: Replica) -> None:
         """Restore `replica` from `snapshot`, after checking that the run's model and data fit it."""
         _check_compatible(snapshot, replica.model.config, self.tokenizer)
-        device = self.world.device
-        replica.model.load_state_dict(snapshot.load_tensors("model.pt", device))
-        configured = [_hyperparameters(group) for group in replica.optimizer.param_groups]
-        replica.optimizer.load_state_dict(snapshot.load_tensors("optimizer.pt", device))
-        self._apply_configured(replica.optimizer, configured)
-        if replica.scaler is not None and "scaler.pt" in snapshot.manifest["files"]:
-            replica.scaler.load_state_dict(snapshot.load_tensors("scaler.pt"))
-        replica.state.step = snapshot.manifest["step"]
-        replica.state.samples_seen = snapshot.manifest["samples_seen"]
-        changed = _changed_settings(snapshot.manifest.get("config", {}), self.cfg.to_dict())
+        device, manifest = self.world.device, snapshot.manifest
+        scaler = snapshot.load_tensors("scaler.pt") if "scaler.pt" in manifest["files"] else None
+        self._restore(replica, snapshot.load_tensors("model.pt", device), snapshot.load_tensors("optimizer.pt", device),
+                      scaler, manifest["step"], manifest["samples_seen"])
+        changed = _changed_settings(manifest.get("config", {}), self.cfg.to_dict())
         if changed:
             self._log("settings changed since that snapshot: %s", ", ".join(changed))
-        saved = snapshot.manifest.get("data_fingerprint")
+        saved = manifest.get("data_fingerprint")
         if saved and saved != self.data_fingerprint and self.world.is_leader:
             log.warning("the data changed since that snapshot: its prepared tokens had fingerprint %s, now %s (the "
                         "corpus or its preparation is not what the run trained on so far); training goes on with "
                         "the data as it is now", saved[:12], self.data_fingerprint[:12])
+
+    def load_newer_from_memory(self, replica: Replica, durable_step: int) -> dict | None:
+        """Restore `replica` from the newest state that any node's memory tier holds, when it is newer than
+        `durable_step`; the description of what was loaded (step, host, world_size), or None. Every process
+        calls it: they agree on the newest step, and the process that holds it sends it to the others."""
+        held = self.memory.newest() if self.memory else None
+        mine = held.step if held is not None and held.step > durable_step else -1
+        reached = self.memory.reached() if self.memory else 0
+        everyone = distributed.all_gather([float(mine), float(reached)], self.world)
+        steps = [int(step) for step, _ in everyone]
+        self.reached = max(int(step) for _, step in everyone)
+        if self.memory is not None and self.world.local_rank == 0:
+            self.memory.start()  # this job's tier; another job's, left by a job that ended or died, goes
+        if max(steps) < 0:
+            return None
+        holder = steps.index(max(steps))
+        header = distributed.broadcast_object(held.header if self.world.rank == holder else None, self.world, holder)
+        buffer = MemoryTier.load(held) if self.world.rank == holder else torch.empty(header["nbytes"], dtype=torch.uint8)
+        distributed.broadcast_tensor(buffer, self.world, holder)
+        state = MemoryTier.unpack(buffer, header)
+        self._restore(replica, state["model"], state["optimizer"], state["scaler"], header["step"],
+                      header["samples_seen"])
+        return header
+
+    def _restore(self, replica: Replica, model: dict, optimizer: dict, scaler: dict | None, step: int,
+                 samples_seen: int) -> None:
+        replica.model.load_state_dict(model)
+        configured = [_hyperparameters(group) for group in replica.optimizer.param_groups]
+        replica.optimizer.load_state_dict(optimizer)
+        self._apply_configured(replica.optimizer, configured)
+        if replica.scaler is not None and scaler is not None:
+            replica.scaler.load_state_dict(scaler)
+        replica.state.step, replica.state.samples_seen = step, samples_seen
 
     def _apply_configured(self, optimizer: torch.optim.Optimizer, configured: list[dict]) -> None:
         """`load_state_dict` brings back the saved betas, weight decay, ...; this run's config wins."""
@@ -149,6 +192,45 @@ class Checkpointer:
         }
         self.writer.save(replica.state.step, tensors, {"tokenizer.json": self.tokenizer.to_json().encode()}, info)
 
+    def after_step(self, replica: Replica) -> None:
+        """The step is done everywhere: the first process of each node copies the state to its memory tier
+        (every snapshot.memory_every steps), in the background until `before_update`."""
+        if self.memory is None or self.world.local_rank != 0:
+            return
+        step, now = replica.state.step, time.monotonic()
+        if self._last_step_at is not None:
+            self._step_seconds = now - self._last_step_at
+        self._last_step_at = now
+        self.memory.mark_reached(step)
+        if step % self._memory_every() != 0:
+            return
+        state = {"model": replica.model.state_dict(), "optimizer": replica.optimizer.state_dict(),
+                 "scaler": replica.scaler.state_dict() if replica.scaler is not None else None}
+        if self.memory.copy_seconds is None and not self.memory.has_room(state):  # checked at the first copy
+            log.warning("memory tier off: %s has no room for two copies of the state; a failure resumes from the "
+                        "last snapshot", self.memory.folder.parent)
+            self.memory = None
+            return
+        self.memory.save(state, step, {"samples_seen": replica.state.samples_seen, "world_size": self.world.world_size})
+
+    def before_update(self) -> None:
+        """The optimizer is about to change the state: the copy in flight must have read it."""
+        if self.memory is not None:
+            self.memory.wait()
+
+    def _memory_every(self) -> int:
+        """snapshot.memory_every, or (0) the fewest steps between copies that keep the tier within
+        MEMORY_OVERHEAD of the step time, once both are measured."""
+        if self.memory_every:
+            return self.memory_every
+        copy, step = self.memory.copy_seconds, self._step_seconds
+        if self.memory.copies < 2 or step is None:  # the first copy also maps the buffers: not the usual cost
+            return 1
+        self.memory_every = max(1, math.ceil(copy / (MEMORY_OVERHEAD * step)))
+        log.info("memory tier: a copy every %d step(s) (a copy takes %.0f ms, a step %.0f ms) in %s",
+                 self.memory_every, 1000 * copy, 1000 * step, self.memory.folder)
+        return self.memory_every
+
     def problems(self) -> tuple[bool, bool]:
         """(saves keep failing, the run was taken over): what only the leader knows, for the step's collective."""
         leader = self.world.is_leader
@@ -174,6 +256,8 @@ class Checkpointer:
         if failed:
             self.writer.check(final=True)
             raise SnapshotError("the process writing snapshots could not write the last one; see its log")
+        if self.memory is not None and self.world.local_rank == 0:
+            self.memory.release()  # the last step is in a snapshot: the memory is needed no more
 
     def rescue(self, replica: Replica, metrics: dict) -> None:
         """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the
@@ -197,6 +281,19 @@ class Checkpointer:
     def _log(self, message: str, *args) -> None:
         if self.world.is_leader:
             log.info(message, *args)
+
+
+def _memory_tier(cfg: SnapshotConfig, run: str) -> MemoryTier | None:
+    """This node's memory tier for the run, unless snapshot.memory is off, or (auto) it cannot be had or
+    would never be read: a process that torchrun did not start is a job of its own, which no restart continues."""
+    if cfg.memory == "off" or (cfg.memory == "auto" and "TORCHELASTIC_RUN_ID" not in os.environ):
+        return None
+    if not os.access(SHARED_MEMORY, os.W_OK):
+        if cfg.memory == "on":
+            raise ConfigError(f"snapshot.memory=on keeps the state in {SHARED_MEMORY}, which this machine lacks or "
+                              "this user cannot write; use snapshot.memory=auto or off")
+        return None
+    return MemoryTier(run, job_identity(), SHARED_MEMORY)
 
 
 def _check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:

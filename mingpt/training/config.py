@@ -84,6 +84,11 @@ class SnapshotConfig:
     # The job writing here renews its claim on the folder every lease_timeout_s / 4; another job may take
     # the folder over once the claim has not been renewed for this long (see mingpt.checkpoint.lease).
     lease_timeout_s: float = 60.0
+    # The memory tier (mingpt.checkpoint.memory): a copy of the state in this node's shared memory after
+    # every step, which a restart resumes from when it is newer than the last snapshot. auto: on where
+    # /dev/shm has room for two copies; on; off.
+    memory: str = "auto"
+    memory_every: int = 0  # steps between copies; 0: as often as costs at most 3% of the step time
     # Passed to fsspec, e.g. {client_kwargs: {endpoint_url: "http://minio:9000"}} for S3.
     # Prefer the AWS credential chain to keys here; these options are never logged or stored.
     storage_options: Dict[str, Any] = field(default_factory=dict)
@@ -179,6 +184,8 @@ def validate(cfg: Config) -> None:
         ("snapshot.keep", s.keep >= 2, "at least 2, so that a damaged newest snapshot has a fallback"),
         ("snapshot.max_failures", s.max_failures >= 1, "a positive integer"),
         ("snapshot.lease_timeout_s", 1 <= s.lease_timeout_s < math.inf, "a finite number of seconds, at least 1"),
+        ("snapshot.memory", s.memory in ("auto", "on", "off"), "auto, on or off"),
+        ("snapshot.memory_every", s.memory_every >= 0, ">= 0 (0 chooses it)"),
     ]
     for key, ok, expected in checks:
         if not ok:

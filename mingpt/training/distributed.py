@@ -282,13 +282,35 @@ def all_reduce_sum(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
-def broadcast_object(obj, world: World):
-    """`obj` as the leader has it, on every process."""
+def all_gather(values: list[float], world: World) -> list[list[float]]:
+    """Each process's few floats, by rank, on every process."""
+    if not world.distributed:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=world.device)
+    everyone = [torch.empty_like(mine) for _ in range(world.world_size)]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
+
+
+def broadcast_object(obj, world: World, src: int = 0):
+    """`obj` as process `src` (by default the leader) has it, on every process."""
     if not world.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, device=world.device)
+    dist.broadcast_object_list(box, src=src, device=world.device)
     return box[0]
+
+
+def broadcast_tensor(tensor: torch.Tensor, world: World, src: int) -> None:
+    """Process `src`'s CPU `tensor`, in place on every process (through the GPU where NCCL carries it)."""
+    if not world.distributed:
+        return
+    if dist.get_backend() == "nccl":
+        on_device = tensor.to(world.device)
+        dist.broadcast(on_device, src=src)
+        tensor.copy_(on_device.cpu())
+    else:
+        dist.broadcast(tensor, src=src)
 
 
 def first_on_its_node() -> bool:

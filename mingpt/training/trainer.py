@@ -161,6 +161,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer, data.fingerprint)
         self.metrics = Loggers(t.loggers, store.run, cfg.to_dict(), world.is_leader)  # trainer.loggers
         self.events: list[tuple[str, str]] = []  # (kind, text): what resume found, marked on the dashboards
+        self.steps_lost: int | None = None  # at a resume: steps reached before it and not in the state loaded
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
@@ -171,9 +172,12 @@ class Trainer:
         return self.replica.model
 
     def resume(self) -> None:
-        """Load the newest verified snapshot, the same one in every process; or start a new run."""
+        """Load the newest state: in a node's memory tier, or else the newest verified snapshot; the same
+        in every process. Or start a new run."""
         snapshot = self.checkpointer.latest()
-        if snapshot is None:
+        durable_step = snapshot.manifest["step"] if snapshot else 0
+        memory = self.checkpointer.load_newer_from_memory(self.replica, durable_step)
+        if snapshot is None and memory is None:
             if self.pretrained:  # a new run: its weights, a fresh optimizer, step 0
                 self.model.load_state_dict(self.pretrained.load())
                 _log(self.world, "initialised from model.init_from=%s", redact(self.pretrained.url))
@@ -181,11 +185,19 @@ class Trainer:
         if self.pretrained:
             _log(self.world, "model.init_from=%s is not read: this run resumes from its own snapshot",
                  redact(self.pretrained.url))
-        self.checkpointer.load(snapshot, self.replica)
         state = self.replica.state
+        if memory is None:
+            self.checkpointer.load(snapshot, self.replica)
+            source, before = snapshot.url, snapshot.manifest.get("world_size")
+        else:
+            source, before = f"the memory tier of {memory['host']} (newer than step {durable_step})", memory["world_size"]
         _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
-             snapshot.url, state.step, state.samples_seen, self.world.world_size)
-        before, now = snapshot.manifest.get("world_size"), self.world.world_size
+             source, state.step, state.samples_seen, self.world.world_size)
+        if self.checkpointer.reached:  # known where a memory tier recorded the steps
+            self.steps_lost = max(0, self.checkpointer.reached - state.step)
+            _log(self.world, "steps lost: %d (step %d was reached before the restart)", self.steps_lost,
+                 self.checkpointer.reached)
+        now = self.world.world_size
         self.events.append(("restart", f"resumed from step {state.step} with {now} process(es)"))
         if before is not None and before != now:
             self.events.append(("world_size_change", f"{before} -> {now} processes at step {state.step}"))
@@ -201,6 +213,8 @@ class Trainer:
         self.metrics.start(state.step)
         for kind, text in self.events:
             self.metrics.mark(state.step, kind, text)
+        if self.steps_lost is not None:
+            self.metrics.log(state.step, {"steps_lost": self.steps_lost})
         use_compile, compile_reason = choose_compile(t.compile, world.device)
         if use_compile:
             # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
@@ -234,6 +248,7 @@ class Trainer:
                 self.checkpointer.rescue(self.replica, self._snapshot_metrics())
                 raise
             self.checkpointer.stop_on(failing, lost)
+            self.checkpointer.after_step(self.replica)  # into the memory tier
             self.train_loss = loss_total / t.global_batch_size
             if not math.isfinite(self.train_loss):
                 self.finish()
@@ -283,6 +298,7 @@ class Trainer:
             weighted = loss * (count * scale)
             (self.replica.scaler.scale(weighted) if self.replica.scaler else weighted).backward()
             loss_sum += loss.detach().float() * count
+        self.checkpointer.before_update()  # the memory tier's copy of the last step must be complete
         if self.replica.scaler:
             self.replica.scaler.unscale_(self.replica.optimizer)  # clip the true gradients, not the scaled ones
         if t.grad_clip > 0:
