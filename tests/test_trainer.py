@@ -245,6 +245,10 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, 
         agent.wait(timeout=90)  # the workers snapshot and exit; an agent may exit non-zero on SIGTERM
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in output(survivor)  # set by mingpt-torchrun, not by us
 
+    # The survivor goes on from the step it reached: from the leader's rescue snapshot, or where the
+    # leader was on the lost node, from its own node's memory tier (snapshots are 20 steps apart).
+    lost_steps = [m["steps_lost"] for m in metrics(snap) if "steps_lost" in m]
+    assert lost_steps and max(lost_steps) <= 1, lost_steps
     history = [m for m in metrics(snap) if "train_loss" in m]
     sizes = [m["world_size"] for m in history]
     # Two nodes, then one, then two again (the first node may train alone for a moment before the second joins).
