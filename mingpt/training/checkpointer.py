@@ -71,6 +71,7 @@ class Checkpointer:
         self.reached = 0  # the furthest step any node recorded before this start (0: unknown)
         self._last_step_at: float | None = None
         self._step_seconds: float | None = None
+        self._waited = 0.0  # by the last optimizer step, for the memory tier's copy
 
     # -- resuming ------------------------------------------------------------------------------
 
@@ -216,19 +217,23 @@ class Checkpointer:
     def before_update(self) -> None:
         """The optimizer is about to change the state: the copy in flight must have read it."""
         if self.memory is not None:
+            started = time.monotonic()
             self.memory.wait()
+            self._waited = time.monotonic() - started
 
     def _memory_every(self) -> int:
-        """snapshot.memory_every, or (0) the fewest steps between copies that keep the tier within
-        MEMORY_OVERHEAD of the step time, once both are measured."""
+        """snapshot.memory_every, or (0) the fewest steps between copies that keep what the training
+        thread waits for them within MEMORY_OVERHEAD of the step time, once both are measured. (The copy
+        runs while the next step computes: only what is left of it at the optimizer step costs time.)"""
         if self.memory_every:
             return self.memory_every
-        copy, step = self.memory.copy_seconds, self._step_seconds
+        step = self._step_seconds
         if self.memory.copies < 2 or step is None:  # the first copy also maps the buffers: not the usual cost
             return 1
-        self.memory_every = max(1, math.ceil(copy / (MEMORY_OVERHEAD * step)))
-        log.info("memory tier: a copy every %d step(s) (a copy takes %.0f ms, a step %.0f ms) in %s",
-                 self.memory_every, 1000 * copy, 1000 * step, self.memory.folder)
+        self.memory_every = max(1, math.ceil(self._waited / (MEMORY_OVERHEAD * step)))
+        log.info("memory tier: a copy every %d step(s) (a copy takes %.0f ms, of which the step waits %.1f ms; a "
+                 "step %.0f ms) in %s", self.memory_every, 1000 * self.memory.copy_seconds, 1000 * self._waited,
+                 1000 * step, self.memory.folder)
         return self.memory_every
 
     def problems(self) -> tuple[bool, bool]:
