@@ -146,3 +146,15 @@ def test_two_nodes_starting_together_prepare_once(tmp_path, s3, corpus_file, pro
     assert sum("copied s3://" in text for text in texts) == 1, texts
     assert PreparedData(tmp_path / "node-a").fingerprint == PreparedData(tmp_path / "node-b").fingerprint
     assert f"(the local copy of {url})" in texts[0]
+
+
+def test_a_bucket_that_is_not_there_is_one_line_naming_the_setting_and_nothing_is_written(tmp_path, s3, corpus_file):
+    config = PrepareConfig(corpus=str(corpus_file), prepared_dir="s3://no-such-bucket-here/prepared",
+                           local_copy=str(tmp_path / "copy"))
+    with pytest.raises(DataError) as e:
+        prepare(config)
+    message = str(e.value)
+    assert message.startswith("cannot claim data.prepared_dir=s3://no-such-bucket-here/prepared: the bucket does "
+                              "not exist"), message
+    assert message.endswith("create it or fix data.prepared_dir") and "\n" not in message
+    assert not (tmp_path / "copy").exists()
