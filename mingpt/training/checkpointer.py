@@ -24,11 +24,11 @@ from mingpt.checkpoint.lease import LeaseLostError, job_identity
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore
 from mingpt.checkpoint.writer import SnapshotWriter
+from mingpt.errors import ConfigError
 from mingpt.model import GPTConfig
 from mingpt.storage import explain_storage_error
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 from mingpt.training import distributed
-from mingpt.errors import ConfigError
 from mingpt.training.config import Config, SnapshotConfig
 from mingpt.training.distributed import World
 
