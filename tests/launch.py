@@ -114,15 +114,12 @@ class Processes:
 
 
 def remove_memory_tiers(launchers: set[int]) -> None:
-    """Remove the memory tiers (/dev/shm/mingpt-*) whose jobs these processes launched: a killed job's
-    tier stays until a job of the same run starts again, which in a test never happens."""
-    for header in Path("/dev/shm").glob("mingpt-*/slot-*.json"):
-        try:
-            launcher = json.loads(header.read_text()).get("launcher")
-        except (OSError, ValueError):
-            continue
-        if launcher in launchers:
-            shutil.rmtree(header.parent, ignore_errors=True)
+    """Remove the memory tiers (/dev/shm/mingpt-<run>-<launcher pid>) of jobs these processes launched: a
+    killed job's tier stays until a job starts on this machine after its launcher ended."""
+    for folder in Path("/dev/shm").glob("mingpt-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) in launchers:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def kill_node(proc: subprocess.Popen) -> None:

@@ -72,10 +72,15 @@ def test_plain_torchrun_on_two_agents_stops_at_once_with_one_line(tmp_path, proc
     agent = plain_torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shared-store", f"--rdzv-conf={RDZV_CONF}")
     nodes = [procs.start(agent + _job(tmp_path, 1000), f"node-{i}") for i in range(2)]
+    advice = []
     for node in nodes:
         assert node.wait(timeout=120) != 0
         lines = [line for line in output(node).splitlines() if ADVICE in line]
-        assert len(lines) == 1 and "ERROR" in lines[0], output(node)[-3000:]
+        assert len(lines) <= 1 and all("ERROR" in line for line in lines), output(node)[-3000:]
+        advice += lines
+    # The node whose agent hosts the store says it once; the other says it too, unless that agent stopped
+    # first and took the store with it before the other's worker started (seen under load).
+    assert advice, [output(node)[-3000:] for node in nodes]
     assert not (tmp_path / "snap").exists()  # stopped before claiming the run or any data work
 
 

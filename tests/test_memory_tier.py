@@ -1,6 +1,7 @@
 """The memory tier (mingpt.checkpoint.memory): a copy cut short by a real kill is never loaded, and a
 tier of another job is never used."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -48,10 +49,12 @@ def test_a_copy_cut_short_by_a_kill_is_never_loaded(tmp_path):
             writer.kill()
             writer.wait()
     tier = MemoryTier("run", "job-1", root=str(tmp_path))
+    [written] = tier.folders()  # the writer's, named after its launcher: this process
+    assert written.name.endswith(f"-{os.getpid()}")
     # Step 3 went to slot 0, over step 1: its first tensor is there, and nothing describes the slot.
-    assert torch.equal(torch.from_file(str(tier.folder / "slot-0.bin"), size=4096, dtype=torch.float32),
+    assert torch.equal(torch.from_file(str(written / "slot-0.bin"), size=4096, dtype=torch.float32),
                        torch.full((4096,), 3.0))
-    assert not (tier.folder / "slot-0.json").exists()
+    assert not (written / "slot-0.json").exists()
     held = tier.newest()
     assert held is not None and held.step == 2
     state = MemoryTier.unpack(MemoryTier.load(held), held.header)
@@ -69,7 +72,7 @@ def test_a_tier_of_another_job_is_never_used_and_is_removed_when_a_job_starts(tm
     assert state == {"w": state["w"], "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}], 7: None}  # keys and tuples kept
     assert held.header["samples_seen"] == 40
 
-    theirs = MemoryTier("run", "job-2", root=str(tmp_path))
+    theirs = MemoryTier("run", "job-2", root=str(tmp_path))  # the same launcher here: the same folder
     assert theirs.newest() is None
     theirs.start()
     assert not list(theirs.folder.iterdir())  # job-1's state is gone
@@ -77,18 +80,62 @@ def test_a_tier_of_another_job_is_never_used_and_is_removed_when_a_job_starts(tm
 
 
 def test_the_tier_of_a_job_whose_launcher_ended_is_removed_by_the_next_job_to_start(tmp_path):
-    import json
-
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    for run, launcher in (("ended run", ended.pid), ("running run", None)):
+    for run in ("ended run", "running run"):
         tier = MemoryTier(run, "a job", root=str(tmp_path))
         tier.start()
         tier.save({"w": torch.ones(2)}, 1, {})
         tier.wait()
-        if launcher:
-            header = json.loads((tier.folder / "slot-0.json").read_text())
-            (tier.folder / "slot-0.json").write_text(json.dumps({**header, "launcher": launcher}))
+    gone = MemoryTier("ended run", "a job", root=str(tmp_path))
+    gone.folder.rename(gone.root / f"{gone.prefix}-{ended.pid}")  # as if its launcher were that ended process
     MemoryTier("a new run", "another job", root=str(tmp_path)).start()
-    assert not MemoryTier("ended run", "a job", root=str(tmp_path)).folder.exists()
+    assert gone.folders() == []
     assert MemoryTier("running run", "a job", root=str(tmp_path)).newest().step == 1  # its launcher (ours) runs
+
+
+def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp_path):
+    """Generation 1 reached step 12 in memory; a generation 2 that never saw that tier went on from an older
+    snapshot and committed step 10: its timeline wins, and the tier is left alone."""
+    from types import SimpleNamespace
+
+    from launch import config
+    from mingpt.checkpoint.store import SnapshotStore
+    from mingpt.model import GPT, GPTConfig
+    from mingpt.tokenizers import CharTokenizer
+    from mingpt.training.checkpointer import Checkpointer, Replica, TrainState
+    from mingpt.training.distributed import World
+
+    cfg = config("snapshot.memory=on", "snapshot.memory_every=1", f"snapshot.dir={tmp_path / 'run'}")
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    store = SnapshotStore(cfg.snapshot.dir)
+
+    def replica(seed: int) -> Replica:
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=8))
+        return Replica(model, torch.optim.AdamW(model.parameters()), None, TrainState())
+
+    with store.claim(60):  # generation 1
+        writer = Checkpointer(cfg, world, store, CharTokenizer("abc"), "data")
+        try:
+            assert writer.load_newer_from_memory(replica(0), None) is None and writer.generation == 1
+            reached = replica(1)
+            reached.state.step, reached.state.samples_seen = 12, 96
+            writer.after_step(reached)
+            writer.before_update()
+
+            def resume(snapshot) -> Replica:
+                reader = Checkpointer(cfg, world, store, CharTokenizer("abc"), "data")
+                reader.memory.job = writer.memory.job  # a plain process is a job of its own: be the same job
+                resumed = replica(2)
+                reader.load_newer_from_memory(resumed, snapshot)
+                return resumed
+
+            later = SimpleNamespace(manifest={"step": 10, "writer": {"generation": 2}})
+            assert resume(later).state.step == 0  # refused: nothing loaded
+            same = SimpleNamespace(manifest={"step": 10, "writer": {"generation": 1}})
+            resumed = resume(same)
+            assert (resumed.state.step, resumed.state.samples_seen) == (12, 96)
+            assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), reached.model.parameters()))
+        finally:
+            writer.memory.release()

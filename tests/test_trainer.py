@@ -129,15 +129,15 @@ def test_a_killed_leader_costs_at_most_a_step_and_the_run_stays_bitwise_identica
     """The leader cannot save a rescue snapshot for itself: the memory tier holds its last steps. The kill
     lands between two periodic snapshots; the next generation resumes from the tier, past the snapshot."""
     snap = tmp_path / "leader"
-    reached = MemoryTier(str(snap), "").folder / "reached"
+    tier = MemoryTier(str(snap), "")  # to read what the job's tier records
     every_step = [*HEAVIER, *KEEP_ALL, "snapshot.memory=on", "snapshot.memory_every=1"]
     job = procs.start(standalone(2, max_restarts=2) + overrides(tmp_path, "leader", ENDLESS_STEPS, extra=every_step),
                       "leader")
-    step = lambda: int(reached.read_text()) if reached.exists() else 0
+    step = tier.reached
     wait_for(lambda: step() >= 30 and 3 <= step() % 10 <= 6, 120, "a step between two snapshots", [job])
     os.kill(worker(job.pid, local_rank=0), signal.SIGKILL)  # standalone: local rank 0 leads
     killed_at = step()
-    found = lambda: re.search(r"resumed from the memory tier of \S+ \(newer than step (\d+)\): step (\d+)", output(job))
+    found = lambda: re.search(r"resumed from the memory tier of \S+ \(the last snapshot: step (\d+)\): step (\d+)", output(job))
     wait_for(found, 120, "the resume from memory", [job])
     durable, resumed = int(found()[1]), int(found()[2])
     assert durable < killed_at - 1 <= resumed  # past the snapshot; at most the step in flight lost
@@ -152,7 +152,7 @@ def test_a_killed_leader_costs_at_most_a_step_and_the_run_stays_bitwise_identica
     assert_equal_weights(weights(uninterrupted, compared), weights(snap, compared))
     loss = lambda d: manifest_at(d, compared)["metrics"]["train_loss"]
     assert loss(snap) == loss(uninterrupted)
-    assert not reached.parent.exists()  # released when the job ended
+    assert tier.folders() == []  # released when the job ended
 
 
 @pytest.mark.slow

@@ -2,15 +2,18 @@
 outlives the worker processes, so that a restart resumes from it rather than from the last durable
 snapshot, and a failure costs at most the step in flight.
 
-    /dev/shm/mingpt-<hash of snapshot.dir>/
+    /dev/shm/mingpt-<hash of snapshot.dir>-<pid of the launcher>/
         slot-0.bin, slot-1.bin      two buffers, written in turn: one always holds a complete state
         slot-0.json, slot-1.json    what a buffer holds (job, step, where each tensor lies in it)
-        reached                     the last step any process of this node finished, for steps_lost
+        reached                     the last step its writer finished, for steps_lost
 
-Writing a slot removes its description first and writes it again only once the copy is complete, so
-a copy cut short (the process killed in the middle) is never read: the other slot still holds the
-step before. A tier belongs to one job (mingpt.checkpoint.lease.job_identity) and one snapshot.dir;
-a tier of another job, left by a job that ended or died, is removed when a new job starts.
+One process per launcher (torchrun's agent: one per node, which outlives its workers) writes its
+own folder; readers look at every folder of the run on the machine, so two agents of one job on one
+machine never write the same buffer. Writing a slot removes its description first and writes it
+again only once the copy is complete, so a copy cut short (the process killed in the middle) is
+never read: the other slot still holds the step before. A tier belongs to one job
+(mingpt.checkpoint.lease.job_identity) and one snapshot.dir; one of another job, or whose launcher
+has ended, is removed when a job starts.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class MemoryTier:
 
     def __init__(self, run: str, job: str, root: str = "/dev/shm"):
         self.job = job
-        self.folder = Path(root) / f"mingpt-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
+        self.root, self.prefix = Path(root), f"mingpt-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
+        self.folder = self.root / f"{self.prefix}-{os.getppid()}"  # what this process writes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._mapped: dict[int, torch.Tensor] = {}  # slot -> its buffer, mapped once (its pages stay resident)
@@ -59,15 +63,19 @@ class MemoryTier:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def newest(self) -> Held | None:
-        """The newest complete state of this job in this node's tier, if any."""
-        found = [held for held in map(self._read_slot, (0, 1)) if held is not None]
-        return max(found, key=lambda held: held.step, default=None)
+    def folders(self) -> list[Path]:
+        """The run's tier folders on this machine, one per launcher."""
+        return sorted(self.root.glob(f"{self.prefix}-*"))
 
-    def _read_slot(self, slot: int) -> Held | None:
+    def newest(self) -> Held | None:
+        """The newest complete state of this job on this machine, if any."""
+        found = [self._read_slot(folder, slot) for folder in self.folders() for slot in (0, 1)]
+        return max((held for held in found if held is not None), key=lambda held: held.step, default=None)
+
+    def _read_slot(self, folder: Path, slot: int) -> Held | None:
         try:
-            header = json.loads((self.folder / f"slot-{slot}.json").read_text())
-            path = self.folder / f"slot-{slot}.bin"
+            header = json.loads((folder / f"slot-{slot}.json").read_text())
+            path = folder / f"slot-{slot}.bin"
             complete = path.stat().st_size >= header["nbytes"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -77,11 +85,14 @@ class MemoryTier:
         return Held(header["step"], header, path)
 
     def reached(self) -> int:
-        """The last step a process of this node finished (0: none recorded)."""
-        try:
-            return int((self.folder / "reached").read_text())
-        except (OSError, ValueError):
-            return 0
+        """The last step a writer of this machine finished (0: none recorded)."""
+        steps = [0]
+        for folder in self.folders():
+            try:
+                steps.append(int((folder / "reached").read_text()))
+            except (OSError, ValueError):
+                pass
+        return max(steps)
 
     @staticmethod
     def load(held: Held) -> torch.Tensor:
@@ -97,15 +108,17 @@ class MemoryTier:
     # -- writing ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Make this job's tier. A tier of another job for the same run is removed: this job holds the run
-        (mingpt.checkpoint.lease), so that job ended or died. So is any tier whose job's launcher, on this
-        machine, is gone (torchrun's agent outlives its workers: while it runs, its tier may be needed)."""
-        if self.folder.exists() and self.newest() is None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-        for other in self.folder.parent.glob("mingpt-*"):
-            if other != self.folder and _launcher_gone(other):
+        """Make this process's folder, once every process has read what it needed. Folders of this run
+        that hold nothing of this job are removed: this job holds the run (mingpt.checkpoint.lease), so
+        their job ended or died. So is any tier whose launcher on this machine has ended (torchrun's agent
+        outlives its workers: while it runs, its tier may be needed)."""
+        for other in self.root.glob("mingpt-*"):
+            jobs = _jobs(other)
+            another_job = other.name.startswith(f"{self.prefix}-") and jobs and self.job not in jobs
+            if another_job or (other != self.folder and _launcher_gone(other)):
                 log.info("removing %s, the memory tier of a job that ended", other)
                 shutil.rmtree(other, ignore_errors=True)
+        self._mapped.clear()
         self.folder.mkdir(mode=0o700, exist_ok=True)
 
     def mark_reached(self, step: int) -> None:
@@ -142,7 +155,7 @@ class MemoryTier:
             self._error = None
 
     def _older_slot(self) -> int:
-        held = {slot: self._read_slot(slot) for slot in (0, 1)}
+        held = {slot: self._read_slot(self.folder, slot) for slot in (0, 1)}
         if held[0] is None or held[1] is None:
             return 0 if held[0] is None else 1
         return 0 if held[0].step < held[1].step else 1
@@ -162,8 +175,7 @@ class MemoryTier:
                 for entry, tensor in zip(entries, tensors):
                     _view(buffer, entry).copy_(tensor.detach())
             header = {"format": FORMAT, "version": VERSION, "job": self.job, "step": step, "nbytes": nbytes,
-                      "tensors": entries, "tree": tree, "host": socket.gethostname(), "launcher": os.getppid(),
-                      "written": time.time(), **info}
+                      "tensors": entries, "tree": tree, "host": socket.gethostname(), "written": time.time(), **info}
             tmp = self.folder / f".slot-{slot}.json.tmp"
             tmp.write_text(json.dumps(header))
             os.replace(tmp, header_path)
@@ -179,17 +191,21 @@ class MemoryTier:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _launcher_gone(folder: Path) -> bool:
-    """Whether every described slot of the tier in `folder` names a launcher of this machine that has ended
-    (False where that is not known: another machine's, or nothing described)."""
-    launchers = []
+def _jobs(folder: Path) -> set:
+    """The jobs that the described slots in `folder` belong to."""
+    jobs = set()
     for header in folder.glob("slot-*.json"):
         try:
-            found = json.loads(header.read_text())
-            launchers.append(found["launcher"] if found["host"] == socket.gethostname() else None)
-        except (OSError, ValueError, KeyError, TypeError):
-            launchers.append(None)
-    return bool(launchers) and all(isinstance(pid, int) and not _alive(pid) for pid in launchers)
+            jobs.add(json.loads(header.read_text()).get("job"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    return jobs
+
+
+def _launcher_gone(folder: Path) -> bool:
+    """Whether the launcher that the folder is named after (a process of this machine) has ended."""
+    pid = folder.name.rsplit("-", 1)[-1]
+    return pid.isdigit() and not _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:

@@ -72,6 +72,7 @@ class Checkpointer:
         self._last_step_at: float | None = None
         self._step_seconds: float | None = None
         self._waited = 0.0  # by the last optimizer step, for the memory tier's copy
+        self.generation: int | None = None  # of the run's lease (mingpt.checkpoint.lease), known to every process
 
     # -- resuming ------------------------------------------------------------------------------
 
@@ -109,27 +110,38 @@ class Checkpointer:
                         "corpus or its preparation is not what the run trained on so far); training goes on with "
                         "the data as it is now", saved[:12], self.data_fingerprint[:12])
 
-    def load_newer_from_memory(self, replica: Replica, durable_step: int) -> dict | None:
+    def load_newer_from_memory(self, replica: Replica, snapshot: Snapshot | None) -> dict | None:
         """Restore `replica` from the newest state that any node's memory tier holds, when it is newer than
-        `durable_step`; the description of what was loaded (step, host, world_size), or None. Every process
-        calls it: they agree on the newest step, and the process that holds it sends it to the others."""
+        `snapshot` and was written by its generation or a later one (a tier left by a generation that
+        another generation followed is never used); the description of what was loaded (step, host,
+        world_size), or None. Every process calls it: they agree on the newest step, and the process
+        that holds it sends it to the others."""
+        lease = self.store.lease
+        self.generation = distributed.broadcast_object(lease.generation if lease else None, self.world)
+        durable_step = snapshot.manifest["step"] if snapshot else 0
+        writer = snapshot.manifest.get("writer") if snapshot else None
+        durable_generation = writer.get("generation") if isinstance(writer, dict) else None
         held = self.memory.newest() if self.memory else None
-        mine = held.step if held is not None and held.step > durable_step else -1
+        usable = held is not None and held.step > durable_step and \
+            (durable_generation is None or (held.header.get("generation") or 0) >= durable_generation)
+        mine = held.step if usable else -1
         reached = self.memory.reached() if self.memory else 0
         everyone = distributed.all_gather([float(mine), float(reached)], self.world)
         steps = [int(step) for step, _ in everyone]
         self.reached = max(int(step) for _, step in everyone)
+        header = None
+        if max(steps) >= 0:
+            holder = steps.index(max(steps))
+            header = distributed.broadcast_object(held.header if self.world.rank == holder else None, self.world,
+                                                  holder)
+            buffer = MemoryTier.load(held) if self.world.rank == holder else \
+                torch.empty(header["nbytes"], dtype=torch.uint8)
+            distributed.broadcast_tensor(buffer, self.world, holder)  # returns once every process has it
+            state = MemoryTier.unpack(buffer, header)
+            self._restore(replica, state["model"], state["optimizer"], state["scaler"], header["step"],
+                          header["samples_seen"])
         if self.memory is not None and self.world.local_rank == 0:
-            self.memory.start()  # this job's tier; another job's, left by a job that ended or died, goes
-        if max(steps) < 0:
-            return None
-        holder = steps.index(max(steps))
-        header = distributed.broadcast_object(held.header if self.world.rank == holder else None, self.world, holder)
-        buffer = MemoryTier.load(held) if self.world.rank == holder else torch.empty(header["nbytes"], dtype=torch.uint8)
-        distributed.broadcast_tensor(buffer, self.world, holder)
-        state = MemoryTier.unpack(buffer, header)
-        self._restore(replica, state["model"], state["optimizer"], state["scaler"], header["step"],
-                      header["samples_seen"])
+            self.memory.start()  # read by all: stale tiers may go
         return header
 
     def _restore(self, replica: Replica, model: dict, optimizer: dict, scaler: dict | None, step: int,
@@ -212,7 +224,8 @@ class Checkpointer:
                         "last snapshot", self.memory.folder.parent)
             self.memory = None
             return
-        self.memory.save(state, step, {"samples_seen": replica.state.samples_seen, "world_size": self.world.world_size})
+        self.memory.save(state, step, {"samples_seen": replica.state.samples_seen, "world_size": self.world.world_size,
+                                       "generation": self.generation})
 
     def before_update(self) -> None:
         """The optimizer is about to change the state: the copy in flight must have read it."""

@@ -175,8 +175,7 @@ class Trainer:
         """Load the newest state: in a node's memory tier, or else the newest verified snapshot; the same
         in every process. Or start a new run."""
         snapshot = self.checkpointer.latest()
-        durable_step = snapshot.manifest["step"] if snapshot else 0
-        memory = self.checkpointer.load_newer_from_memory(self.replica, durable_step)
+        memory = self.checkpointer.load_newer_from_memory(self.replica, snapshot)
         if snapshot is None and memory is None:
             if self.pretrained:  # a new run: its weights, a fresh optimizer, step 0
                 self.model.load_state_dict(self.pretrained.load())
@@ -190,7 +189,8 @@ class Trainer:
             self.checkpointer.load(snapshot, self.replica)
             source, before = snapshot.url, snapshot.manifest.get("world_size")
         else:
-            source, before = f"the memory tier of {memory['host']} (newer than step {durable_step})", memory["world_size"]
+            durable = f"step {snapshot.manifest['step']}" if snapshot else "none"
+            source, before = f"the memory tier of {memory['host']} (the last snapshot: {durable})", memory["world_size"]
         _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
              source, state.step, state.samples_seen, self.world.world_size)
         if self.checkpointer.reached:  # known where a memory tier recorded the steps
