@@ -1,7 +1,9 @@
-"""Chaos: SIGKILL a random worker (the leader among them) again and again, and count the work lost.
+"""Chaos: SIGKILL a random worker (the leader among them), or a whole node, again and again, and count
+the work lost.
 
     python bench/bench_chaos.py                       # 20 kills, 2 workers, gpt-micro (~6 min)
     python bench/bench_chaos.py --kills 5 --memory off
+    python bench/bench_chaos.py --node-deaths 10      # two agents; a random one dies, a new one joins (~6 min)
 
 One `mingpt-torchrun --standalone --nproc-per-node=2 --max-restarts=<kills>` job, snapshot.every=100,
 endless. Each time the job has trained a random 3 to 12 steps past its last resume, one of its two
@@ -9,6 +11,12 @@ workers, picked at random, is killed with SIGKILL. Then an uninterrupted job of 
 to the same step. Printed: per kill, who was killed, the step reached, the step resumed from and how
 (snapshot or memory tier) and the seconds from the kill to the next step; then the steps trained again
 in all, on average per kill, and whether the weights at the final snapshot are bitwise equal.
+
+--node-deaths: two `mingpt-torchrun --nnodes=1:2` agents (one worker each) around `mingpt-rendezvous`.
+Each time, a random agent is killed with its worker (SIGKILL, as when a machine dies); the survivor goes
+on alone, then a new agent joins in its place. Steps lost are what the trainer records (`steps_lost`
+in metrics.jsonl) at the resume after each death. The world size changes, so the final weights are
+compared by their largest difference, not bitwise.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import os
 import random
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -95,13 +104,87 @@ def weights(snap: Path, step: int) -> dict:
     return torch.load(snap / f"step-{step:09d}" / "model.pt", weights_only=True)
 
 
+def all_records(snap: Path) -> list[dict]:
+    try:
+        lines = (snap / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def node_deaths(count: int, memory: str, chance: random.Random) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench-chaos-nodes-"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bin_dir = Path(sys.executable).parent
+    store = subprocess.Popen([str(bin_dir / "mingpt-rendezvous"), f"--port={port}"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    snap = work / "chaos"
+    command = [str(bin_dir / "mingpt-torchrun"), "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=100",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=chaos",
+               "--rdzv-conf=last_call_timeout=1,is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
+               str(REPO / "train" / "main.py"), *SETTINGS, f"snapshot.dir={snap}", f"data.prepared_dir={work / 'data'}",
+               f"snapshot.memory={memory}"]
+
+    def node(name: str) -> subprocess.Popen:
+        return subprocess.Popen(command, cwd=work, stdout=open(work / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    both = lambda since: [r for r in records(snap) if r["time"] > since and r["world_size"] == 2]
+    nodes, rows = [node("node-0a"), node("node-0b")], []
+    try:
+        wait(lambda: both(0), 300, store, "a step of both nodes")
+        for death in range(count):
+            target = last_step(snap) + chance.randint(3, 12)
+            wait(lambda: last_step(snap) >= target, 300, store, f"step {target}")
+            victim = chance.randint(0, 1)
+            for group in [nodes[victim].pid, *workers(nodes[victim].pid).values()]:
+                os.killpg(group, signal.SIGKILL)
+            nodes[victim].wait()
+            killed_at, killed_time = time.monotonic(), time.time()
+            wait(lambda: [r for r in records(snap) if r["time"] > killed_time], 300, store, "the survivor's next step")
+            seconds = time.monotonic() - killed_at
+            lost = [r["steps_lost"] for r in all_records(snap) if r["time"] > killed_time and "steps_lost" in r]
+            rows.append((lost[0] if lost else None, seconds))
+            print(f"death {death + 1:2d}: node {victim} killed; the survivor's next step {seconds:.1f} s later, "
+                  f"steps lost {rows[-1][0]}", flush=True)
+            joined = time.time()
+            nodes[victim] = node(f"node-{death + 1}{'ab'[victim]}")
+            wait(lambda: both(joined), 300, store, "a step of both nodes again")
+        final = (last_step(snap) // 100 + 1) * 100
+        wait(lambda: (snap / f"step-{final:09d}" / "manifest.json").exists(), 900, store, f"snapshot {final}")
+    finally:
+        for proc in [*nodes, store]:
+            stop(proc)
+    reference = start(work, "reference", 0, memory)
+    try:
+        wait(lambda: (work / "reference" / f"step-{final:09d}" / "manifest.json").exists(), 900, reference,
+             f"the reference's snapshot {final}")
+    finally:
+        stop(reference)
+    ours, theirs = weights(snap, final), weights(work / "reference", final)
+    diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    lost = [n for n, _ in rows if n is not None]
+    print(f"snapshot.memory={memory}, {len(rows)} node deaths: steps lost {sum(lost)} in all, "
+          f"{statistics.mean(lost) if lost else float('nan'):.2f} per death (at most {max(lost, default=0)}; "
+          f"{len(rows) - len(lost)} not recorded); survivor's next step median "
+          f"{statistics.median(r[1] for r in rows):.1f} s; weights at step {final}: largest difference to an "
+          f"uninterrupted 2-worker run {diff:.2e}")
+    print(f"(logs in {work})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--node-deaths", type=int, default=0, help="kill whole nodes instead (two agents)")
     parser.add_argument("--memory", default="on", choices=["on", "off"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     chance = random.Random(args.seed)
+    if args.node_deaths:
+        node_deaths(args.node_deaths, args.memory, chance)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
         work = Path(tmp)
         job, snap, log = start(work, "chaos", args.kills, args.memory), work / "chaos", work / "chaos.log"
