@@ -108,9 +108,9 @@ class MemoryTier:
     # -- writing ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Make this process's folder, once every process has read what it needed. Folders of this run
-        that hold nothing of this job are removed: this job holds the run (mingpt.checkpoint.lease), so
-        their job ended or died. So is any tier whose launcher on this machine has ended (torchrun's agent
+        """Make this process's folder, once every process has read what it needed. A folder of this run
+        that holds another job's state is removed: this job holds the run (mingpt.checkpoint.lease), so
+        that job ended or died. So is any tier whose launcher on this machine has ended (torchrun's agent
         outlives its workers: while it runs, its tier may be needed)."""
         for other in self.root.glob("mingpt-*"):
             jobs = _jobs(other)
