@@ -437,6 +437,11 @@ class _Pool:
         for process in processes:
             process.join()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        # Its manager thread notices the dead workers and closes its wake-up pipe. Let it finish: Python 3.11's
+        # exit hook writes to that pipe without a lock, and racing the close it printed "Bad file descriptor".
+        manager = self.pool._executor_manager_thread
+        if manager is not None:
+            manager.join(timeout=10)
 
 
 # What each worker process knows: set once by `_init_worker`.
