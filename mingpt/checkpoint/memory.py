@@ -31,8 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from mingpt.storage import replace_atomically
 
 log = logging.getLogger(__name__)
+
+_LOCAL = LocalFileSystem()
 
 FORMAT = "mingpt-memory"
 VERSION = 1
@@ -122,9 +127,7 @@ class MemoryTier:
         self.folder.mkdir(mode=0o700, exist_ok=True)
 
     def mark_reached(self, step: int) -> None:
-        tmp = self.folder / f".reached-{os.getpid()}"
-        tmp.write_text(str(step))
-        os.replace(tmp, self.folder / "reached")
+        replace_atomically(_LOCAL, str(self.folder / "reached"), str(step).encode())
 
     def has_room(self, state: Any) -> bool:
         """Whether the shared memory has room for both slots of `state`."""
@@ -176,9 +179,7 @@ class MemoryTier:
                     _view(buffer, entry).copy_(tensor.detach())
             header = {"format": FORMAT, "version": VERSION, "job": self.job, "step": step, "nbytes": nbytes,
                       "tensors": entries, "tree": tree, "host": socket.gethostname(), "written": time.time(), **info}
-            tmp = self.folder / f".slot-{slot}.json.tmp"
-            tmp.write_text(json.dumps(header))
-            os.replace(tmp, header_path)
+            replace_atomically(_LOCAL, str(header_path), json.dumps(header).encode())
         except BaseException as e:  # no space left, a read-only /dev/shm: the durable tier still works
             self._error = e
         self.copy_seconds = time.perf_counter() - started

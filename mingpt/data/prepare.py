@@ -49,7 +49,9 @@ import numpy as np
 from mingpt.data.corpus import (
     BUILTIN_CORPUS, Piece, Source, as_list, documents, list_sources, read_pieces, sample_pieces,
 )
-from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, fingerprint, read_meta
+from mingpt.data.prepared import (
+    FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, file_sha256, fingerprint, read_meta,
+)
 from mingpt.data.progress import Progress
 from mingpt.data.remote import RemoteFolder
 from mingpt.errors import DataError, check_stopped, deferred_stops
@@ -276,7 +278,7 @@ class _Job:
                 raise DataError(f"no document of the corpus fell into the validation split (val_fraction "
                                 f"{self.config.val_fraction}); give more documents or a larger val_fraction")
             (tmp / PROGRESS_FILE).unlink()
-            meta["sha256"] = {name: _sha256(tmp / name) for name in TOKEN_FILES}
+            meta["sha256"] = {name: file_sha256(tmp / name) for name in TOKEN_FILES}
             meta["fingerprint"] = fingerprint(meta["sha256"])
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
             _publish(tmp, out, meta)
@@ -660,14 +662,9 @@ class _Tokenized:
         return done
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _sha256_or_none(path: Path) -> str | None:
     try:
-        return _sha256(path)
+        return file_sha256(path)
     except FileNotFoundError:
         return None
 

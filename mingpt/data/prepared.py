@@ -32,6 +32,12 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKEN_FILES = (TOKENIZER_FILE, "train.bin", "val.bin")  # what the tokens are: the fingerprint covers these
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file, as meta.json records it."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def fingerprint(digests: dict[str, str]) -> str:
     """One sha256 over the sha256 of each of TOKEN_FILES: it changes whenever the tokens do."""
     return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()

@@ -19,7 +19,6 @@ one replaced halfway through the copy, is never used.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mingpt.data.prepared import META_FILE, TOKEN_FILES, parse_meta
+from mingpt.data.prepared import META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
 from mingpt.storage import create_exclusive, explain_storage_error, open_fs, redact, replace_atomically
 
@@ -160,7 +159,7 @@ class RemoteFolder:
                 raise
             except Exception as e:
                 raise self._error(e, "read") from None
-            if _sha256(target) != meta["sha256"][name]:
+            if file_sha256(target) != meta["sha256"][name]:
                 raise DataError(f"{redact(self.url)}/{name} is not what {META_FILE} describes (sha256): it is "
                                 f"damaged, or being replaced by another preparation; run again, or delete "
                                 f"{redact(self.url)} and prepare it again")
@@ -249,11 +248,6 @@ def _ranged_copy(fs, path: str, target: Path) -> int:
             pool.shutdown(wait=True, cancel_futures=True)
         os.fsync(fd)
     return size
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _dead_here(holder: dict) -> bool:
