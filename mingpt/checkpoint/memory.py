@@ -8,7 +8,7 @@ snapshot, and a failure costs at most the step in flight.
         reached                     the last step its writer finished, for steps_lost
 
 One process per launcher (torchrun's agent: one per node, which outlives its workers) writes its
-own folder; readers look at every folder of the run on the machine, so two agents of one job on one
+own folder, the first of the launcher's processes to lock it; readers look at every folder of the run on the machine, so two agents of one job on one
 machine never write the same buffer. Writing a slot removes its description first and writes it
 again only once the copy is complete, so a copy cut short (the process killed in the middle) is
 never read: the other slot still holds the step before. A tier belongs to one job
@@ -18,6 +18,7 @@ has ended, is removed when a job starts.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -63,6 +64,8 @@ class MemoryTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._mapped: dict[int, torch.Tensor] = {}  # slot -> its buffer, mapped once (its pages stay resident)
+        self.writes = False  # whether this process writes the folder: the first of its launcher's to lock it
+        self._lock: int | None = None
         self.copies = 0
         self.copy_seconds: float | None = None  # of the last copy
 
@@ -113,7 +116,8 @@ class MemoryTier:
     # -- writing ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Make this process's folder, once every process has read what it needed. A folder of this run
+        """Make the folder of this process's launcher, once every process has read what it needed, and
+        write it if no other process of that launcher does. A folder of this run
         that holds another job's state is removed: this job holds the run (mingpt.checkpoint.lease), so
         that job ended or died. So is any tier whose launcher on this machine has ended (torchrun's agent
         outlives its workers: while it runs, its tier may be needed)."""
@@ -125,6 +129,15 @@ class MemoryTier:
                 shutil.rmtree(other, ignore_errors=True)
         self._mapped.clear()
         self.folder.mkdir(mode=0o700, exist_ok=True)
+        if self._lock is None:  # one writer per folder, whatever the ranks: the lock goes when its holder ends
+            self._lock = os.open(self.folder, os.O_RDONLY)
+            # A forked child would hold the lock on after this process ended: it closes its copy at once.
+            os.register_at_fork(after_in_child=self._forget_lock)
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.writes = True
+            except BlockingIOError:
+                pass
 
     def mark_reached(self, step: int) -> None:
         replace_atomically(_LOCAL, str(self.folder / "reached"), str(step).encode())
@@ -185,11 +198,18 @@ class MemoryTier:
         self.copy_seconds = time.perf_counter() - started
         self.copies += 1
 
+    def _forget_lock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock, self.writes = None, False
+
     def release(self) -> None:
-        """The job ended: free the memory."""
+        """The job ended: the writer frees the memory."""
         self.wait()
         self._mapped.clear()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.writes:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self._forget_lock()
 
 
 def _jobs(folder: Path) -> set:

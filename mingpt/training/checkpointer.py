@@ -64,7 +64,7 @@ class Checkpointer:
         self.cfg, self.world, self.store, self.tokenizer = cfg, world, store, tokenizer
         self.data_fingerprint = data_fingerprint  # of the prepared tokens: a replaced corpus changes it
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
-        # Every process reads it; each node's first process writes it. Named after where the run is: a local
+        # Every process reads it; one process per node writes it. Named after where the run is: a local
         # snapshot.dir by its absolute path, so that two jobs on one machine never share a tier.
         self.memory = _memory_tier(cfg.snapshot, os.path.abspath(store.run.path) if store.local else store.url)
         self.memory_every = cfg.snapshot.memory_every
@@ -140,8 +140,8 @@ class Checkpointer:
             state = MemoryTier.unpack(buffer, header)
             self._restore(replica, state["model"], state["optimizer"], state["scaler"], header["step"],
                           header["samples_seen"])
-        if self.memory is not None and self.world.local_rank == 0:
-            self.memory.start()  # read by all: stale tiers may go
+        if self.memory is not None:
+            self.memory.start()  # read by all: stale tiers may go, and one process per launcher writes
         return header
 
     def _restore(self, replica: Replica, model: dict, optimizer: dict, scaler: dict | None, step: int,
@@ -206,9 +206,9 @@ class Checkpointer:
         self.writer.save(replica.state.step, tensors, {"tokenizer.json": self.tokenizer.to_json().encode()}, info)
 
     def after_step(self, replica: Replica) -> None:
-        """The step is done everywhere: the first process of each node copies the state to its memory tier
+        """The step is done everywhere: one process of each node copies the state to its memory tier
         (every snapshot.memory_every steps), in the background until `before_update`."""
-        if self.memory is None or self.world.local_rank != 0:
+        if self.memory is None or not self.memory.writes:
             return
         step, now = replica.state.step, time.monotonic()
         if self._last_step_at is not None:
@@ -274,7 +274,7 @@ class Checkpointer:
         if failed:
             self.writer.check(final=True)
             raise SnapshotError("the process writing snapshots could not write the last one; see its log")
-        if self.memory is not None and self.world.local_rank == 0:
+        if self.memory is not None:
             self.memory.release()  # the last step is in a snapshot: the memory is needed no more
 
     def rescue(self, replica: Replica, metrics: dict) -> None:
