@@ -170,7 +170,7 @@ class RunLease:
             log.info("taking over %s, released by job %s", self.url, holder.get("job"))
             return
         if _same_machine(holder):
-            if not any(_alive(pid, start) for pid, start in _processes(holder)):
+            if not any(process_alive(pid, start) for pid, start in _processes(holder)):
                 log.warning("taking over %s from job %s: its processes on this machine (%s) are gone", self.url,
                             holder.get("job"), _pids(holder))
                 return
@@ -377,7 +377,8 @@ def _start_time(pid: int) -> int:
         return 0
 
 
-def _alive(pid: int, start: int) -> bool:
+def process_alive(pid: int, start: int = 0) -> bool:
+    """Whether process `pid` of this machine runs (and, given its start time, is still that process)."""
     if pid <= 0:
         return False  # kill(0) or kill(-n) would ask about process groups, not this process
     try:

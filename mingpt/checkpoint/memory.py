@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from mingpt.checkpoint.lease import process_alive
 from mingpt.storage import replace_atomically
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class MemoryTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._mapped: dict[int, torch.Tensor] = {}  # slot -> its buffer, mapped once (its pages stay resident)
+        self._written: int | None = None  # the slot of the last complete copy, once this process made one
         self.writes = False  # whether this process writes the folder: the first of its launcher's to lock it
         self._lock: int | None = None
         self.copies = 0
@@ -128,6 +130,7 @@ class MemoryTier:
                 log.info("removing %s, the memory tier of a job that ended", other)
                 shutil.rmtree(other, ignore_errors=True)
         self._mapped.clear()
+        self._written = None
         self.folder.mkdir(mode=0o700, exist_ok=True)
         if self._lock is None:  # one writer per folder, whatever the ranks: the lock goes when its holder ends
             self._lock = os.open(self.folder, os.O_RDONLY)
@@ -171,6 +174,8 @@ class MemoryTier:
             self._error = None
 
     def _older_slot(self) -> int:
+        if self._written is not None:  # the other one holds the older step (or a failed copy)
+            return 1 - self._written
         held = {slot: self._read_slot(self.folder, slot) for slot in (0, 1)}
         if held[0] is None or held[1] is None:
             return 0 if held[0] is None else 1
@@ -193,6 +198,7 @@ class MemoryTier:
             header = {"format": FORMAT, "version": VERSION, "job": self.job, "step": step, "nbytes": nbytes,
                       "tensors": entries, "tree": tree, "host": socket.gethostname(), "written": time.time(), **info}
             replace_atomically(_LOCAL, str(header_path), json.dumps(header).encode())
+            self._written = slot
         except BaseException as e:  # no space left, a read-only /dev/shm: the durable tier still works
             self._error = e
         self.copy_seconds = time.perf_counter() - started
@@ -226,17 +232,7 @@ def _jobs(folder: Path) -> set:
 def _launcher_gone(folder: Path) -> bool:
     """Whether the launcher that the folder is named after (a process of this machine) has ended."""
     pid = folder.name.rsplit("-", 1)[-1]
-    return pid.isdigit() and not _alive(int(pid))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid.isdigit() and not process_alive(int(pid))
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[dict], int]:
