@@ -102,6 +102,14 @@ class RunLease:
     def generation(self) -> int | None:
         return self.claim.generation if self.claim else None
 
+    @classmethod
+    def following(cls, run: RunDir, claim: Claim) -> "RunLease":
+        """The holder's `claim` as a process that writes beside the holder (a shard of a snapshot) sees it:
+        its `check` fences that process's writes too; it never renews nor releases anything."""
+        lease = cls(run, _timeout_of(claim.record, 60.0), claim.record.get("job"))
+        lease.claim = claim
+        return lease
+
     # -- claiming ------------------------------------------------------------------------------
 
     def acquire(self, last_commit: LastCommit = lambda: None) -> Claim:

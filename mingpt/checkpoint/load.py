@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from mingpt.checkpoint.sharded import read_shards
 from mingpt.checkpoint.store import MANIFEST, Snapshot, SnapshotError, SnapshotStore
 from mingpt.errors import MinGPTError
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import explain_storage_error, redact
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
-
-MODEL_FILES = ("model.pt", "tokenizer.json")
 
 
 def open_snapshot(url: str) -> Snapshot:
@@ -27,7 +27,7 @@ def open_snapshot(url: str) -> Snapshot:
         store = SnapshotStore(parent)
         if store.fs.exists(f"{store.path}/{name}/{MANIFEST}"):
             return store.get(name)
-    snapshot = SnapshotStore(url).latest(files=MODEL_FILES)
+    snapshot = SnapshotStore(url).latest(model_only=True)
     if snapshot is None:
         raise SnapshotError(f"no committed snapshot found in {redact(url)}; give a snapshot folder the trainer wrote")
     return snapshot
@@ -41,11 +41,22 @@ def load_model(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer
         raise SnapshotError(f"snapshot {snapshot.url} has an unusable tokenizer.json ({e})") from None
     model = GPT(GPTConfig(**snapshot.manifest["model_config"]))
     try:
-        model.load_state_dict(snapshot.load_tensors("model.pt", device))
+        model.load_state_dict(_weights(snapshot, model, device))
     except RuntimeError as e:  # missing, unexpected or misshapen tensors
         reason = str(e).splitlines()[0]
-        raise SnapshotError(f"snapshot {snapshot.url}: model.pt does not fit its model_config ({reason})") from None
+        what = "its shards do" if snapshot.sharded else "model.pt does"
+        raise SnapshotError(f"snapshot {snapshot.url}: {what} not fit its model_config ({reason})") from None
     return model.to(device).eval(), tokenizer
+
+
+def _weights(snapshot: Snapshot, model: GPT, device: torch.device) -> dict:
+    """The model's state dict from model.pt, or gathered whole from the shards of every process that
+    wrote them, read by this process alone."""
+    if not snapshot.sharded:
+        return snapshot.load_tensors("model.pt", device)
+    state = {"model": get_model_state_dict(model)}
+    read_shards(snapshot, state, alone=True)
+    return state["model"]
 
 
 def open_model(url: str, device: torch.device) -> tuple[Snapshot, GPT, Tokenizer]:

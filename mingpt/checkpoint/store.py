@@ -5,6 +5,9 @@
                         tokenizer.json  the vocabulary
                         manifest.json   written last: step, configs, size and sha256 of each file
 
+A sharded snapshot (trainer.parallelism=fsdp) holds `state/`, one shard file per writing process and
+DCP's index, in place of model.pt and optimizer.pt (see mingpt.checkpoint.sharded).
+
 The manifest is the commit marker: a folder without one is debris from an interrupted save and
 is never loaded. A committed snapshot is never overwritten. Files are loaded only after their
 checksum matches, with `torch.load(weights_only=True)`: nothing from storage is unpickled.
@@ -37,7 +40,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 # The only files a snapshot may hold. A manifest naming anything else (`../../etc/passwd`) is damaged.
 PAYLOAD_FILES = ("model.pt", "optimizer.pt", "scaler.pt", "tokenizer.json")
-REQUIRED_FILES = ("model.pt", "tokenizer.json")  # what sampling needs
+STATE_DIR = "state"  # a sharded snapshot's shards, and DCP's index of them
+_SHARD = re.compile(rf"^{STATE_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
 _NAME = re.compile(r"^step-(\d{9})$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 64 << 20  # hashing reads, and the read-ahead of S3 files
@@ -72,6 +76,18 @@ class Snapshot:
     def url(self) -> str:
         return self.store.url_of(self.name)
 
+    @property
+    def sharded(self) -> bool:
+        """Written by every process of an fsdp job (state/), not by one (model.pt, optimizer.pt)."""
+        return f"{STATE_DIR}/.metadata" in self.manifest["files"]
+
+    @property
+    def model_files(self) -> list[str]:
+        """What loading the model alone reads: the weights are mixed with the optimizer state in shards."""
+        if self.sharded:
+            return [name for name in self.manifest["files"] if name != "optimizer.pt"]
+        return ["model.pt", "tokenizer.json"]
+
     def read(self, filename: str) -> bytes:
         """The bytes of one payload file, after checking its size and sha256 against the manifest."""
         if filename in self._verified:  # read by verify() a moment ago; hand over, do not keep
@@ -93,14 +109,16 @@ class Snapshot:
         """Check the payload files (default: all) against the manifest; SnapshotError when one does not match.
 
         With `keep`, the checked bytes are kept for the next `read` of each file, so verifying and
-        then loading reads the storage once; `forget` drops what will not be read."""
+        then loading reads the storage once; `forget` drops what will not be read. Shards are never
+        kept: the process that verifies them all reads only its own share."""
         for filename in files or self.manifest["files"]:
+            shard = filename.startswith(f"{STATE_DIR}/")
             try:
-                data = self._check(filename, keep)
+                data = self._check(filename, keep and not shard)
             except SnapshotError:
                 self.store._good.discard(self._key)
                 raise
-            if keep:
+            if keep and not shard:
                 self._verified[filename] = data
         if files is None:
             self.store._good.add(self._key)
@@ -241,15 +259,15 @@ class SnapshotStore:
         listing.committed.sort(key=lambda s: s.step)
         return listing
 
-    def latest(self, files: Sequence[str] | None = None) -> Snapshot | None:
-        """The newest committed snapshot whose files (default: all) verify; damaged newer ones are logged
-        and skipped."""
+    def latest(self, model_only: bool = False) -> Snapshot | None:
+        """The newest committed snapshot whose files (or `model_only`, those the model needs) verify;
+        damaged newer ones are logged and skipped."""
         listing = self.scan()
         for name, problem in listing.damaged:
             log.warning("snapshot %s is damaged (%s); ignoring it", self.url_of(name), problem)
         for snapshot in reversed(listing.committed):
             try:
-                snapshot.verify(files)
+                snapshot.verify(snapshot.model_files if model_only else None)
                 return snapshot
             except SnapshotError as e:
                 log.warning("%s; falling back to the snapshot before it", e)
@@ -301,28 +319,44 @@ class SnapshotStore:
         `tensors` must already be on the CPU. A committed snapshot of the same step that verifies is
         kept as it is; a damaged one is replaced. With a lease, nothing is written once it is lost.
         """
-        name = snapshot_name(step)
         payload = {f"{key}.pt": value for key, value in tensors.items()} | files
         if set(payload) - set(PAYLOAD_FILES):
             raise ValueError(f"snapshot files must be among {PAYLOAD_FILES}, got {sorted(payload)}")
-        self._fence()
-        existing = self._replace_damaged_or_keep(name)
+        existing = self.begin(step)
         if existing is not None:
             return existing
-        started = time.perf_counter()
-        folder = f"{self.path}/{name}"
-        if self.local:
-            self.fs.makedirs(folder, exist_ok=True)
+        return self.commit(step, self.write(step, payload), info)
+
+    def begin(self, step: int) -> Snapshot | None:
+        """Make way for a snapshot of `step`: a committed one that verifies, to keep as it is; or None,
+        once damaged commits and debris of that step are gone and its folder exists."""
+        name = snapshot_name(step)
+        self._fence()
+        existing = self._replace_damaged_or_keep(name)
+        if existing is None and self.local:
+            self.fs.makedirs(f"{self.path}/{name}", exist_ok=True)
             sync_folder(self.fs, self.path)
+        return existing
+
+    def write(self, step: int, payload: dict[str, Any]) -> dict[str, dict]:
+        """Write each payload file (bytes as they are, anything else by torch.save) into the folder of
+        `step`; their manifest entries. Streamed: serialised, hashed and written in one pass, never whole
+        in memory. Created exclusively: a writer that lost the run while it was frozen cannot overwrite these."""
         entries = {}
         for filename, content in payload.items():
-            # Streamed: serialised, hashed and written in one pass, never whole in memory. Created
-            # exclusively: a writer that lost the run while it was frozen cannot overwrite these.
             self._fence()
-            with open_exclusive(self.fs, f"{folder}/{filename}") as f:
-                out = _HashingWriter(f)
+            with open_exclusive(self.fs, f"{self.path}/{snapshot_name(step)}/{filename}") as f:
+                out = HashingWriter(f)
                 out.write(content) if isinstance(content, bytes) else torch.save(content, out)
             entries[filename] = out.entry()
+        return entries
+
+    def commit(self, step: int, entries: dict[str, dict], info: dict) -> Snapshot:
+        """Publish the manifest of `step`, naming `entries` (every file written), then prune old snapshots."""
+        name = snapshot_name(step)
+        folder = f"{self.path}/{name}"
+        if any(filename.startswith(f"{STATE_DIR}/") for filename in entries):
+            sync_folder(self.fs, f"{folder}/{STATE_DIR}")
         sync_folder(self.fs, folder)  # payload bytes and names are on the disk before the manifest names them
         manifest = {
             "format": FORMAT,
@@ -332,13 +366,13 @@ class SnapshotStore:
             **info,
             **({"writer": {"job": self.lease.job, "generation": self.lease.generation,
                            "timeout_s": self.lease.timeout_s}} if self.lease else {}),
-            "files": entries,
+            "files": dict(sorted(entries.items())),
         }
         self._commit(name, json.dumps(manifest, indent=2).encode())
         snapshot = Snapshot(self, name, manifest)
         self._good.add(snapshot._key)
         total = sum(e["bytes"] for e in entries.values())
-        log.info("snapshot %s committed (%.1f MB in %.2fs)", self.url_of(name), total / 1e6, time.perf_counter() - started)
+        log.info("snapshot %s committed (%.1f MB)", self.url_of(name), total / 1e6)
         try:
             self._prune(name)
         except Exception as e:  # the snapshot is committed; old ones can go next time
@@ -462,10 +496,11 @@ def manifest_problem(manifest: Any, step: int) -> str | None:
     if not _is_count(manifest.get("samples_seen")):
         return "the manifest has no samples_seen count"
     files = manifest.get("files")
-    if not isinstance(files, dict) or any(name not in files for name in REQUIRED_FILES):
-        return f"the manifest does not list {' and '.join(REQUIRED_FILES)}"
+    if not isinstance(files, dict) or "tokenizer.json" not in files or \
+            ("model.pt" in files) == (f"{STATE_DIR}/.metadata" in files):
+        return f"the manifest does not list tokenizer.json and either model.pt or {STATE_DIR}/"
     for name, entry in files.items():
-        if name not in PAYLOAD_FILES:
+        if name not in PAYLOAD_FILES and not _SHARD.match(name):
             return f"the manifest names a file {name!r} that snapshots never hold"
         if not (isinstance(entry, dict) and _is_count(entry.get("bytes"))
                 and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
@@ -481,7 +516,7 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class _HashingWriter:
+class HashingWriter:
     """A write-only file that passes bytes on and keeps their count and sha256."""
 
     def __init__(self, f):
@@ -493,6 +528,12 @@ class _HashingWriter:
         self.sha.update(data)
         self.size += len(data)
         return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        """Nothing: whoever opened the file closes it (and makes it durable first)."""
 
     def flush(self) -> None:
         self.f.flush()

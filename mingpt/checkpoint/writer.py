@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 from mingpt.checkpoint.lease import LeaseLostError
 from mingpt.checkpoint.store import SnapshotError, SnapshotStore
@@ -32,13 +33,16 @@ class SnapshotWriter:
 
     def save(self, step: int, tensors: dict[str, Any], files: dict[str, bytes], info: dict) -> None:
         """Save a snapshot of `step`; `tensors` must be CPU copies that nobody changes afterwards."""
+        self.submit(step, lambda: self.store.save(step, tensors, files, info))
+
+    def submit(self, step: int, save: Callable[[], object]) -> None:
+        """Run `save`, which writes the snapshot of `step` from copies nobody changes afterwards."""
         self.wait()
         if self.async_save:
-            self._thread = threading.Thread(target=self._save, args=(step, tensors, files, info),
-                                            name=f"snapshot-{step}", daemon=True)
+            self._thread = threading.Thread(target=self._save, args=(step, save), name=f"snapshot-{step}", daemon=True)
             self._thread.start()
         else:
-            self._save(step, tensors, files, info)
+            self._save(step, save)
 
     def wait(self) -> None:
         """Block until no save is in flight."""
@@ -60,10 +64,12 @@ class SnapshotWriter:
                 "storage, then run the same command to resume from the newest committed snapshot"
             )
 
-    def _save(self, step, tensors, files, info) -> None:
+    def _save(self, step: int, save: Callable[[], object]) -> None:
+        started = time.perf_counter()
         try:
-            self.store.save(step, tensors, files, info)
+            save()
             self.failures = 0
+            log.debug("snapshot of step %d took %.2fs", step, time.perf_counter() - started)
         except LeaseLostError as e:  # not a storage failure: the trainer stops the job at the next step
             log.error("%s", e)
         except Exception as e:

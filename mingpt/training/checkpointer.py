@@ -15,14 +15,19 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 
 import mingpt
-from mingpt.checkpoint.lease import LeaseLostError, job_identity
+from mingpt.checkpoint.lease import LeaseLostError, RunLease, job_identity
 from mingpt.checkpoint.memory import MemoryTier
-from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore
+from mingpt.checkpoint.sharded import read_shards, write_shards
+from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, snapshot_name
 from mingpt.checkpoint.writer import SnapshotWriter
 from mingpt.errors import ConfigError
 from mingpt.model import GPTConfig
@@ -58,15 +63,26 @@ class Replica:
 
 
 class Checkpointer:
-    """Resume, periodic and final saves, and the rescue save of a failed step, for one generation."""
+    """Resume, periodic and final saves, and the rescue save of a failed step, for one generation.
 
-    def __init__(self, cfg: Config, world: World, store: SnapshotStore, tokenizer: Tokenizer, data_fingerprint: str):
+    An unsharded replica (ddp) is saved by the leader alone, as model.pt and optimizer.pt; a sharded
+    one (fsdp, hsdp) by every process, each its shard (mingpt.checkpoint.sharded). Either kind loads
+    into either kind of replica, at any world size."""
+
+    def __init__(self, cfg: Config, world: World, store: SnapshotStore, tokenizer: Tokenizer, data_fingerprint: str,
+                 sharded: bool = False):
         self.cfg, self.world, self.store, self.tokenizer = cfg, world, store, tokenizer
         self.data_fingerprint = data_fingerprint  # of the prepared tokens: a replaced corpus changes it
+        self.sharded = sharded
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
+        if sharded:
+            # Saves are collectives of their own group: in the writer's thread, beside the training's.
+            self.save_group = dist.new_group(backend="gloo")
+            self.fence = self._follow_lease()
         # Every process reads it; one process per node writes it. Named after where the run is: a local
         # snapshot.dir by its absolute path, so that two jobs on one machine never share a tier.
-        self.memory = _memory_tier(cfg.snapshot, os.path.abspath(store.run.path) if store.local else store.url)
+        self.memory = None if sharded else \
+            _memory_tier(cfg.snapshot, os.path.abspath(store.run.path) if store.local else store.url)
         self.memory_every = cfg.snapshot.memory_every
         self.reached = 0  # the furthest step any node recorded before this start (0: unknown)
         self._last_step_at: float | None = None
@@ -98,9 +114,13 @@ class Checkpointer:
         """Restore `replica` from `snapshot`, after checking that the run's model and data fit it."""
         _check_compatible(snapshot, replica.model.config, self.tokenizer)
         device, manifest = self.world.device, snapshot.manifest
-        scaler = snapshot.load_tensors("scaler.pt") if "scaler.pt" in manifest["files"] else None
-        self._restore(replica, snapshot.load_tensors("model.pt", device), snapshot.load_tensors("optimizer.pt", device),
-                      scaler, manifest["step"], manifest["samples_seen"])
+        if snapshot.sharded or self.sharded:
+            self._load_through_state_dicts(snapshot, replica)
+        else:
+            scaler = snapshot.load_tensors("scaler.pt") if "scaler.pt" in manifest["files"] else None
+            self._restore(replica, snapshot.load_tensors("model.pt", device),
+                          snapshot.load_tensors("optimizer.pt", device), scaler, manifest["step"],
+                          manifest["samples_seen"])
         changed = _changed_settings(manifest.get("config", {}), self.cfg.to_dict())
         if changed:
             self._log("settings changed since that snapshot: %s", ", ".join(changed))
@@ -143,6 +163,27 @@ class Checkpointer:
         if self.memory is not None:
             self.memory.start()  # read by all: stale tiers may go, and one process per launcher writes
         return header
+
+    def _load_through_state_dicts(self, snapshot: Snapshot, replica: Replica) -> None:
+        """A sharded snapshot into any replica, or any snapshot into a sharded replica: through torch's
+        state-dict API, which knows both layouts. Shards are read where they are needed (DCP plans it);
+        model.pt and optimizer.pt are read whole by every process, which keeps its share."""
+        model, optimizer = replica.model, replica.optimizer
+        configured = [_hyperparameters(group) for group in optimizer.param_groups]
+        if snapshot.sharded:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            read_shards(snapshot, state)
+            options = StateDictOptions()
+        else:
+            state = {"model": snapshot.load_tensors("model.pt"),
+                     "optimizer": _keyed_by_name(snapshot.load_tensors("optimizer.pt"), model, optimizer)}
+            options = StateDictOptions(full_state_dict=True)
+        # Model and optimizer one at a time: set_state_dict with both hung in one case (see DESIGN.md).
+        set_model_state_dict(model, state["model"], options=options)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+        self._apply_configured(optimizer, configured)
+        replica.state.step, replica.state.samples_seen = snapshot.step, snapshot.manifest["samples_seen"]
 
     def _restore(self, replica: Replica, model: dict, optimizer: dict, scaler: dict | None, step: int,
                  samples_seen: int) -> None:
@@ -188,13 +229,23 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------------
 
     def save(self, replica: Replica, metrics: dict) -> None:
-        """The leader snapshots alone: every replica holds the same state. Training goes on meanwhile."""
+        """Snapshot the replica while training goes on: the leader alone where every process holds all of
+        it; every process its own shard where it is sharded."""
+        if self.sharded:
+            self._save_shards(replica, metrics)
+            return
         if not self.world.is_leader:
             return
         tensors = {"model": _to_cpu(replica.model.state_dict()), "optimizer": _to_cpu(replica.optimizer.state_dict())}
         if replica.scaler is not None:
             tensors["scaler"] = replica.scaler.state_dict()
-        info = {
+        self.writer.save(replica.state.step, tensors, self._files(), self._info(replica, metrics))
+
+    def _files(self) -> dict[str, bytes]:
+        return {"tokenizer.json": self.tokenizer.to_json().encode()}
+
+    def _info(self, replica: Replica, metrics: dict) -> dict:
+        return {
             "samples_seen": replica.state.samples_seen,
             "model_config": replica.model.config.to_dict(),
             "config": self.cfg.to_dict(),
@@ -203,7 +254,46 @@ class Checkpointer:
             "metrics": metrics,
             "library_version": mingpt.__version__,
         }
-        self.writer.save(replica.state.step, tensors, {"tokenizer.json": self.tokenizer.to_json().encode()}, info)
+
+    def _save_shards(self, replica: Replica, metrics: dict) -> None:
+        """Every process copies its shard off the training state now and writes it in the background."""
+        self.writer.wait()
+        model_state, optimizer_state = get_state_dict(replica.model, replica.optimizer)
+        state = _to_cpu({"model": model_state, "optimizer": optimizer_state})
+        step, info = replica.state.step, self._info(replica, metrics)
+        self.writer.submit(step, lambda: self._commit_shards(step, state, info))
+
+    def _commit_shards(self, step: int, state: dict, info: dict) -> None:
+        """In every process's writer thread, over the save group: the leader clears the way (or finds this
+        step committed already), every process writes its shard, the leader commits the hashes of all."""
+        store, group, leader = self.store, self.save_group, self.world.is_leader
+        decision = [None]
+        if leader:
+            try:
+                decision = ["keep" if store.begin(step) is not None else "write"]
+            except Exception as e:  # tell the others, or they would wait for the decision in vain
+                decision = [f"the leader could not start it: {explain_storage_error(e, store.local)}"]
+                dist.broadcast_object_list(decision, src=0, group=group)
+                raise
+        dist.broadcast_object_list(decision, src=0, group=group)
+        if decision[0] == "keep":
+            return
+        if decision[0] != "write":
+            raise SnapshotError(decision[0])
+        entries = write_shards(state, store.fs, f"{store.path}/{snapshot_name(step)}", self.fence, group)
+        everyone = [None] * self.world.world_size if leader else None
+        dist.gather_object(entries, everyone, dst=0, group=group)
+        if leader:
+            written = {name: entry for shares in everyone for name, entry in shares.items()}
+            store.commit(step, written | store.write(step, self._files()), info)
+
+    def _follow_lease(self) -> Callable[[], None]:
+        """The fence of every process's shard writes: the leader's lease, as the leader claimed it."""
+        lease = self.store.lease
+        claim = distributed.broadcast_object(lease.claim if lease else None, self.world)
+        if lease is not None:
+            return lease.check
+        return RunLease.following(self.store.run, claim).check if claim else (lambda: None)
 
     def after_step(self, replica: Replica) -> None:
         """The step is done everywhere: one process of each node copies the state to its memory tier
@@ -283,9 +373,10 @@ class Checkpointer:
         collectives involved, before the error ends the process and torchrun restarts the group.
         If a newer generation holds the run already, the store's fence refuses the save.
 
-        Only with gloo (and alone): NCCL reports a peer's death late, possibly after the optimizer
-        stepped on partly reduced gradients, so there the last periodic snapshot is the safe one."""
-        if not self.world.is_leader or (self.world.distributed and dist.get_backend() != "gloo"):
+        Only with gloo, and unsharded: NCCL reports a peer's death late, possibly after the optimizer
+        stepped on partly reduced gradients, so there the last periodic snapshot is the safe one; and a
+        sharded replica is saved by all processes together, which a dead one cannot join."""
+        if not self.world.is_leader or (self.world.distributed and dist.get_backend() != "gloo") or self.sharded:
             return
         try:
             self.writer.wait()
@@ -353,7 +444,20 @@ def _changed_settings(saved: dict, now: dict, prefix: str = "") -> list[str]:
     return changed
 
 
+def _keyed_by_name(saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """An optimizer state dict keyed by parameter index (`Optimizer.state_dict`), keyed by parameter name
+    (as torch's state-dict API wants it): indices count the parameters of the groups in order."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[index]: state for index, state in saved["state"].items()},
+            "param_groups": [{**group, "params": [order[index] for index in group["params"]]}
+                             for group in saved["param_groups"]]}
+
+
 def _to_cpu(obj):
+    if isinstance(obj, DTensor):  # this process's shard, still placed in the whole
+        return DTensor.from_local(_to_cpu(obj.to_local()), obj.device_mesh, obj.placements, run_check=False,
+                                  shape=obj.shape, stride=obj.stride())
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):

@@ -66,6 +66,9 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: str = "auto"  # auto (bf16 where the GPU or CPU computes it natively, else fp32), fp32, bf16, fp16
     compile: Optional[bool] = None  # torch.compile the model; null (auto): on GPUs only
+    # ddp (every process holds the whole state), fsdp (sharded over all), hsdp (sharded within a node,
+    # replicated across nodes), auto (ddp while it fits comfortably); see mingpt.training.parallel.
+    parallelism: str = "auto"
     eval_every: int = 100  # steps; 0 disables periodic evaluation
     eval_samples: int = 128  # validation examples per evaluation, shared among the processes
     log_every: int = 10
@@ -175,6 +178,7 @@ def validate(cfg: Config) -> None:
         ("trainer.beta2", 0.0 <= t.beta2 < 1.0, "in [0, 1)"),
         ("trainer.grad_clip", t.grad_clip >= 0, ">= 0 (0 disables clipping)"),
         ("trainer.precision", t.precision in ("auto", "fp32", "bf16", "fp16"), "auto, fp32, bf16 or fp16"),
+        ("trainer.parallelism", t.parallelism in ("auto", "ddp", "fsdp", "hsdp"), "auto, ddp, fsdp or hsdp"),
         ("trainer.eval_every", t.eval_every >= 0, ">= 0 (0 disables evaluation)"),
         ("trainer.eval_samples", t.eval_samples > 0, "a positive integer"),
         ("trainer.log_every", t.log_every > 0, "a positive integer"),

@@ -29,7 +29,7 @@ from mingpt.interop.pretrained import Pretrained, open_pretrained
 from mingpt.metrics.loggers import Loggers
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import redact
-from mingpt.training import distributed
+from mingpt.training import distributed, parallel
 from mingpt.training.checkpointer import Checkpointer, Replica, TrainState
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
@@ -152,13 +152,19 @@ class Trainer:
         self.val_blocks = data.split("val", cfg.data.block_size)
         torch.manual_seed(cfg.seed)  # the same initial weights in every process
         model = GPT(model_config).to(world.device)
-        optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                      fused=True)  # one kernel for all parameters: 2.9 -> 1.2 ms on CPU
         precision, self.precision_reason = choose_precision(t.precision, world.device, model_config.n_embd)
         self.autocast, scaler = autocast_for(precision, world.device)
+        self.parallelism, self.parallelism_reason = parallel.choose(t.parallelism, model.num_params(False), world)
+        if scaler is not None and self.parallelism != "ddp":
+            raise ConfigError(f"trainer.precision=fp16 works with trainer.parallelism=ddp only (it needs a loss "
+                              f"scaler across shards); use bf16 with {self.parallelism}")
+        parallel.shard(model, self.parallelism, world, compute_dtype(self.autocast))
+        optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                      fused=True)  # one kernel for all parameters: 2.9 -> 1.2 ms on CPU
         self.replica = Replica(model, optimizer, scaler, TrainState())
         self.ddp: DDP | None = None
-        self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer, data.fingerprint)
+        self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer, data.fingerprint,
+                                         sharded=parallel.is_sharded(model))
         self.metrics = Loggers(t.loggers, store.run, cfg.to_dict(), world.is_leader)  # trainer.loggers
         self.events: list[tuple[str, str]] = []  # (kind, text): what resume found, marked on the dashboards
         self.steps_lost: int | None = None  # at a resume: steps reached before it and not in the state loaded
@@ -221,13 +227,13 @@ class Trainer:
             # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds.
             self.model.compile()
         _log(world, "torch.compile %s (%s)", "on" if use_compile else "off", compile_reason)
-        if world.distributed:
-            self.ddp = DDP(self.model, device_ids=[world.device] if world.device.type == "cuda" else None)
+        self.ddp = parallel.replicate(self.model, world)
         # Window offsets are a function of (seed, position) only: any world size reads the same examples.
         order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
-        _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s (%s), %s",
-             cfg.model.name, self.model.num_params() / 1e6, self.data.tokenizer.describe(), t.global_batch_size,
-             world.world_size, dtype_name(compute_dtype(self.autocast)), self.precision_reason, world.device.type)
+        _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s (%s), %s, "
+             "%s (%s)", cfg.model.name, self.model.num_params() / 1e6, self.data.tokenizer.describe(),
+             t.global_batch_size, world.world_size, dtype_name(compute_dtype(self.autocast)), self.precision_reason,
+             world.device.type, self.parallelism, self.parallelism_reason)
         _log(world, "%s", _describe_windows(cfg, self.train_blocks))
 
         throughput = Throughput(t.global_batch_size * cfg.data.block_size)
@@ -277,23 +283,22 @@ class Trainer:
         """One optimizer step over this process's slice of the global batch, the windows at token
         offsets `starts`; returns sum(loss * examples)."""
         t, world = self.cfg.trainer, self.world
-        mine = shard(len(starts), world.world_size, world.rank)
-        pieces = micro_batches(mine.stop - mine.start, t.micro_batch_size)
-        # DDP averages gradients over processes; scaling each micro-batch's mean loss by
+        mine, pieces = _my_pieces(len(starts), t.micro_batch_size, world, self.model)
+        # DDP and FSDP average gradients over processes; scaling each micro-batch's mean loss by
         # (its examples * world size / global batch) makes the result the full-batch gradient,
         # also when the batch does not split evenly.
         scale = world.world_size / t.global_batch_size
         loss_sum = torch.zeros((), device=world.device)
         self.replica.optimizer.zero_grad(set_to_none=True)
         for i, piece in enumerate(pieces):
-            first = mine.start + piece.start
-            count = piece.stop - piece.start
-            x, y = self.train_blocks.windows(starts[first : first + count])
+            first = mine.start + (piece or pieces[0]).start
+            count = piece.stop - piece.start if piece else 0  # a padding piece: run, but weigh nothing
+            x, y = self.train_blocks.windows(starts[first : first + max(count, 1)])
             x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
             # Dropout masks are a function of the data position, not of the process or its history.
             torch.manual_seed((self.cfg.seed * 1_000_003 + self.replica.state.samples_seen + first) % 2**63)
-            sync = self.ddp is None or i == len(pieces) - 1
-            with (nullcontext() if sync else self.ddp.no_sync()), self.autocast:
+            sync = i == len(pieces) - 1
+            with (nullcontext() if sync else parallel.no_sync(self.model, self.ddp)), self.autocast:
                 _, loss = (self.ddp or self.replica.model)(x, y)
             weighted = loss * (count * scale)
             (self.replica.scaler.scale(weighted) if self.replica.scaler else weighted).backward()
@@ -365,17 +370,29 @@ def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocas
     Fixed blocks, whatever `data.windows` says: every evaluation measures the same text, so
     evaluations of one run, and of runs that sample windows differently, compare."""
     count = min(cfg.trainer.eval_samples, len(blocks))
-    mine = shard(count, world.world_size, world.rank)
+    mine, pieces = _my_pieces(count, cfg.trainer.micro_batch_size, world, model)
     model.eval()
     loss_sum = 0.0
-    for piece in micro_batches(mine.stop - mine.start, cfg.trainer.micro_batch_size):
-        start = mine.start + piece.start
-        x, y = blocks.batch(range(start, start + piece.stop - piece.start))
+    for piece in pieces:
+        start, size = (mine.start + piece.start, piece.stop - piece.start) if piece else (0, 0)
+        x, y = blocks.batch(range(start, start + max(size, 1)))
         with autocast:
             _, loss = model(x.to(world.device), y.to(world.device))
-        loss_sum += loss.item() * (piece.stop - piece.start)
+        loss_sum += loss.item() * size
     model.train()
     return distributed.all_reduce_sum([loss_sum], world)[0] / count
+
+
+def _my_pieces(total: int, micro_batch_size: int, world: World, model: torch.nn.Module) -> tuple[slice, list]:
+    """This process's share of `total` examples, and its micro-batches (slices of the share). A sharded
+    model's forward is a collective, so there every process runs as many as the one with the largest
+    share: None pads the list, a piece to run on any example and weigh zero."""
+    mine = shard(total, world.world_size, world.rank)
+    pieces = micro_batches(mine.stop - mine.start, micro_batch_size)
+    if parallel.is_sharded(model):
+        largest = math.ceil(total / world.world_size)
+        pieces += [None] * (len(micro_batches(largest, micro_batch_size)) - len(pieces))
+    return mine, pieces
 
 
 def _check_batch(cfg: Config, world: World) -> None:

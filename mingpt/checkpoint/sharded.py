@@ -1,0 +1,131 @@
+"""Sharded snapshots: every process writes its own shard of the state, and any number of processes
+reads it back, through torch.distributed.checkpoint (DCP), which plans who reads which bytes.
+
+    <dir>/step-000001200/state/.metadata      DCP's index of the shards (a pickle: see below)
+                        state/__0_0.distcp   one process's shard of the weights and optimizer state
+                        state/__1_0.distcp   ...
+                        tokenizer.json
+                        manifest.json        written last, by the leader: the size and sha256 of every file
+
+The commit protocol is the store's: a snapshot counts only once its manifest exists. Each shard file
+is created exclusively, after its writer checked the run's lease, and hashed as it is written; the
+leader gathers the hashes and writes the manifest. Reading goes through the manifest too: every file,
+`.metadata` included, is checked against its sha256 before DCP sees a byte of it, since DCP unpickles
+`.metadata` (a file planted in a bucket could otherwise run code).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
+
+from mingpt.checkpoint.store import STATE_DIR, HashingWriter, Snapshot, SnapshotError
+from mingpt.errors import MinGPTError
+from mingpt.storage import open_exclusive
+
+
+class _ExclusiveHashedFiles(FileSystem):
+    """The files DCP writes: created exclusively after `fence()` passes, hashed on the way."""
+
+    def __init__(self, fs, fence: Callable[[], None]):
+        super().__init__()
+        self.fs, self.fence = fs, fence
+        self.entries: dict[str, dict] = {}  # path -> {bytes, sha256}
+
+    def init_path(self, path, **kwargs):
+        return path
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        path = os.fspath(path)
+        self.fence()
+        with open_exclusive(self.fs, path) as f:
+            out = HashingWriter(f)
+            yield out
+        self.entries[path] = out.entry()
+
+    def rename(self, path, new_path) -> None:  # DCP writes .metadata.tmp, then renames it
+        self.fs.mv(os.fspath(path), os.fspath(new_path))
+        self.entries[os.fspath(new_path)] = self.entries.pop(os.fspath(path))
+
+
+class ShardWriter(FsspecWriter):
+    """DCP's writer into `folder` of `fs`, with every file fenced, exclusive and hashed (`entries`)."""
+
+    def __init__(self, fs, folder: str, fence: Callable[[], None]):
+        super().__init__(folder, sync_files=False)  # open_exclusive makes local files durable itself
+        self.fs = _ExclusiveHashedFiles(fs, fence)
+        self.path = folder
+
+    def entries(self, prefix: str) -> dict[str, dict]:
+        """What this process wrote, by name relative to `prefix`."""
+        return {path[len(prefix) + 1:]: entry for path, entry in self.fs.entries.items()}
+
+
+class _VerifiedFiles(FileSystem):
+    """The files of a committed snapshot, each read whole and checked against its manifest first."""
+
+    def __init__(self, snapshot: Snapshot):
+        super().__init__()
+        self.snapshot = snapshot
+
+    def init_path(self, path, **kwargs):
+        return path
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "r" not in mode:
+            raise ValueError("a committed snapshot is never written")
+        yield io.BytesIO(self.snapshot.read(os.fspath(path)))
+
+
+class ShardReader(FsspecReader):
+    """DCP's reader of a sharded snapshot, which reads only files whose checksum matches the manifest."""
+
+    def __init__(self, snapshot: Snapshot):
+        super().__init__(STATE_DIR)
+        self.fs = _VerifiedFiles(snapshot)
+        self.path = STATE_DIR
+
+
+def write_shards(state: dict[str, Any], fs, folder: str, fence: Callable[[], None], group) -> dict[str, dict]:
+    """This process's share of `state` (CPU tensors or DTensors of them) into `folder`/state, a
+    collective of `group`; returns {name in the snapshot: {bytes, sha256}} of the files it wrote."""
+    writer = ShardWriter(fs, f"{folder}/{STATE_DIR}", fence)
+    try:
+        dcp.save(state, storage_writer=writer, process_group=group)
+    except CheckpointException as e:  # a BaseException, holding every process's failure
+        raise _first_failure(e, "could not write its shard") from None
+    return {f"{STATE_DIR}/{name}": entry for name, entry in writer.entries(f"{folder}/{STATE_DIR}").items()}
+
+
+def read_shards(snapshot: Snapshot, state: dict[str, Any], alone: bool = False) -> None:
+    """Fill `state` (tensors or DTensors, keyed as saved) in place from `snapshot`'s shards: a collective
+    of the default process group, or (`alone`) read by this process without one."""
+    alone = alone or not torch.distributed.is_initialized()
+    try:
+        with warnings.catch_warnings():  # DCP warns that it reads alone: as asked
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=ShardReader(snapshot), no_dist=alone)
+    except CheckpointException as e:
+        raise _first_failure(e, f"could not read snapshot {snapshot.url}") from None
+
+
+def _first_failure(e: CheckpointException, what: str) -> Exception:
+    """The error of the first process that failed: ours as they are (they explain themselves), others in a line."""
+    if not e.failures:
+        return SnapshotError(f"{what}: {e}")
+    rank = min(e.failures)
+    error = e.failures[rank][0]  # (exception, traceback)
+    if isinstance(error, MinGPTError):
+        return error
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return SnapshotError(f"process {rank} {what}: {reason}")

@@ -1,0 +1,121 @@
+"""How the replica is spread over the processes (`trainer.parallelism`).
+
+- ddp: every process holds all weights, gradients and AdamW state; gradients are averaged (DDP).
+- fsdp: each process holds 1/N of them (FSDP2's `fully_shard` per block, then the root); a block's
+  weights are gathered for its forward and backward, its gradients reduce-scattered.
+- hsdp: sharded within a node, replicated across nodes: the all-gathers stay on the fast links.
+- auto: ddp while the state fits comfortably in each process's memory, fsdp beyond.
+
+Data order and loss weighting are the same in every mode (see Trainer._step), so a run may change
+mode at a restart: snapshots of each load into the others (mingpt.training.checkpointer).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mingpt.errors import ConfigError
+from mingpt.model import GPT
+from mingpt.training.distributed import World
+
+MODES = ("auto", "ddp", "fsdp", "hsdp")
+STATE_BYTES_PER_PARAM = 16  # fp32 weights and gradients, AdamW's two moments
+AUTO_SHARE = 0.5  # auto: ddp while the state takes at most this share of a process's memory
+
+
+def choose(wanted: str, params: int, world: World) -> tuple[str, str]:
+    """The mode to train in and why; ConfigError when ddp would not fit."""
+    need = params * STATE_BYTES_PER_PARAM
+    room = memory_per_process(world)
+    fits = f"{_gb(need)} of weights, gradients and AdamW state against {_gb(room)} per process"
+    if not world.distributed:
+        return "ddp", "one process: nothing to shard or replicate"
+    if wanted == "auto":
+        if need <= AUTO_SHARE * room:
+            return "ddp", f"auto: {fits}"
+        return "fsdp", f"auto: {fits}, more than {AUTO_SHARE:.0%}: sharded over {world.world_size} processes"
+    if wanted == "ddp" and need > room:
+        raise ConfigError(
+            f"trainer.parallelism=ddp keeps every parameter's state in every process: {params / 1e6:.0f}M "
+            f"parameters take {fits}. Use trainer.parallelism=fsdp, which shards it over the "
+            f"{world.world_size} processes ({_gb(need / world.world_size)} each)")
+    if wanted == "hsdp" and world.world_size % _processes_per_node() != 0:
+        raise ConfigError(f"trainer.parallelism=hsdp needs the same number of processes on every node; "
+                          f"{world.world_size} processes do not divide into nodes of {_processes_per_node()}")
+    return wanted, "as configured"
+
+
+def memory_per_process(world: World) -> float:
+    """Bytes one process may fill: its GPU's memory, or the machine's available memory shared by its processes."""
+    if world.device.type == "cuda":
+        return torch.cuda.get_device_properties(world.device).total_memory
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return available / _processes_per_node()
+
+
+def shard(model: GPT, mode: str, world: World, compute_dtype: torch.dtype) -> None:
+    """Shard `model` in place under fsdp and hsdp, before its optimizer is made (sharding replaces the
+    parameters); nothing under ddp."""
+    if mode == "ddp":
+        return
+    # Weights are gathered in the compute precision; gradients are reduced in fp32, as DDP does.
+    policy = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    mesh = _mesh(mode, world)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings (tied with lm_head as one), ln_f
+
+
+def replicate(model: GPT, world: World) -> DDP | None:
+    """The DDP wrapper to train an unsharded `model` through, where there are several processes."""
+    if not world.distributed or is_sharded(model):
+        return None
+    return DDP(model, device_ids=[world.device] if world.device.type == "cuda" else None)
+
+
+def no_sync(model: GPT, ddp: DDP | None) -> AbstractContextManager:
+    """Within it, backward accumulates gradients locally, without averaging them across processes."""
+    if ddp is not None:
+        return ddp.no_sync()
+    if isinstance(model, FSDPModule):
+        return _FsdpNoSync(model)
+    return nullcontext()
+
+
+class _FsdpNoSync(AbstractContextManager):
+    def __init__(self, model: FSDPModule):
+        self.model = model
+
+    def __enter__(self):
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def _mesh(mode: str, world: World) -> DeviceMesh:
+    if mode == "fsdp":
+        return init_device_mesh(world.device.type, (world.world_size,))
+    per_node = _processes_per_node()
+    return init_device_mesh(world.device.type, (world.world_size // per_node, per_node),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def _processes_per_node() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
