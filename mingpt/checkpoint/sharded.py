@@ -10,14 +10,16 @@ reads it back, through torch.distributed.checkpoint (DCP), which plans who reads
 The commit protocol is the store's: a snapshot counts only once its manifest exists. Each shard file
 is created exclusively, after its writer checked the run's lease, and hashed as it is written; the
 leader gathers the hashes and writes the manifest. Reading goes through the manifest too: every file,
-`.metadata` included, is checked against its sha256 before DCP sees a byte of it, since DCP unpickles
-`.metadata` (a file planted in a bucket could otherwise run code).
+`.metadata` included, is checked against its sha256 before DCP sees a byte of it. And since DCP
+unpickles `.metadata` and the small values in shards, neither is ever unpickled with more than DCP's
+own classes or plain data: a planted file, even with a manifest to match, cannot run code.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -26,8 +28,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from mingpt.checkpoint.store import STATE_DIR, HashingWriter, Snapshot, SnapshotError
+
+METADATA = ".metadata"  # DCP's name for its index
 from mingpt.errors import MinGPTError
 from mingpt.storage import open_exclusive
 
@@ -88,12 +94,56 @@ class _VerifiedFiles(FileSystem):
 
 
 class ShardReader(FsspecReader):
-    """DCP's reader of a sharded snapshot, which reads only files whose checksum matches the manifest."""
+    """DCP's reader of a sharded snapshot, which reads only files whose checksum matches the manifest,
+    and unpickles DCP's index with nothing but DCP's own classes."""
 
     def __init__(self, snapshot: Snapshot):
         super().__init__(STATE_DIR)
         self.fs = _VerifiedFiles(snapshot)
         self.path = STATE_DIR
+        self.refused: SnapshotError | None = None  # why the index was refused (DCP rewords what it catches)
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with self.fs.create_stream(f"{STATE_DIR}/{METADATA}", "rb") as f:
+            try:
+                metadata = _IndexUnpickler(f).load()
+            except Exception as e:
+                metadata = f"({e})"
+        if not isinstance(metadata, Metadata):
+            self.refused = SnapshotError(f"refusing to read {STATE_DIR}/{METADATA} of snapshot "
+                                         f"{self.fs.snapshot.url}: it is not DCP's index of shards {metadata}")
+            raise self.refused
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP writes its index with pickle. This unpickler builds DCP's metadata classes, torch.Size, dtypes
+    and layouts, and refuses anything else: a planted index cannot call a function."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (module == "torch.distributed.checkpoint.metadata" and not name.startswith("__")) or \
+            (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                               ("torch.serialization", "_get_layout")} or \
+            (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"it names {module}.{name}")
+        return super().find_class(module, name)
+
+
+class _PlainDataPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that the small values it stores by torch.save (learning rates, betas,
+    step counts) must load with weights_only=True before DCP loads them."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:
+            raise SnapshotError(f"refusing to load {read_item.dest_index.fqn} from a shard: it is not plain data "
+                                f"({type(e).__name__}); only weights_only data is ever loaded") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)  # the same bytes, found plain above
 
 
 def write_shards(state: dict[str, Any], fs, folder: str, fence: Callable[[], None], group) -> dict[str, dict]:
@@ -111,12 +161,13 @@ def read_shards(snapshot: Snapshot, state: dict[str, Any], alone: bool = False) 
     """Fill `state` (tensors or DTensors, keyed as saved) in place from `snapshot`'s shards: a collective
     of the default process group, or (`alone`) read by this process without one."""
     alone = alone or not torch.distributed.is_initialized()
+    reader = ShardReader(snapshot)
     try:
         with warnings.catch_warnings():  # DCP warns that it reads alone: as asked
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, storage_reader=ShardReader(snapshot), no_dist=alone)
+            dcp.load(state, storage_reader=reader, planner=_PlainDataPlanner(), no_dist=alone)
     except CheckpointException as e:
-        raise _first_failure(e, f"could not read snapshot {snapshot.url}") from None
+        raise reader.refused or _first_failure(e, f"could not read snapshot {snapshot.url}") from None
 
 
 def _first_failure(e: CheckpointException, what: str) -> Exception:

@@ -75,6 +75,9 @@ class Checkpointer:
         self.data_fingerprint = data_fingerprint  # of the prepared tokens: a replaced corpus changes it
         self.sharded = sharded
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
+        if sharded and cfg.snapshot.memory == "on":
+            raise ConfigError("snapshot.memory=on keeps whole replicas in memory; a sharded one "
+                              "(trainer.parallelism=fsdp or hsdp) resumes from its snapshots: use snapshot.memory=auto")
         if sharded:
             # Saves are collectives of their own group: in the writer's thread, beside the training's.
             self.save_group = dist.new_group(backend="gloo")

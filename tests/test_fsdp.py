@@ -1,0 +1,175 @@
+"""trainer.parallelism=fsdp: sharded training and sharded snapshots, under real torchrun processes on
+127.0.0.1 (gloo on CPU), and the sharded snapshot format in this process."""
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from launch import SMALL, latest_step, manifests, output, run, standalone, train_here, wait_for, worker
+from mingpt.checkpoint.load import open_model
+from mingpt.checkpoint.sharded import write_shards
+from mingpt.checkpoint.store import SnapshotError, SnapshotStore
+from mingpt.cli import snapshot as snapshot_command
+from mingpt.errors import ConfigError
+from mingpt.model import GPT, GPTConfig
+from mingpt.tokenizers import CharTokenizer
+from mingpt.training import parallel
+from mingpt.training.distributed import World
+
+FSDP = ["trainer.parallelism=fsdp"]
+# After warm-up the learning rate stays put, so a run may stop at any trainer.max_steps and go on to a
+# later one exactly as a run that was always going there.
+CONSTANT_LR = ["trainer.min_lr_ratio=1.0"]
+TOKENIZER = CharTokenizer(list("abcdefgh "))
+CONFIG = GPTConfig(vocab_size=TOKENIZER.vocab_size, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+
+def overrides(root, name, steps, every=5, extra=()):
+    return [*SMALL, *CONSTANT_LR, f"trainer.max_steps={steps}", f"snapshot.every={every}",
+            f"snapshot.dir={root / name}", f"data.prepared_dir={root / 'prepared'}", "snapshot.keep=1000", *extra]
+
+
+def model_at(snap, step):
+    return open_model(str(snap / f"step-{step:09d}"), torch.device("cpu"))[1]
+
+
+def greedy(model) -> list[int]:
+    prompt = torch.zeros((1, 1), dtype=torch.long)
+    return model.generate(prompt, 30, temperature=0.0)[0].tolist()
+
+
+def assert_same_end(snap, reference, steps):
+    """Both runs reached `steps` with the same validation loss (to 1e-4) and the same greedy text."""
+    ours, theirs = manifests(snap)[-1], manifests(reference)[-1]
+    assert ours["step"] == theirs["step"] == steps
+    assert ours["metrics"]["val_loss"] == pytest.approx(theirs["metrics"]["val_loss"], abs=1e-4)
+    assert greedy(model_at(snap, steps)) == greedy(model_at(reference, steps))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_run_moves_between_ddp_and_fsdp_and_world_sizes_through_a_kill_and_ends_as_if_it_never_had(
+        tmp_path, procs):
+    """One process (ddp) to step 5; two sharded workers to 60, one of them SIGKILLed on the way; three
+    sharded workers to 70; one process to 80. The kill costs nothing: at 60 the weights equal, bit for bit,
+    those of a run that went from 5 to 60 untouched. And the run ends where that one ends."""
+    start = tmp_path / "start"
+    train_here(tmp_path, *overrides(tmp_path, "start", 5)[len(SMALL):])
+    assert (start / "step-000000005" / "model.pt").exists()
+    for name in ("reference", "run"):
+        shutil.copytree(start, tmp_path / name)  # its owner/ says the run was released: taken over at once
+    reference, snap = tmp_path / "reference", tmp_path / "run"
+    uninterrupted = procs.start(standalone(2) + overrides(tmp_path, "reference", 80, extra=FSDP), "reference")
+
+    job = procs.start(standalone(2, max_restarts=1) + overrides(tmp_path, "run", 60, extra=FSDP), "run")
+    wait_for(lambda: latest_step(snap) >= 10, 180, "a sharded snapshot", [job])
+    os.kill(worker(job.pid, local_rank=1), signal.SIGKILL)
+    assert job.wait(timeout=180) == 0, output(job)[-4000:]
+    assert uninterrupted.wait(timeout=180) == 0, output(uninterrupted)[-4000:]
+    assert output(job).count("resumed from") == 2  # the step-5 ddp snapshot, then a sharded one after the kill
+    ours, theirs = model_at(snap, 60).state_dict(), model_at(reference, 60).state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+    text = run(procs, standalone(3), overrides(tmp_path, "run", 70, extra=FSDP), "three")
+    assert "step 60, 480 examples seen, now 3 process(es)" in text
+    assert {path.name for path in (snap / "step-000000070" / "state").iterdir()} == \
+        {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
+
+    text = train_here(tmp_path, *overrides(tmp_path, "run", 80)[len(SMALL):])
+    assert "step 70, 560 examples seen, now 1 process(es)" in text
+    assert (snap / "step-000000080" / "model.pt").exists()
+    assert_same_end(snap, reference, 80)
+
+
+# -- the sharded format, in this process -------------------------------------------------------------------
+
+
+def save_sharded(store: SnapshotStore, step: int, model: GPT | None = None) -> GPT:
+    """A sharded snapshot as one process writes it (a world of one): model and AdamW state after a step."""
+    torch.manual_seed(step)
+    model = model or GPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.zeros((1, 4), dtype=torch.long), torch.zeros((1, 4), dtype=torch.long))[1].backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    assert store.begin(step) is None
+    folder = f"{store.path}/step-{step:09d}"
+    entries = write_shards({"model": model_state, "optimizer": optimizer_state}, store.fs, folder, lambda: None, None)
+    entries |= store.write(step, {"tokenizer.json": TOKENIZER.to_json().encode()})
+    store.commit(step, entries, {"samples_seen": step, "model_config": CONFIG.to_dict()})
+    return model
+
+
+class _Evil:
+    """Unpickling this would create a file: the attack a planted index carries."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_sharded_snapshots_load_without_a_process_group_and_are_listed_and_verified(tmp_path, capsys):
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    save_sharded(store, 10)
+    model = save_sharded(store, 20)
+    snapshot = store.latest()
+    assert snapshot.sharded and snapshot.step == 20
+    loaded = open_model(str(tmp_path / "snaps"), torch.device("cpu"))[1]
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert snapshot_command.main(["verify", str(tmp_path / "snaps")]) == 0
+    listing = capsys.readouterr().out
+    assert "step-000000020" in listing and "verified" in listing, listing
+
+    # A truncated shard: the newest is damaged, verify says so, and loading falls back to step 10.
+    shard = tmp_path / "snaps" / "step-000000020" / "state" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert store.latest().step == 10
+    assert snapshot_command.main(["verify", str(tmp_path / "snaps")]) != 0
+    assert "__0_0.distcp" in capsys.readouterr().out
+    assert open_model(str(tmp_path / "snaps"), torch.device("cpu"))[0].step == 10
+
+
+def test_a_planted_index_is_refused_and_never_runs_even_with_a_manifest_to_match(tmp_path, capsys):
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    save_sharded(store, 10)
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "snaps" / "step-000000010"
+    planted = pickle.dumps(_Evil(str(marker)))
+    (folder / "state" / ".metadata").write_bytes(planted)
+    # Without a matching manifest, the checksum refuses it before anything parses it ...
+    with pytest.raises(SnapshotError, match="damaged"):
+        open_model(str(folder), torch.device("cpu"))
+    # ... and with one (whoever can write the bucket can write the manifest), the index is still never
+    # unpickled with more than DCP's own classes.
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["state/.metadata"] = {"bytes": len(planted), "sha256": hashlib.sha256(planted).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SnapshotError, match=r"refusing to read state/.metadata .* index of shards \(it names (io|builtins)\.open\)"):
+        open_model(str(folder), torch.device("cpu"))
+    assert not marker.exists()
+
+
+def test_ddp_that_cannot_fit_names_the_numbers_and_fsdp():
+    class Distributed(World):
+        distributed = True
+
+    world = Distributed(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"))
+    room = parallel.memory_per_process(world)
+    params = int(room / parallel.STATE_BYTES_PER_PARAM) * 2  # twice what fits
+    with pytest.raises(ConfigError, match=r"trainer.parallelism=ddp .* GB .* Use trainer.parallelism=fsdp"):
+        parallel.choose("ddp", params, world)
+    assert parallel.choose("auto", params, world)[0] == "fsdp"
+    assert parallel.choose("auto", 1000, world)[0] == "ddp"
+    assert parallel.choose("fsdp", 1000, world)[0] == "fsdp"
