@@ -11,6 +11,7 @@ downloaded:
    to the first progress line (start-up and compiling); the async snapshot stall, as the extra time
    of the 10-step windows that hold a snapshot over the median of the others.
 2. eager: the same with trainer.compile=false, for the compile speed-up.
+   fsdp: the first job with trainer.parallelism=fsdp: its tokens/s and peak memory against ddp's.
 3. kill -9: an endless run with --max-restarts=1; once it has a snapshot of step 40, one worker is
    killed with SIGKILL. Recovery is the time from the kill to the next progress line after the
    workers resumed (the agent restarts them and they load the newest snapshot).
@@ -120,6 +121,15 @@ def kill_and_recover(nproc: int, common: list[str], work: Path) -> float:
             job.wait(timeout=120)
 
 
+def _against(fsdp: list[dict], ddp: list[dict]) -> str:
+    rate = statistics.median(r["tokens_per_s"] for r in steady(fsdp))
+    ddp_rate = statistics.median(r["tokens_per_s"] for r in steady(ddp))
+    memory = max(r["peak_memory_mb"] for r in fsdp)
+    ddp_memory = max(r["peak_memory_mb"] for r in ddp)
+    return (f"{rate:,.0f} tokens/s ({rate / ddp_rate:.2f}x), peak memory per process {memory / 1e3:.1f} GB "
+            f"({memory / ddp_memory:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2")
@@ -148,6 +158,7 @@ def main() -> None:
         steps = f"trainer.max_steps={args.steps}"
         compiled, first_compiled, text = train(nproc, common, work, "train", [steps, "trainer.compile=true"])
         eager, first_eager, _ = train(nproc, common, work, "eager", [steps, "trainer.compile=false"])
+        sharded, _, _ = train(nproc, common, work, "fsdp", [steps, "trainer.compile=true", "trainer.parallelism=fsdp"])
         recovery = kill_and_recover(nproc, common, work)
     setting = re.search(r"\d+ process\(es\), (\w+ \([^)]*\))", text)
     compile_line = re.search(r"torch.compile (\w+ \([^)]*\))", text)
@@ -162,6 +173,7 @@ def main() -> None:
         ("MFU", f"{statistics.median(r['mfu'] for r in steady(compiled)):.1%}"),
         ("peak memory per process", f"{max(r['peak_memory_mb'] for r in compiled) / 1e3:.1f} GB"),
         ("compile speed-up", f"{rate / eager_rate:.2f}x ({eager_rate:,.0f} tokens/s eager)"),
+        ("fsdp against ddp (compiled)", _against(sharded, compiled)),
         ("time to first progress line", f"{first_compiled:.0f} s compiled, {first_eager:.0f} s eager"),
         ("async snapshot stall", f"{stall_s(compiled, tokens_per_step):.2f} s per snapshot"),
         ("kill -9 to next step", f"{recovery:.1f} s"),

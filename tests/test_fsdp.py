@@ -18,6 +18,7 @@ from mingpt.checkpoint.sharded import write_shards
 from mingpt.checkpoint.store import SnapshotError, SnapshotStore
 from mingpt.cli import snapshot as snapshot_command
 from mingpt.errors import ConfigError
+from mingpt.interop.pretrained import open_pretrained
 from mingpt.model import GPT, GPTConfig
 from mingpt.tokenizers import CharTokenizer
 from mingpt.training import parallel
@@ -119,26 +120,37 @@ class _Evil:
         return (open, (self.marker, "w"))
 
 
-def test_sharded_snapshots_load_without_a_process_group_and_are_listed_and_verified(tmp_path, capsys):
-    store = SnapshotStore(str(tmp_path / "snaps"))
-    save_sharded(store, 10)
-    model = save_sharded(store, 20)
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def store_url(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "snaps")
+    return f"s3://{request.getfixturevalue('s3').bucket}/run"
+
+
+def test_sharded_snapshots_load_without_a_process_group_and_are_listed_verified_and_pruned(store_url, capsys):
+    store = SnapshotStore(store_url, keep=2)
+    for step in (10, 20):
+        save_sharded(store, step)
+    model = save_sharded(store, 30)
+    assert [s.step for s in store.committed()] == [20, 30]  # retention counts sharded snapshots as any other
     snapshot = store.latest()
-    assert snapshot.sharded and snapshot.step == 20
-    loaded = open_model(str(tmp_path / "snaps"), torch.device("cpu"))[1]
+    assert snapshot.sharded and snapshot.step == 30
+    loaded = open_model(store_url, torch.device("cpu"))[1]  # mingpt-sample's and mingpt-export's way in
+    initial = open_pretrained(store_url, CONFIG.block_size).load()  # model.init_from's
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
-    assert snapshot_command.main(["verify", str(tmp_path / "snaps")]) == 0
+        assert torch.equal(initial[key], value), key
+    assert snapshot_command.main(["verify", store_url]) == 0
     listing = capsys.readouterr().out
-    assert "step-000000020" in listing and "verified" in listing, listing
+    assert "step-000000030" in listing and "verified" in listing, listing
 
-    # A truncated shard: the newest is damaged, verify says so, and loading falls back to step 10.
-    shard = tmp_path / "snaps" / "step-000000020" / "state" / "__0_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:100])
-    assert store.latest().step == 10
-    assert snapshot_command.main(["verify", str(tmp_path / "snaps")]) != 0
+    # A truncated shard: the newest is damaged, verify says so, and loading falls back to step 20.
+    shard = f"{store.path}/step-000000030/state/__0_0.distcp"
+    store.fs.pipe_file(shard, store.fs.cat_file(shard)[:100])
+    assert store.latest().step == 20
+    assert snapshot_command.main(["verify", store_url]) != 0
     assert "__0_0.distcp" in capsys.readouterr().out
-    assert open_model(str(tmp_path / "snaps"), torch.device("cpu"))[0].step == 10
+    assert open_model(store_url, torch.device("cpu"))[0].step == 20
 
 
 def test_a_planted_index_is_refused_and_never_runs_even_with_a_manifest_to_match(tmp_path, capsys):

@@ -41,7 +41,7 @@ def load_model(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer
         raise SnapshotError(f"snapshot {snapshot.url} has an unusable tokenizer.json ({e})") from None
     model = GPT(GPTConfig(**snapshot.manifest["model_config"]))
     try:
-        model.load_state_dict(_weights(snapshot, model, device))
+        model.load_state_dict(read_weights(snapshot, device, model))
     except RuntimeError as e:  # missing, unexpected or misshapen tensors
         reason = str(e).splitlines()[0]
         what = "its shards do" if snapshot.sharded else "model.pt does"
@@ -49,14 +49,14 @@ def load_model(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer
     return model.to(device).eval(), tokenizer
 
 
-def _weights(snapshot: Snapshot, model: GPT, device: torch.device) -> dict:
-    """The model's state dict from model.pt, or gathered whole from the shards of every process that
-    wrote them, read by this process alone."""
+def read_weights(snapshot: Snapshot, device: torch.device | str = "cpu", model: GPT | None = None) -> dict:
+    """The snapshot's weights, a GPT state dict: model.pt, or gathered whole from the shards that every
+    process of a sharded job wrote, read by this process alone (into `model`'s tensors where given)."""
     if not snapshot.sharded:
         return snapshot.load_tensors("model.pt", device)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": get_model_state_dict(model or GPT(GPTConfig(**snapshot.manifest["model_config"])))}
     read_shards(snapshot, state, alone=True)
-    return state["model"]
+    return {name: tensor.to(device) for name, tensor in state["model"].items()}
 
 
 def open_model(url: str, device: torch.device) -> tuple[Snapshot, GPT, Tokenizer]:

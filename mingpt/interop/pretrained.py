@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from mingpt.checkpoint.load import open_snapshot
+from mingpt.checkpoint.load import open_snapshot, read_weights
 from mingpt.checkpoint.store import SnapshotError
 from mingpt.errors import ConfigError
 from mingpt.interop import hf
@@ -48,7 +48,7 @@ def open_pretrained(url: str, block_size: int) -> Pretrained:
         raise ConfigError(f"data.block_size={block_size} exceeds the block_size {saved.block_size} of "
                           f"model.init_from={url}; use a block_size up to {saved.block_size}")
     config = replace(saved, block_size=block_size)
-    return Pretrained(snapshot.url, config, snapshot.url, lambda: _fit(url, snapshot.load_tensors("model.pt"), config))
+    return Pretrained(snapshot.url, config, snapshot.url, lambda: _fit(url, read_weights(snapshot), config))
 
 
 def _fit(url: str, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ mode at a restart: snapshots of each load into the others (mingpt.training.check
 
 from __future__ import annotations
 
+import ctypes
 import os
 from contextlib import AbstractContextManager, nullcontext
 
@@ -27,6 +28,7 @@ from mingpt.training.distributed import World
 MODES = ("auto", "ddp", "fsdp", "hsdp")
 STATE_BYTES_PER_PARAM = 16  # fp32 weights and gradients, AdamW's two moments
 AUTO_SHARE = 0.5  # auto: ddp while the state takes at most this share of a process's memory
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
 def choose(wanted: str, params: int, world: World) -> tuple[str, str]:
@@ -65,6 +67,8 @@ def shard(model: GPT, mode: str, world: World, compute_dtype: torch.dtype) -> No
     parameters); nothing under ddp."""
     if mode == "ddp":
         return
+    if world.device.type == "cpu":
+        _return_large_frees_to_the_system()
     # Weights are gathered in the compute precision; gradients are reduced in fp32, as DDP does.
     policy = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -72,6 +76,18 @@ def shard(model: GPT, mode: str, world: World, compute_dtype: torch.dtype) -> No
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings (tied with lm_head as one), ln_f
+
+
+def _return_large_frees_to_the_system() -> None:
+    """Sharded training gathers each block's weights and gradients into buffers of tens of MB and frees
+    them a moment later. glibc's malloc raises its mmap threshold after each such free, so the next ones
+    come from the heap, which fragments and keeps growing: gpt2 at 2 workers peaked at 2.4 GB per process,
+    more than under DDP, and at 1.06 GB with the threshold fixed (bench/bench_fsdp.py). GPUs have their own
+    allocator; elsewhere than glibc this does nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default, kept fixed
+    except (OSError, AttributeError):
+        pass
 
 
 def replicate(model: GPT, world: World) -> DDP | None:
