@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from launch import SMALL, latest_step, manifests, output, run, standalone, train_here, wait_for, worker
+from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.checkpoint.load import open_model
 from mingpt.checkpoint.sharded import write_shards
 from mingpt.checkpoint.store import SnapshotError, SnapshotStore
@@ -80,7 +81,10 @@ def test_a_run_moves_between_ddp_and_fsdp_and_world_sizes_through_a_kill_and_end
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
 
-    text = run(procs, standalone(3), overrides(tmp_path, "run", 70, extra=FSDP), "three")
+    # 8 examples over 3 workers in micro-batches of 2: the worker with 2 runs one micro-batch of them and one
+    # that weighs nothing, as each forward of a sharded model is a collective of all three.
+    uneven = [*FSDP, "trainer.micro_batch_size=2"]
+    text = run(procs, standalone(3), overrides(tmp_path, "run", 70, extra=uneven), "three")
     assert "step 60, 480 examples seen, now 3 process(es)" in text
     assert {path.name for path in (snap / "step-000000070" / "state").iterdir()} == \
         {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
@@ -171,6 +175,23 @@ def test_a_planted_index_is_refused_and_never_runs_even_with_a_manifest_to_match
     with pytest.raises(SnapshotError, match=r"refusing to read state/.metadata .* index of shards \(it names (io|builtins)\.open\)"):
         open_model(str(folder), torch.device("cpu"))
     assert not marker.exists()
+
+
+def test_every_process_fences_its_shard_with_the_leaders_lease(tmp_path):
+    """A process writing its shard beside the leader checks the leader's claim before each file: once a newer
+    generation holds the run, it writes nothing."""
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    leader = RunLease(store.run, timeout_s=60, job="old")
+    claim = leader.acquire()
+    beside = RunLease.following(store.run, claim)
+    beside.check()  # the leader's generation holds the run: writing is allowed
+    leader.release()
+    assert RunLease(store.run, timeout_s=60, job="new").acquire().generation == claim.generation + 1
+    model = GPT(CONFIG)
+    folder = f"{store.path}/step-000000010"
+    with pytest.raises(LeaseLostError, match="taken over by generation 2"):
+        write_shards({"model": model.state_dict()}, store.fs, folder, beside.check, None)
+    assert [path for path in (tmp_path / "snaps").rglob("*") if path.is_file() and "owner" not in path.parts] == []
 
 
 def test_ddp_that_cannot_fit_names_the_numbers_and_fsdp():

@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from mingpt.checkpoint.store import STATE_DIR, HashingWriter, Snapshot, SnapshotError
-
-METADATA = ".metadata"  # DCP's name for its index
 from mingpt.errors import MinGPTError
 from mingpt.storage import open_exclusive
+
+METADATA = ".metadata"  # DCP's name for its index
 
 
 class _ExclusiveHashedFiles(FileSystem):
@@ -71,9 +71,9 @@ class ShardWriter(FsspecWriter):
         self.fs = _ExclusiveHashedFiles(fs, fence)
         self.path = folder
 
-    def entries(self, prefix: str) -> dict[str, dict]:
-        """What this process wrote, by name relative to `prefix`."""
-        return {path[len(prefix) + 1:]: entry for path, entry in self.fs.entries.items()}
+    def written(self) -> dict[str, dict]:
+        """What this process wrote: {name in the folder: {bytes, sha256}}."""
+        return {path[len(self.path) + 1:]: entry for path, entry in self.fs.entries.items()}
 
 
 class _VerifiedFiles(FileSystem):
@@ -157,7 +157,7 @@ def write_shards(state: dict[str, Any], fs, folder: str, fence: Callable[[], Non
                      no_dist=not torch.distributed.is_initialized())
     except CheckpointException as e:  # a BaseException, holding every process's failure
         raise _first_failure(e, "could not write its shard") from None
-    return {f"{STATE_DIR}/{name}": entry for name, entry in writer.entries(f"{folder}/{STATE_DIR}").items()}
+    return {f"{STATE_DIR}/{name}": entry for name, entry in writer.written().items()}
 
 
 def read_shards(snapshot: Snapshot, state: dict[str, Any], alone: bool = False) -> None:
