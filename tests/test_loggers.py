@@ -64,11 +64,16 @@ def test_tensorboard_continues_across_a_kill_and_a_world_size_change(tmp_path, p
 
     names = ["jsonl", "tensorboard"]
     resumed, last = kill_with_unsnapshotted_steps(procs, tmp_path, names, machine_dies=True)
+    folder = str(tmp_path / "snap" / "tensorboard")
+    killed = EventAccumulator(folder, size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    killed.Reload()
+    tb_last = max(e.step for e in killed.Scalars("loss/train"))
+    # metrics.jsonl is written after TensorBoard: a kill between the two leaves it a step behind, never ahead.
+    assert tb_last in (last, last + 5), (tb_last, last)
     final = last + 10
     # The same snapshot.dir, now with two processes: a restart and a world-size change.
     run(procs, standalone(2), overrides(tmp_path, final, names), "again")
 
-    folder = str(tmp_path / "snap" / "tensorboard")
     seen = EventAccumulator(folder, size_guidance={"scalars": 0, "tensors": 0})
     seen.Reload()
     steps = [e.step for e in seen.Scalars("loss/train")]
@@ -78,7 +83,7 @@ def test_tensorboard_continues_across_a_kill_and_a_world_size_change(tmp_path, p
     raw = EventAccumulator(folder, size_guidance={"scalars": 0}, purge_orphaned_data=False)
     raw.Reload()
     written = [e.step for e in raw.Scalars("loss/train")]
-    assert sorted(s for s in set(written) if written.count(s) == 2) == list(range(resumed + 5, last + 1, 5))
+    assert sorted(s for s in set(written) if written.count(s) == 2) == list(range(resumed + 5, tb_last + 1, 5))
     latest = {m["step"]: m["train_loss"] for m in metrics(tmp_path / "snap") if "train_loss" in m}
     assert [e.value for e in seen.Scalars("loss/train")] == pytest.approx([latest[s] for s in steps], rel=1e-6)
     sizes = {e.step: e.value for e in seen.Scalars("perf/world_size")}
@@ -162,6 +167,12 @@ def test_tensorboard_for_a_snapshot_dir_in_s3_writes_here(tmp_path, monkeypatch)
     logger.log(5, {"train_loss": 2.0, "mfu": float("nan")})
     logger.close()
     assert list((tmp_path / "tensorboard" / "bucket" / "runs" / "a").glob("events.out.tfevents.*"))
+
+
+def test_metrics_jsonl_is_written_after_the_other_loggers(tmp_path):
+    """A process killed between two loggers leaves metrics.jsonl behind the others, never ahead of them."""
+    fan_out = loggers.Loggers(["jsonl", "tensorboard"], RunDir(str(tmp_path)), {}, leader=True)
+    assert [type(logger) for logger in fan_out.loggers] == [loggers.TensorBoardLogger, loggers.JsonlLogger]
 
 
 def test_a_logger_that_fails_while_training_is_dropped_with_one_warning(caplog):

@@ -99,7 +99,10 @@ class Loggers(Logger):
     def __init__(self, names: Sequence[str], run: RunDir, config: dict, leader: bool):
         check_loggers(names)
         makers = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
-        self.loggers: list[Logger] = [makers[name](run, config) for name in names] if leader else []
+        # metrics.jsonl last: a process killed between two loggers leaves it claiming no step that the
+        # others lack (restarts and tools read it as the record of what was logged).
+        ordered = sorted(names, key=lambda name: name == "jsonl")
+        self.loggers: list[Logger] = [makers[name](run, config) for name in ordered] if leader else []
 
     def start(self, step: int) -> None:
         for logger in self.loggers:
