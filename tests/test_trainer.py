@@ -1,6 +1,7 @@
 """The trainer under real torchrun processes on 127.0.0.1 (gloo on CPU), and in this process where one
 process is all a test needs."""
 
+import fcntl
 import os
 import re
 import signal
@@ -10,7 +11,7 @@ import torch
 
 from launch import (
     RDZV_CONF, SMALL, Processes, children, free_port, kill_node, latest_step, manifests, metrics, output,
-    port_listens, rendezvous, run, standalone, torchrun, train_here, wait_for, weights, worker,
+    rendezvous, run, standalone, torchrun, train_here, wait_for, weights, worker,
 )
 from conftest import TEXT
 from mingpt.checkpoint.memory import MemoryTier
@@ -74,26 +75,33 @@ def manifest_at(snap, step):
 
 class Reference:
     """An uninterrupted run of two workers (HEAVIER, every snapshot kept, every 10 steps), which the tests
-    that disturb the same job compare with. It is shared; a test that needs a step it has not reached
-    runs a new one, further."""
+    that disturb the same job compare with. One is shared by all the test processes of a session (under a
+    lock, so that pytest-xdist's workers wait for the one being trained instead of training their own); a
+    test that needs a step no reference has reached runs a new one, further."""
 
     def __init__(self, root, procs):
-        self.root, self.procs, self.snap = root, procs, None
+        self.root, self.procs = root, procs
 
     def at(self, step: int):
         """The snapshot folder of an uninterrupted run with a snapshot of `step`."""
-        if self.snap is None or latest_step(self.snap) < step:
-            name = f"reference-{step}"
+        with open(self.root / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            for done in sorted(self.root.glob("reference-*/complete")):
+                if latest_step(done.parent) >= step:
+                    return done.parent
+            name = f"reference-{step}-{os.getpid()}"
             args = standalone(2) + overrides(self.root, name, ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL])
             run_until(self.procs, args, name, self.root / name, step + 50)  # a margin for the next test
             assert "resumed" not in output(self.procs.started[-1])
-            self.snap = self.root / name
-        return self.snap
+            (self.root / name / "complete").touch()
+            return self.root / name
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference"  # the session's
+    root.mkdir(exist_ok=True)
     procs = Processes(root)
     yield Reference(root, procs)
     procs.close()
@@ -109,7 +117,7 @@ def test_killed_workers_cost_at_most_a_step_and_the_run_stays_bitwise_identical(
     every_step = [*HEAVIER, *KEEP_ALL, "snapshot.memory=on", "snapshot.memory_every=1"]  # steps of tens of ms
     job = procs.start(standalone(2, max_restarts=2) + overrides(tmp_path, "killed", ENDLESS_STEPS, extra=every_step),
                       "killed")
-    between_snapshots = lambda: tier.reached() >= 30 and 3 <= tier.reached() % 10 <= 6
+    between_snapshots = lambda: tier.reached() >= 10 and 3 <= tier.reached() % 10 <= 6
     wait_for(between_snapshots, 120, "a step between two snapshots", [job])
     assert len(children(job.pid)) == 2
     os.kill(worker(job.pid, local_rank=1), signal.SIGKILL)
@@ -192,6 +200,9 @@ def test_sampling_needs_no_corpus(char_run, capsys):
     assert capsys.readouterr().out == first  # same seed, same text
 
 
+EVERY = 10  # steps between the elastic job's snapshots
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("store_host, lost", [("first-agent", "second"), ("mingpt-rendezvous", "first")])
 def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, lost):
@@ -205,14 +216,15 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, 
     if store_host == "mingpt-rendezvous":
         rendezvous(procs, port)
         conf += ",is_host=false"
-    node = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", f"--rdzv-conf={conf}")
-    heavier = [*HEAVIER, *KEEP_ALL]
-    args = node + overrides(tmp_path, "elastic", ENDLESS_STEPS, every=20, extra=heavier)
+    node = lambda conf: torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
+                                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", f"--rdzv-conf={conf}")
+    job = overrides(tmp_path, "elastic", ENDLESS_STEPS, every=EVERY, extra=[*HEAVIER, *KEEP_ALL])
+    args = node(conf) + job
     first = procs.start(args, "node-a")
-    if store_host == "first-agent":
-        wait_for(lambda: port_listens(port), 60, "the first agent's rendezvous store", [first])
-    second = procs.start(args, "node-b")
+    # Started at once, so that it joins the first rendezvous; where the first agent hosts the store, the
+    # second says it is not the host (as it would on a machine of its own), else it could host it itself.
+    # The newcomer below, started as the first, finds the store taken and joins it.
+    second = procs.start(node(conf + ",is_host=false") + job if store_host == "first-agent" else args, "node-b")
     by_world = lambda ws: [m for m in manifests(snap) if m["world_size"] == ws]
     wait_for(lambda: by_world(2), 120, "a snapshot from two nodes", [first, second])
 
@@ -224,7 +236,7 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, 
 
     grown_from = latest_step(snap)
     newcomer = procs.start(args, "node-c")
-    regrown = lambda: [m for m in by_world(2) if m["step"] > grown_from and m["step"] % 20 == 0]
+    regrown = lambda: [m for m in by_world(2) if m["step"] > grown_from and m["step"] % EVERY == 0]
     wait_for(regrown, 120, "a periodic snapshot from two nodes again", [survivor, newcomer])
     compared = regrown()[0]["step"]
     for agent in (survivor, newcomer):
@@ -234,7 +246,7 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, 
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in output(survivor)  # set by mingpt-torchrun, not by us
 
     # The survivor goes on from the step it reached: from the leader's rescue snapshot, or where the
-    # leader was on the lost node, from its own node's memory tier (snapshots are 20 steps apart).
+    # leader was on the lost node, from its own node's memory tier (snapshots are 10 steps apart).
     lost_steps = [m["steps_lost"] for m in metrics(snap) if "steps_lost" in m]
     assert lost_steps and max(lost_steps) <= 1, lost_steps
     history = [m for m in metrics(snap) if "train_loss" in m]
