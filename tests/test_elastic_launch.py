@@ -84,13 +84,6 @@ def test_plain_torchrun_on_two_agents_stops_at_once_with_one_line(tmp_path, proc
     assert not (tmp_path / "snap").exists()  # stopped before claiming the run or any data work
 
 
-def test_plain_torchrun_standalone_warns_once_and_trains(tmp_path, procs):
-    job = procs.start(plain_torchrun("--standalone", "--nproc-per-node=2") + _job(tmp_path, 2), "standalone")
-    assert job.wait(timeout=180) == 0, output(job)[-3000:]
-    text = output(job)
-    assert text.count(ADVICE) == 1 and "done: step 2" in text
-
-
 def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
     port = free_port()
     store = rendezvous(procs, port)
@@ -127,8 +120,11 @@ def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, pro
     assert not port_listens(port)  # the script stopped its store on the way out
 
 
-def test_a_peer_still_preparing_its_data_is_waited_for_not_timed_out(tmp_path, procs):
-    """Under plain torchrun each worker prepares its own data before the process group forms. Here rank 1
+def test_plain_torchrun_standalone_warns_once_and_trains_and_waits_for_a_peer_still_preparing(tmp_path, procs):
+    """Plain torchrun --standalone: its agent shares its store with the workers, which one of them warns
+    about, once; the job trains to the end.
+
+    Under plain torchrun each worker prepares its own data before the process group forms. Here rank 1
     has a folder of its own to prepare (a node with an empty disk) while rank 0's is ready, and
     trainer.dist_timeout_s is 2 s: rank 0 used to give up in init_process_group. Now rank 1 says it is
     preparing, rank 0 waits for it as long as that takes, and says whom it waits for."""
@@ -141,5 +137,5 @@ def test_a_peer_still_preparing_its_data_is_waited_for_not_timed_out(tmp_path, p
     job = procs.start(plain_torchrun("--standalone", "--nproc-per-node=2") + overrides, "job")
     assert job.wait(timeout=180) == 0, output(job)[-3000:]
     text = output(job)
-    assert "done: step 4" in text and (for_rank(1) / "meta.json").exists()
+    assert text.count(ADVICE) == 1 and "done: step 4" in text and (for_rank(1) / "meta.json").exists()
     assert re.search(r"waiting for 1 process\(es\) to prepare their data: rank 1 on \S+", text), text[-3000:]
