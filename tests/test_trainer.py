@@ -33,21 +33,6 @@ def assert_equal_weights(a: dict, b: dict):
         assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
-def test_standalone_two_workers_run_to_the_end(tmp_path, procs):
-    text = run(procs, standalone(2), overrides(tmp_path, "snap", 20), "run")
-    final = manifests(tmp_path / "snap")[-1]
-    assert final["step"] == 20 and final["world_size"] == 2 and final["samples_seen"] == 20 * 8
-    assert "done: step 20" in text
-    # mingpt-torchrun prepared the data before its agent started (a node that joins a running job must not
-    # make it wait while it tokenizes); the workers reuse it.
-    assert text.index("mingpt-torchrun: data ready in") < text.index("this job holds") < text.index("reusing prepared")
-    assert [m["step"] for m in metrics(tmp_path / "snap") if "train_loss" in m] == [5, 10, 15, 20]
-    # One process logs: every progress line appears once.
-    assert text.count("step 20/20") == 1
-    # Hydra writes nothing of its own (no outputs/ folder, none per rank) in the working directory.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "run.log", "snap"]
-
-
 # For jobs a test stops itself: they never finish on their own, however fast the machine, and keep
 # every snapshot, so that two runs can be compared at any step both reached. Both runs of a
 # comparison use the same max_steps: the learning-rate schedule depends on it.
@@ -152,7 +137,7 @@ def test_killed_workers_cost_at_most_a_step_and_the_run_stays_bitwise_identical(
 
 
 @pytest.mark.slow
-def test_uneven_shards_and_accumulation_give_the_full_batch_gradient(tmp_path, procs):
+def test_standalone_workers_run_to_the_end_and_uneven_shards_give_the_full_batch_gradient(tmp_path, procs):
     """3 processes share 10 examples as 4+3+3, in micro-batches of 2 (accumulated under no_sync):
     the same steps as one process taking all 10 in one pass, up to float summation order. (Strided
     windows are sliced the same way from their own order: test_sampler checks that order.)"""
@@ -160,6 +145,18 @@ def test_uneven_shards_and_accumulation_give_the_full_batch_gradient(tmp_path, p
     uneven = ["trainer.global_batch_size=10", "trainer.micro_batch_size=2", f"data.windows={windows}"]
     text = run(procs, standalone(3), overrides(tmp_path, "three", 20, extra=uneven), "three")
     assert f"data.windows={windows}:" in text
+    final = manifests(tmp_path / "three")[-1]
+    assert final["step"] == 20 and final["world_size"] == 3 and final["samples_seen"] == 20 * 10
+    assert "done: step 20" in text
+    # mingpt-torchrun prepared the data before its agent started (a node that joins a running job must not
+    # make it wait while it tokenizes); the workers reuse it.
+    assert text.index("mingpt-torchrun: data ready in") < text.index("this job holds") < text.index("reusing prepared")
+    assert [m["step"] for m in metrics(tmp_path / "three") if "train_loss" in m] == [5, 10, 15, 20]
+    # One process logs: every progress line appears once.
+    assert text.count("step 20/20") == 1
+    # Hydra writes nothing of its own (no outputs/ folder, none per rank) in the working directory.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "three", "three.log"]
+
     alone = ["trainer.global_batch_size=10", "trainer.micro_batch_size=10", f"data.windows={windows}"]
     train_here(tmp_path / "alone", "trainer.max_steps=20", "snapshot.every=10", *alone)  # one process: this one
     three, one = weights(tmp_path / "three", 20), weights(tmp_path / "alone" / "snap", 20)
@@ -167,7 +164,6 @@ def test_uneven_shards_and_accumulation_give_the_full_batch_gradient(tmp_path, p
         assert torch.allclose(three[key], one[key], rtol=1e-4, atol=1e-5), key
     losses = lambda d: [m["train_loss"] for m in metrics(d) if "train_loss" in m]
     assert losses(tmp_path / "three") == pytest.approx(losses(tmp_path / "alone" / "snap"), rel=1e-5)
-    assert manifests(tmp_path / "three")[-1]["world_size"] == 3
 
 
 def test_finished_job_run_again_does_no_training(tmp_path):
