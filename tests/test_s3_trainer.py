@@ -48,6 +48,11 @@ def test_resume_from_s3_on_a_fresh_machine_is_bitwise_identical(tmp_path, procs,
     kill_node(first)  # the machine is gone, with its local disk
     first.wait(timeout=30)
     compare_at = committed_steps(s3)[-1] + 20
+    # Stopped once it has that step, not at the end: it would train on a core for the rest of the test.
+    wait_for(lambda: latest_step(tmp_path / "reference") >= compare_at, 180, f"the reference's step {compare_at}",
+             [reference])
+    reference.send_signal(signal.SIGTERM)
+    reference.wait(timeout=60)
 
     fresh = tmp_path / "fresh-machine"
     fresh.mkdir()
@@ -62,10 +67,6 @@ def test_resume_from_s3_on_a_fresh_machine_is_bitwise_identical(tmp_path, procs,
     copies = list((fresh / "data" / "copies").iterdir())
     assert len(copies) == 1 and (copies[0] / "meta.json").is_file()
 
-    wait_for(lambda: latest_step(tmp_path / "reference") >= compare_at, 180, f"the reference's step {compare_at}",
-             [reference])
-    reference.send_signal(signal.SIGTERM)
-    reference.wait(timeout=60)
     expected = torch.load(tmp_path / "reference" / f"step-{compare_at:09d}" / "model.pt", weights_only=True)
     resumed = SnapshotStore(url).get(f"step-{compare_at:09d}").load_tensors("model.pt")
     assert all(torch.equal(expected[k], resumed[k]) for k in expected)
