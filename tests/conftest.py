@@ -10,9 +10,12 @@ from launch import Processes, train_here
 
 
 def pytest_configure(config):
-    """Under pytest-xdist each test process trains with one thread: the other core is the other process's."""
+    """Under pytest-xdist each test process trains with one thread: the other core is the other process's.
+    So does every process a test starts (launch.env() sets it too, but not every test starts its processes
+    with that): two threads each on two shared cores spin-wait for one another."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True, scope="session")
