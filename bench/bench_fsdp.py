@@ -12,7 +12,8 @@ Every job is `mingpt-torchrun --standalone --nproc-per-node=N train/main.py` on 
 
 Memory is the progress line's figure, `peak_memory_mb` (the leader's peak RSS on a CPU, allocated
 memory on a GPU), and the summed PSS of the whole job (bench/pss.py) divided by its workers, which
-counts the libraries that RSS repeats in every process once. The ratios to read are fsdp / ddp.
+counts the libraries that RSS repeats in every process once; it is sampled over the whole job, the
+copy of the final snapshot included. The ratios to read are fsdp / ddp.
 """
 
 from __future__ import annotations
