@@ -59,8 +59,8 @@ def assert_same_end(snap, reference, steps):
 @pytest.mark.multiproc
 def test_a_run_moves_between_ddp_and_fsdp_and_world_sizes_through_a_kill_and_ends_as_if_it_never_had(
         tmp_path, procs):
-    """One process (ddp) to step 5; two sharded workers to 60, one of them SIGKILLed on the way; three
-    sharded workers to 70; one process to 80. The kill costs nothing: at 60 the weights equal, bit for bit,
+    """One process (ddp) to step 5; two sharded workers (fsdp) to 60, one of them SIGKILLed on the way;
+    three (hsdp) to 70; one process to 80. The kill costs nothing: at 60 the weights equal, bit for bit,
     those of a run that went from 5 to 60 untouched. And the run ends where that one ends."""
     start = tmp_path / "start"
     train_here(tmp_path, *overrides(tmp_path, "start", 5)[len(SMALL):])
@@ -81,11 +81,12 @@ def test_a_run_moves_between_ddp_and_fsdp_and_world_sizes_through_a_kill_and_end
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
 
-    # 8 examples over 3 workers in micro-batches of 2: the worker with 2 runs one micro-batch of them and one
-    # that weighs nothing, as each forward of a sharded model is a collective of all three.
-    uneven = [*FSDP, "trainer.micro_batch_size=2"]
+    # hsdp on one node (a mesh of 1 node x 3 processes: sharded, nothing to replicate). 8 examples over 3
+    # workers in micro-batches of 2: the worker with 2 runs one micro-batch of them and one that weighs
+    # nothing, as each forward of a sharded model is a collective of all three.
+    uneven = ["trainer.parallelism=hsdp", "trainer.micro_batch_size=2"]
     text = run(procs, standalone(3), overrides(tmp_path, "run", 70, extra=uneven), "three")
-    assert "step 60, 480 examples seen, now 3 process(es)" in text
+    assert "step 60, 480 examples seen, now 3 process(es)" in text and "hsdp (as configured)" in text
     assert {path.name for path in (snap / "step-000000070" / "state").iterdir()} == \
         {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
 
