@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -64,7 +65,7 @@ def memory_per_process(world: World) -> float:
 
 def shard(model: GPT, mode: str, world: World, compute_dtype: torch.dtype) -> None:
     """Shard `model` in place under fsdp and hsdp, before its optimizer is made (sharding replaces the
-    parameters); nothing under ddp."""
+    parameters), each process's shards moved to its device; nothing under ddp."""
     if mode == "ddp":
         return
     if world.device.type == "cpu":
@@ -104,19 +105,17 @@ def no_sync(model: GPT, ddp: DDP | None) -> AbstractContextManager:
     if ddp is not None:
         return ddp.no_sync()
     if isinstance(model, FSDPModule):
-        return _FsdpNoSync(model)
+        return _fsdp_no_sync(model)
     return nullcontext()
 
 
-class _FsdpNoSync(AbstractContextManager):
-    def __init__(self, model: FSDPModule):
-        self.model = model
-
-    def __enter__(self):
-        self.model.set_requires_gradient_sync(False)
-
-    def __exit__(self, *exc):
-        self.model.set_requires_gradient_sync(True)
+@contextmanager
+def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
