@@ -83,10 +83,9 @@ class Snapshot:
 
     @property
     def model_files(self) -> list[str]:
-        """What loading the model alone reads: the weights are mixed with the optimizer state in shards."""
-        if self.sharded:
-            return [name for name in self.manifest["files"] if name != "optimizer.pt"]
-        return ["model.pt", "tokenizer.json"]
+        """What loading the model alone reads: all of a sharded snapshot (its shards hold the weights with
+        the optimizer state), or model.pt and tokenizer.json."""
+        return list(self.manifest["files"]) if self.sharded else ["model.pt", "tokenizer.json"]
 
     def read(self, filename: str) -> bytes:
         """The bytes of one payload file, after checking its size and sha256 against the manifest."""
