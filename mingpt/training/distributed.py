@@ -322,6 +322,11 @@ def first_on_its_node() -> bool:
         return False  # check_launch refuses it
 
 
+def processes_per_node() -> int:
+    """How many processes the launcher started on this node (LOCAL_WORLD_SIZE; 1 where it says nothing)."""
+    return _env_int("LOCAL_WORLD_SIZE", 1, minimum=1)
+
+
 def leads_this_generation() -> bool:
     """Whether this process will lead its generation (rank 0), known before joining the process group."""
     try:

@@ -13,7 +13,6 @@ mode at a restart: snapshots of each load into the others (mingpt.training.check
 from __future__ import annotations
 
 import ctypes
-import os
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Iterator
 
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.errors import ConfigError
 from mingpt.model import GPT
-from mingpt.training.distributed import World
+from mingpt.training.distributed import World, processes_per_node
 
 MODES = ("auto", "ddp", "fsdp", "hsdp")
 STATE_BYTES_PER_PARAM = 16  # fp32 weights and gradients, AdamW's two moments
@@ -48,9 +47,9 @@ def choose(wanted: str, params: int, world: World) -> tuple[str, str]:
             f"trainer.parallelism=ddp keeps every parameter's state in every process: {params / 1e6:.0f}M "
             f"parameters take {fits}. Use trainer.parallelism=fsdp, which shards it over the "
             f"{world.world_size} processes ({_gb(need / world.world_size)} each)")
-    if wanted == "hsdp" and world.world_size % _processes_per_node() != 0:
+    if wanted == "hsdp" and world.world_size % processes_per_node() != 0:
         raise ConfigError(f"trainer.parallelism=hsdp needs the same number of processes on every node; "
-                          f"{world.world_size} processes do not divide into nodes of {_processes_per_node()}")
+                          f"{world.world_size} processes do not divide into nodes of {processes_per_node()}")
     return wanted, "as configured"
 
 
@@ -60,7 +59,7 @@ def memory_per_process(world: World) -> float:
         return torch.cuda.get_device_properties(world.device).total_memory
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    return available / _processes_per_node()
+    return available / processes_per_node()
 
 
 def shard(model: GPT, mode: str, world: World, compute_dtype: torch.dtype) -> None:
@@ -125,13 +124,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def _mesh(mode: str, world: World) -> DeviceMesh:
     if mode == "fsdp":
         return init_device_mesh(world.device.type, (world.world_size,))
-    per_node = _processes_per_node()
+    per_node = processes_per_node()
     return init_device_mesh(world.device.type, (world.world_size // per_node, per_node),
                             mesh_dim_names=("replicate", "shard"))
-
-
-def _processes_per_node() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _gb(nbytes: float) -> str:
