@@ -2,6 +2,8 @@
 is no import circle (lazy imports inside functions count), and only mingpt/cli/ defines commands."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mingpt"
@@ -98,3 +100,13 @@ def test_only_cli_modules_define_a_command_main():
     outside = [module for module, tree in modules().items() if not module.startswith("mingpt.cli.")
                and any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body)]
     assert outside == []
+
+
+def test_the_launcher_and_the_snapshot_commands_leave_the_sharding_machinery_unimported():
+    """FSDP, DCP and DTensor cost about a second of CPU to import: every torchrun agent, and every command
+    that reads a snapshot, would pay it for nothing unless the model or the snapshot is sharded."""
+    heavy = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor")
+    code = ("import sys, mingpt.cli.torchrun, mingpt.cli.sample, mingpt.cli.export, mingpt.cli.snapshot; "
+            f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

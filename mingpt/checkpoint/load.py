@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from mingpt.checkpoint.sharded import read_shards
 from mingpt.checkpoint.store import MANIFEST, Snapshot, SnapshotError, SnapshotStore
 from mingpt.errors import MinGPTError
 from mingpt.model import GPT, GPTConfig
@@ -54,9 +52,12 @@ def read_weights(snapshot: Snapshot, device: torch.device | str = "cpu", model: 
     process of a sharded job wrote, read by this process alone (into `model`'s tensors where given)."""
     if not snapshot.sharded:
         return snapshot.load_tensors("model.pt", device)
-    state = {"model": get_model_state_dict(model or GPT(GPTConfig(**snapshot.manifest["model_config"])))}
-    read_shards(snapshot, state, alone=True)
-    return {name: tensor.to(device) for name, tensor in state["model"].items()}
+    # Imported here, not above: DCP and the DTensor machinery under it cost each command about a second of
+    # CPU to import, and only a sharded snapshot needs them.
+    from mingpt.checkpoint.sharded import read_model
+
+    weights = read_model(snapshot, model or GPT(GPTConfig(**snapshot.manifest["model_config"])))
+    return {name: tensor.to(device) for name, tensor in weights.items()}
 
 
 def open_model(url: str, device: torch.device) -> tuple[Snapshot, GPT, Tokenizer]:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from mingpt.checkpoint.store import STATE_DIR, HashingWriter, Snapshot, SnapshotError
 from mingpt.errors import MinGPTError
@@ -171,6 +172,14 @@ def read_shards(snapshot: Snapshot, state: dict[str, Any], alone: bool = False) 
             dcp.load(state, storage_reader=reader, planner=_PlainDataPlanner(), no_dist=alone)
     except CheckpointException as e:
         raise reader.refused or _first_failure(e, f"could not read snapshot {snapshot.url}") from None
+
+
+def read_model(snapshot: Snapshot, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of `model` (a plain GPT of the snapshot's model_config), gathered whole from the shards
+    and read by this process alone: no process group needed."""
+    state = {"model": get_model_state_dict(model)}
+    read_shards(snapshot, state, alone=True)
+    return state["model"]
 
 
 def _first_failure(e: CheckpointException, what: str) -> Exception:

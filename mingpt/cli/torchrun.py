@@ -23,7 +23,7 @@ from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError
 from mingpt.training.app import compose_config
 from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf
-from mingpt.training.trainer import prepare_data
+from mingpt.training.preparation import prepare_data
 
 C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv-endpoint names none
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import signal
-from pathlib import Path
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -21,7 +20,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.checkpoint.store import SnapshotStore
-from mingpt.data.prepare import prepare
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import micro_batches, shard, window_order
 from mingpt.errors import ConfigError, TrainingError, forget_stops, raise_stopped
@@ -35,6 +33,7 @@ from mingpt.training.config import Config
 from mingpt.training.distributed import World
 from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
+from mingpt.training.preparation import prepare_data
 from mingpt.training.schedule import set_lr
 
 log = logging.getLogger(__name__)
@@ -108,24 +107,6 @@ def _train(cfg: Config) -> TrainResult:
             return result
         finally:
             distributed.stop()
-
-
-def prepare_data(cfg: Config, pretrained: Pretrained | None = None) -> Path:
-    """The prepared folder of `cfg.data` (reused, or prepared now), tokenized with model.init_from's
-    tokenizer where data.tokenizer is left at its default. mingpt-torchrun calls it before its node
-    joins the job, so that the job never waits while a new node tokenizes."""
-    if pretrained is None and cfg.model.init_from:
-        pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size)
-    return prepare(replace(cfg.data, tokenizer=_tokenizer(cfg, pretrained)))
-
-
-def _tokenizer(cfg: Config, pretrained: Pretrained | None) -> str:
-    """data.tokenizer, or the tokenizer of model.init_from where data.tokenizer is left at its default."""
-    default = type(cfg.data)().tokenizer
-    if pretrained is None or cfg.data.tokenizer != default:
-        return cfg.data.tokenizer
-    _log_if_leading("data.tokenizer: the tokenizer of model.init_from (%s)", pretrained.tokenizer)
-    return pretrained.tokenizer
 
 
 def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None) -> GPTConfig:
