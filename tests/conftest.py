@@ -1,6 +1,7 @@
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,15 @@ from launch import Processes, train_here
 
 
 def pytest_configure(config):
-    """Under pytest-xdist each test process trains with one thread: the other core is the other process's.
+    """Bytecode caches are written, whatever PYTHONDONTWRITEBYTECODE says: the suite starts some 200 Python
+    processes, and without caches each one compiles what it imports from source again (packages installed
+    by uv come without them), 0.3-0.7 s of CPU a process.
+
+    Under pytest-xdist each test process trains with one thread: the other core is the other process's.
     So does every process a test starts (launch.env() sets it too, but not every test starts its processes
     with that): two threads each on two shared cores spin-wait for one another."""
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # for every process started from here on
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
