@@ -15,7 +15,7 @@ import sys
 import pytest
 from hydra.errors import HydraException
 
-from launch import MAIN, SMALL, config, env, latest_step, manifests, output, standalone, train_here, wait_for
+from launch import MAIN, SMALL, config, env, latest_step, manifests, output, train_here, wait_for
 from mingpt.checkpoint.store import SnapshotError
 from mingpt.errors import ConfigError, DataError, MinGPTError
 
@@ -161,11 +161,14 @@ def test_prepared_dir_of_other_files_is_refused_and_kept(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
 
 
-def test_global_batch_smaller_than_the_world_is_explained(tmp_path, procs):
-    job = procs.start(standalone(2) + [*SMALL, "trainer.global_batch_size=1", "trainer.micro_batch_size=1",
-                                       f"snapshot.dir={tmp_path / 'snap'}"], "job")
-    assert job.wait(timeout=120) != 0
-    assert "trainer.global_batch_size=1 cannot be served by 2 processes" in output(job)
+def test_global_batch_smaller_than_the_world_is_explained_before_any_work(tmp_path, monkeypatch):
+    """As torchrun starts the first of two workers: refused before the lease, the data or the process group."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="trainer.global_batch_size=1 cannot be served by 2 processes"):
+        train_here(tmp_path, "trainer.global_batch_size=1", "trainer.micro_batch_size=1")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_ctrl_c_finishes_the_step_and_snapshots(tmp_path, procs):

@@ -73,7 +73,8 @@ class StopFlag:
 
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
-    distributed.check_launch()  # first: a launch that is inconsistent or would deadlock fails before any work
+    launch = distributed.check_launch()  # first: a launch that is inconsistent or would deadlock fails before any work
+    _check_batch(cfg, launch.world_size)
     distributed.check_store_sharing()
     # SIGTERM (torchrun's at every membership change) before the training loop stops preparation at once,
     # through its cleanups (worker processes, temporary folders, the lease); the loop has its own StopFlag.
@@ -99,7 +100,6 @@ def _train(cfg: Config) -> TrainResult:
         model_config = _model_config(cfg, data, pretrained)
         world = distributed.start(cfg.trainer.dist_timeout_s, meeting)
         try:
-            _check_batch(cfg, world)
             with StopFlag() as stop:
                 result = Trainer(cfg, world, store, data, model_config, pretrained).run(stop)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the last snapshot is committed: only leaving is left
@@ -378,11 +378,11 @@ def _my_pieces(total: int, micro_batch_size: int, world: World, model: torch.nn.
     return mine, pieces
 
 
-def _check_batch(cfg: Config, world: World) -> None:
-    if cfg.trainer.global_batch_size < world.world_size:
+def _check_batch(cfg: Config, world_size: int) -> None:
+    if cfg.trainer.global_batch_size < world_size:
         raise ConfigError(
             f"trainer.global_batch_size={cfg.trainer.global_batch_size} cannot be served by "
-            f"{world.world_size} processes: each needs at least one example per step. Raise "
+            f"{world_size} processes: each needs at least one example per step. Raise "
             "trainer.global_batch_size to at least the number of processes, or start fewer"
         )
 
