@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from launch import SMALL, latest_step, manifests, output, run, standalone, train_here, wait_for, worker
+from launch import SMALL, latest_step, manifests, output, standalone, train_here, wait_for, worker
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.checkpoint.load import open_model
 from mingpt.checkpoint.sharded import write_shards
@@ -25,16 +25,17 @@ from mingpt.tokenizers import CharTokenizer
 from mingpt.training import parallel
 from mingpt.training.distributed import World
 
-FSDP = ["trainer.parallelism=fsdp"]
+FSDP, HSDP = ["trainer.parallelism=fsdp"], ["trainer.parallelism=hsdp"]
 # After warm-up the learning rate stays put, so a run may stop at any trainer.max_steps and go on to a
 # later one exactly as a run that was always going there.
 CONSTANT_LR = ["trainer.min_lr_ratio=1.0"]
+UNEVEN = ["trainer.global_batch_size=9", "trainer.micro_batch_size=2"]  # 5 + 4 examples over two processes
 TOKENIZER = CharTokenizer(list("abcdefgh "))
 CONFIG = GPTConfig(vocab_size=TOKENIZER.vocab_size, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 
 def overrides(root, name, steps, every=5, extra=()):
-    return [*SMALL, *CONSTANT_LR, f"trainer.max_steps={steps}", f"snapshot.every={every}",
+    return [*SMALL, *CONSTANT_LR, *UNEVEN, f"trainer.max_steps={steps}", f"snapshot.every={every}",
             f"snapshot.dir={root / name}", f"data.prepared_dir={root / 'prepared'}", "snapshot.keep=1000", *extra]
 
 
@@ -59,41 +60,37 @@ def assert_same_end(snap, reference, steps):
 @pytest.mark.multiproc
 def test_a_run_moves_between_ddp_and_fsdp_and_world_sizes_through_a_kill_and_ends_as_if_it_never_had(
         tmp_path, procs):
-    """One process (ddp) to step 5; two sharded workers (fsdp) to 60, one of them SIGKILLed on the way;
-    three (hsdp) to 70; one process to 80. The kill costs nothing: at 60 the weights equal, bit for bit,
-    those of a run that went from 5 to 60 untouched. And the run ends where that one ends."""
+    """One process (ddp) to step 5; two sharded workers (fsdp) to 40, one of them SIGKILLed on the way; one
+    process to 50. Against a run that went from 5 to 50 untouched, sharded by hsdp (a mesh of 1 node x 2
+    processes, whose gradients go through the same reduce-scatter): at 40 the weights are equal bit for
+    bit, and both runs end alike. 9 examples a step: the worker with 4 runs two micro-batches of 2 and one
+    that weighs nothing, as each forward of a sharded model is a collective of both."""
     start = tmp_path / "start"
     train_here(tmp_path, *overrides(tmp_path, "start", 5)[len(SMALL):])
     assert (start / "step-000000005" / "model.pt").exists()
     for name in ("reference", "run"):
         shutil.copytree(start, tmp_path / name)  # its owner/ says the run was released: taken over at once
     reference, snap = tmp_path / "reference", tmp_path / "run"
-    uninterrupted = procs.start(standalone(2) + overrides(tmp_path, "reference", 80, extra=FSDP), "reference")
+    uninterrupted = procs.start(standalone(2) + overrides(tmp_path, "reference", 50, extra=HSDP), "reference")
 
-    job = procs.start(standalone(2, max_restarts=1) + overrides(tmp_path, "run", 60, extra=FSDP), "run")
+    job = procs.start(standalone(2, max_restarts=1) + overrides(tmp_path, "run", 40, extra=FSDP), "run")
     wait_for(lambda: latest_step(snap) >= 10, 180, "a sharded snapshot", [job])
     os.kill(worker(job.pid, local_rank=1), signal.SIGKILL)
     assert job.wait(timeout=180) == 0, output(job)[-4000:]
     assert uninterrupted.wait(timeout=180) == 0, output(uninterrupted)[-4000:]
     assert output(job).count("resumed from") == 2  # the step-5 ddp snapshot, then a sharded one after the kill
-    ours, theirs = model_at(snap, 60).state_dict(), model_at(reference, 60).state_dict()
+    assert "fsdp (as configured)" in output(job) and "hsdp (as configured)" in output(uninterrupted)
+    assert {path.name for path in (snap / "step-000000040" / "state").iterdir()} == \
+        {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    ours, theirs = model_at(snap, 40).state_dict(), model_at(reference, 40).state_dict()
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
 
-    # hsdp on one node (a mesh of 1 node x 3 processes: sharded, nothing to replicate). 8 examples over 3
-    # workers in micro-batches of 2: the worker with 2 runs one micro-batch of them and one that weighs
-    # nothing, as each forward of a sharded model is a collective of all three.
-    uneven = ["trainer.parallelism=hsdp", "trainer.micro_batch_size=2"]
-    text = run(procs, standalone(3), overrides(tmp_path, "run", 70, extra=uneven), "three")
-    assert "step 60, 480 examples seen, now 3 process(es)" in text and "hsdp (as configured)" in text
-    assert {path.name for path in (snap / "step-000000070" / "state").iterdir()} == \
-        {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
-
-    text = train_here(tmp_path, *overrides(tmp_path, "run", 80)[len(SMALL):])
-    assert "step 70, 560 examples seen, now 1 process(es)" in text
-    assert (snap / "step-000000080" / "model.pt").exists()
-    assert_same_end(snap, reference, 80)
+    text = train_here(tmp_path, *overrides(tmp_path, "run", 50)[len(SMALL):])
+    assert "step 40, 360 examples seen, now 1 process(es)" in text
+    assert (snap / "step-000000050" / "model.pt").exists()
+    assert_same_end(snap, reference, 50)
 
 
 # -- the sharded format, in this process -------------------------------------------------------------------
