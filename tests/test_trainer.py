@@ -200,31 +200,23 @@ EVERY = 10  # steps between the elastic job's snapshots
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("store_host, lost", [("first-agent", "second"), ("mingpt-rendezvous", "first")])
-def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference, store_host, lost):
+def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     """Two agents on 127.0.0.1 as two nodes, launched with mingpt-torchrun as the README says (no
-    variable in the environment); one node dies, the other goes on alone; a node comes back.
-    Where the first agent hosts the rendezvous store, only the second may die; where
-    mingpt-rendezvous hosts it, the first may die too."""
+    variable in the environment), around the store that mingpt-rendezvous hosts; the first node dies
+    (the node any other store would live on), the other goes on alone; a node comes back.
+    (An agent hosting the store itself, torch's default, is the setting of the other multi-agent tests.)"""
     snap = tmp_path / "elastic"
     port = free_port()
-    conf = RDZV_CONF
-    if store_host == "mingpt-rendezvous":
-        rendezvous(procs, port)
-        conf += ",is_host=false"
-    node = lambda conf: torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
-                                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", f"--rdzv-conf={conf}")
-    job = overrides(tmp_path, "elastic", ENDLESS_STEPS, every=EVERY, extra=[*HEAVIER, *KEEP_ALL])
-    args = node(conf) + job
-    first = procs.start(args, "node-a")
-    # Started at once, so that it joins the first rendezvous; where the first agent hosts the store, the
-    # second says it is not the host (as it would on a machine of its own), else it could host it itself.
-    # The newcomer below, started as the first, finds the store taken and joins it.
-    second = procs.start(node(conf + ",is_host=false") + job if store_host == "first-agent" else args, "node-b")
+    rendezvous(procs, port)
+    args = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+                    f"--rdzv-conf={RDZV_CONF},is_host=false")
+    args += overrides(tmp_path, "elastic", ENDLESS_STEPS, every=EVERY, extra=[*HEAVIER, *KEEP_ALL])
+    dead = procs.start(args, "node-a")
+    survivor = procs.start(args, "node-b")  # at once, so that it joins the first rendezvous
     by_world = lambda ws: [m for m in manifests(snap) if m["world_size"] == ws]
-    wait_for(lambda: by_world(2), 120, "a snapshot from two nodes", [first, second])
+    wait_for(lambda: by_world(2), 120, "a snapshot from two nodes", [dead, survivor])
 
-    dead, survivor = (first, second) if lost == "first" else (second, first)
     kill_node(dead)
     dead.wait(timeout=30)
     shrunk_from = latest_step(snap)
