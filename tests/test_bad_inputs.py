@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -97,14 +96,13 @@ def test_the_trainer_refuses_a_pickle_in_init_from_without_running_it(tmp_path, 
     assert MARKER not in capsys.readouterr().out
 
 
-def test_train_main_exits_2_on_a_config_json_that_is_not_json(tmp_path):
+def test_the_trainer_explains_a_config_json_that_is_not_json_before_any_data_work(tmp_path):
+    """Our own error (train/main.py prints those as one line and exits 2: test_app), not json's."""
     folder = gpt2_folder(tmp_path / "gpt2", vocab_size=50)
     truncate(folder / "config.json")
-    done = subprocess.run([sys.executable, MAIN, f"model.init_from={folder}", f"snapshot.dir={tmp_path / 'snap'}"],
-                          env=env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    errors = [line for line in done.stderr.splitlines() if " ERROR " in line or "Traceback" in line]
-    assert len(errors) == 1 and "config.json (JSONDecodeError" in errors[0], done.stderr
+    with pytest.raises(MinGPTError, match=r"config.json \(JSONDecodeError"):
+        train_here(tmp_path, f"model.init_from={folder}")
+    assert not (tmp_path / "prepared").exists()
 
 
 def hf_tokenizer_folder(path):

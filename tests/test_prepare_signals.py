@@ -90,7 +90,7 @@ def test_a_killed_preparation_leaves_no_worker_nor_lock_and_the_next_one_cleans_
 def test_a_killed_preparation_goes_on_from_what_it_tokenized_and_ends_as_if_never_stopped(tmp_path, procs):
     """Killed twice (SIGKILL, then SIGTERM) in the middle; each start goes on from the pieces finished.
     The result equals a preparation that was never stopped, byte for byte."""
-    corpus = slow_corpus(tmp_path / "records.jsonl.gz", megabytes=8)  # pieces of 1 MB
+    corpus = slow_corpus(tmp_path / "records.jsonl.gz", megabytes=6)  # pieces of 1 MB
     out = tmp_path / "data" / "web"
     command = [PREPARE, "--corpus", str(corpus), "--num-workers", "2", "--out", str(out)]
     progress = lambda: [json.loads(p.read_text())["pieces"] for p in (tmp_path / "data").glob(".web.tmp-*/progress.json")
