@@ -52,7 +52,7 @@ def read_weights(snapshot: Snapshot, device: torch.device | str = "cpu", model: 
     process of a sharded job wrote, read by this process alone (into `model`'s tensors where given)."""
     if not snapshot.sharded:
         return snapshot.load_tensors("model.pt", device)
-    # Imported here, not above: DCP and the DTensor machinery under it cost each command about a second of
+    # Imported here, not above: DCP and the DTensor machinery under it cost each command about 0.7 s of
     # CPU to import, and only a sharded snapshot needs them.
     from mingpt.checkpoint.sharded import read_model
 
