@@ -71,9 +71,9 @@ def test_a_run_moves_between_ddp_and_fsdp_and_world_sizes_through_a_kill_and_end
     for name in ("reference", "run"):
         shutil.copytree(start, tmp_path / name)  # its owner/ says the run was released: taken over at once
     reference, snap = tmp_path / "reference", tmp_path / "run"
-    uninterrupted = procs.start(standalone(2) + overrides(tmp_path, "reference", 50, extra=HSDP), "reference")
+    uninterrupted = procs.start(standalone(2) + overrides(tmp_path, "reference", 50, every=10, extra=HSDP), "reference")
 
-    job = procs.start(standalone(2, max_restarts=1) + overrides(tmp_path, "run", 40, extra=FSDP), "run")
+    job = procs.start(standalone(2, max_restarts=1) + overrides(tmp_path, "run", 40, every=10, extra=FSDP), "run")
     wait_for(lambda: latest_step(snap) >= 10, 180, "a sharded snapshot", [job])
     os.kill(worker(job.pid, local_rank=1), signal.SIGKILL)
     assert job.wait(timeout=180) == 0, output(job)[-4000:]
