@@ -102,9 +102,8 @@ def test_another_host_never_takes_over_a_live_holder_whatever_the_clocks_and_tak
     """The holder renews its claim every lease_timeout_s / 4; its clock is 600 s behind. A job on another
     host, its clock 600 s ahead (the claim looks 20 minutes old there), watches the claim change and is
     refused: expiry is judged on the claimant's own monotonic clock, never by comparing timestamps of two
-    hosts. Once the holder
-    is frozen (SIGSTOP: alive, but silent) and its claim files deleted, the other host takes over after
-    watching it for the timeout. Thawed, the old holder finds itself fenced off: it stops with exit 2 and
+    hosts. Once the holder is frozen (SIGSTOP: alive, but silent) and its claim files deleted, the other
+    host takes over after watching it for the timeout. Thawed, the old holder finds itself fenced off: it stops with exit 2 and
     commits or deletes nothing more."""
     timeout = 6
     first = procs.start(job(tmp_path, "model=gpt-micro", f"snapshot.lease_timeout_s={timeout}"), "first",

@@ -137,13 +137,17 @@ def test_killed_workers_cost_at_most_a_step_and_the_run_stays_bitwise_identical(
 
 
 @pytest.mark.slow
-def test_standalone_workers_run_to_the_end_and_uneven_shards_give_the_full_batch_gradient(tmp_path, procs):
+def test_workers_run_to_the_end_and_uneven_shards_give_the_full_batch_gradient(tmp_path, procs):
     """3 processes share 10 examples as 4+3+3, in micro-batches of 2 (accumulated under no_sync):
     the same steps as one process taking all 10 in one pass, up to float summation order. (Strided
-    windows are sliced the same way from their own order: test_sampler checks that order.)"""
+    windows are sliced the same way from their own order: test_sampler checks that order.)
+    Launched as the README's multinode line on one node: the agent finds that --rdzv-endpoint names
+    this machine and hosts the rendezvous store itself, torch's default."""
     windows = "random"
     uneven = ["trainer.global_batch_size=10", "trainer.micro_batch_size=2", f"data.windows={windows}"]
-    text = run(procs, standalone(3), overrides(tmp_path, "three", 20, extra=uneven), "three")
+    node = torchrun("--nnodes=1:4", "--nproc-per-node=3", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=uneven", f"--rdzv-conf={RDZV_CONF}")
+    text = run(procs, node, overrides(tmp_path, "three", 20, extra=uneven), "three")
     assert f"data.windows={windows}:" in text
     final = manifests(tmp_path / "three")[-1]
     assert final["step"] == 20 and final["world_size"] == 3 and final["samples_seen"] == 20 * 10
@@ -203,8 +207,8 @@ EVERY = 10  # steps between the elastic job's snapshots
 def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     """Two agents on 127.0.0.1 as two nodes, launched with mingpt-torchrun as the README says (no
     variable in the environment), around the store that mingpt-rendezvous hosts; the first node dies
-    (the node any other store would live on), the other goes on alone; a node comes back.
-    (An agent hosting the store itself, torch's default, is the setting of the other multi-agent tests.)"""
+    (the node any other store would live on), the other goes on alone; a node comes back. (An agent
+    hosting the store itself, torch's default, trains the uneven-shards test above.)"""
     snap = tmp_path / "elastic"
     port = free_port()
     rendezvous(procs, port)
