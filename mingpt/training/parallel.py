@@ -25,7 +25,6 @@ from mingpt.errors import ConfigError
 from mingpt.model import GPT
 from mingpt.training.distributed import World, processes_per_node
 
-MODES = ("auto", "ddp", "fsdp", "hsdp")
 STATE_BYTES_PER_PARAM = 16  # fp32 weights and gradients, AdamW's two moments
 AUTO_SHARE = 0.5  # auto: ddp while the state takes at most this share of a process's memory
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
