@@ -1,22 +1,27 @@
-"""Chaos: SIGKILL a random worker (the leader among them), or a whole node, again and again, and count
-the work lost.
+"""Chaos: SIGKILL a random worker (the leader among them) again and again, or run a job through churn
+(whole nodes dying, leaving and joining), and count the work lost and the time it costs.
 
     python bench/bench_chaos.py                       # 20 kills, 2 workers, gpt-micro (~6 min)
     python bench/bench_chaos.py --kills 5 --memory off
-    python bench/bench_chaos.py --node-deaths 10      # two agents; a random one dies, a new one joins (~6 min)
+    python bench/bench_chaos.py --churn 5             # 5 seeds of 20 node deaths each (~4 min a seed)
 
-One `mingpt-torchrun --standalone --nproc-per-node=2 --max-restarts=<kills>` job, snapshot.every=100,
+Kills: one `mingpt-torchrun --standalone --nproc-per-node=2 --max-restarts=<kills>` job, snapshot.every=100,
 endless. Each time the job has trained a random 3 to 12 steps past its last resume, one of its two
 workers, picked at random, is killed with SIGKILL. Then an uninterrupted job of the same settings runs
 to the same step. Printed: per kill, who was killed, the step reached, the step resumed from and how
 (snapshot or memory tier) and the seconds from the kill to the next step; then the steps trained again
 in all, on average per kill, and whether the weights at the final snapshot are bitwise equal.
 
---node-deaths: two `mingpt-torchrun --nnodes=1:2` agents (one worker each) around `mingpt-rendezvous`.
-Each time, a random agent is killed with its worker (SIGKILL, as when a machine dies); the survivor goes
-on alone, then a new agent joins in its place. Steps lost are what the trainer records (`steps_lost`
-in metrics.jsonl) at the resume after each death. The world size changes, so the final weights are
-compared by their largest difference, not bitwise.
+--churn: per seed, one job of `mingpt-torchrun --nnodes=1:4 --max-restarts=3` agents (one worker each,
+the launcher's own rendezvous settings) around `mingpt-rendezvous`, to trainer.max_steps. Every 4-10 s a
+random node dies: SIGKILL (agent and workers at once, as when a machine dies) or SIGTERM (a preemption:
+the node leaves), and its memory tier is removed, as a lost machine takes its memory with it. Half of the
+deaths are aimed at a rendezvous: a new node is started, and the death comes 0-2.5 s after it entered
+the rendezvous (the victim may be the newcomer). Otherwise a new node replaces the dead one. Printed per
+seed: whether the job completed (final snapshot, every agent left exited 0), the steps trained again
+(`steps_lost` in metrics.jsonl), the time from each death to the next step (recovery), the time from a new
+node's entering the rendezvous to the first step it takes part in (admission, from the leader's
+`membership` record), and the final val loss and greedy text against an uninterrupted 2-worker run.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -33,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,15 +47,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RUN = [str(Path(sys.executable).parent / "mingpt-torchrun"), "--standalone", "--nproc-per-node=2"]
 SETTINGS = ["model=gpt-micro", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
-            "trainer.log_every=1", "trainer.eval_every=0", "trainer.precision=fp32", "trainer.max_steps=100000000",
-            "snapshot.every=100", "snapshot.keep=1000"]
+            "trainer.log_every=1", "trainer.eval_every=0", "trainer.precision=fp32", "snapshot.every=100",
+            "snapshot.keep=1000"]
+ENDLESS = 100_000_000
 RESUMED = re.compile(r"resumed from (.+?): step (\d+),")
 
 
-def start(work: Path, name: str, restarts: int, memory: str) -> subprocess.Popen:
+def start(work: Path, name: str, restarts: int, memory: str, max_steps: int = ENDLESS) -> subprocess.Popen:
     log = open(work / f"{name}.log", "wb")
     return subprocess.Popen([*RUN, f"--max-restarts={restarts}", str(REPO / "train" / "main.py"), *SETTINGS,
-                             f"snapshot.dir={work / name}", f"data.prepared_dir={work / 'data'}",
+                             f"trainer.max_steps={max_steps}", f"snapshot.dir={work / name}", f"data.prepared_dir={work / 'data'}",
                              f"snapshot.memory={memory}"],
                             cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -70,8 +78,15 @@ def last_step(snap: Path) -> int:
 def workers(agent: int) -> dict[int, int]:
     """LOCAL_RANK -> pid of the agent's workers."""
     found = {}
-    for pid in map(int, Path(f"/proc/{agent}/task/{agent}/children").read_text().split()):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    try:
+        children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+    except OSError:  # the agent has ended
+        return found
+    for pid in map(int, children):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # the worker has just ended
+            continue
         rank = next((int(v.split(b"=")[1]) for v in environ if v.startswith(b"LOCAL_RANK=")), None)
         if rank is not None:
             found[rank] = pid
@@ -109,82 +124,206 @@ def all_records(snap: Path) -> list[dict]:
         lines = (snap / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
         return []
-    return [json.loads(line) for line in lines[:-1]]
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except ValueError:  # the last may be half-written
+            pass
+    return found
 
 
-def node_deaths(count: int, memory: str, chance: random.Random) -> None:
-    work = Path(tempfile.mkdtemp(prefix="bench-chaos-nodes-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+ENTERED = "mingpt-torchrun: entering the rendezvous"  # what a node's agent logs as it comes to join
+
+
+@dataclass
+class Node:
+    """One mingpt-torchrun agent with one worker: a machine of the churn."""
+
+    proc: subprocess.Popen
+    log: Path
+    entered: float | None = None  # when its agent entered the rendezvous (time.time())
+    killed: float | None = None
+
+    def alive(self) -> bool:
+        return self.killed is None and self.proc.poll() is None
+
+
+@dataclass
+class Death:
+    at: float
+    signal: str
+    aimed: bool  # while a newcomer was in the rendezvous
+
+
+def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -> dict:
+    """One churn job of `deaths` node deaths; what happened, as numbers."""
+    chance = random.Random(seed)
+    work = Path(tempfile.mkdtemp(prefix=f"bench-churn-{seed}-"))
+    port = free_port()
     bin_dir = Path(sys.executable).parent
     store = subprocess.Popen([str(bin_dir / "mingpt-rendezvous"), f"--port={port}"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
-    snap = work / "chaos"
-    command = [str(bin_dir / "mingpt-torchrun"), "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=100",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=chaos",
-               "--rdzv-conf=last_call_timeout=1,is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3",
-               str(REPO / "train" / "main.py"), *SETTINGS, f"snapshot.dir={snap}", f"data.prepared_dir={work / 'data'}",
-               f"snapshot.memory={memory}"]
+    snap = work / "churn"
+    # mingpt-torchrun's own rendezvous settings; --max-restarts=3: membership changes must not use them up.
+    command = [str(bin_dir / "mingpt-torchrun"), "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=churn-{seed}",
+               "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"), *SETTINGS,
+               f"trainer.max_steps={max_steps}", f"snapshot.dir={snap}", f"data.prepared_dir={data}"]
+    nodes: list[Node] = []
 
-    def node(name: str) -> subprocess.Popen:
-        return subprocess.Popen(command, cwd=work, stdout=open(work / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+    def start_node() -> Node:
+        log = work / f"node-{len(nodes)}.log"
+        proc = subprocess.Popen(command, cwd=work, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        nodes.append(Node(proc, log))
+        return nodes[-1]
 
-    both = lambda since: [r for r in records(snap) if r["time"] > since and r["world_size"] == 2]
-    nodes, rows = [node("node-0a"), node("node-0b")], []
+    def pause(seconds: float, until=lambda: False) -> None:
+        """Wait, noting when each node enters the rendezvous; the job must not have failed meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not until():
+            for node in nodes:
+                if node.entered is None and ENTERED in node.log.read_text(errors="replace"):
+                    node.entered = time.time()
+            time.sleep(0.05)
+
+    def kill(node: Node, sig: signal.Signals) -> None:
+        groups = [node.proc.pid, *workers(node.proc.pid).values()]
+        node.killed = time.time()
+        if sig == signal.SIGKILL:  # a machine dies: its agent and workers at once
+            for group in groups:
+                try:
+                    os.killpg(group, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        else:  # a machine is preempted or leaves: torchrun forwards it to the workers, which snapshot
+            node.proc.send_signal(sig)
+
+    def live() -> list[Node]:
+        return [node for node in nodes if node.alive()]
+
+    done = lambda: (snap / f"step-{max_steps:09d}" / "manifest.json").exists()
+    rows: list[Death] = []
     try:
-        wait(lambda: both(0), 300, store, "a step of both nodes")
-        for death in range(count):
-            target = last_step(snap) + chance.randint(3, 12)
-            wait(lambda: last_step(snap) >= target, 300, store, f"step {target}")
-            victim = chance.randint(0, 1)
-            for group in [nodes[victim].pid, *workers(nodes[victim].pid).values()]:
-                os.killpg(group, signal.SIGKILL)
-            nodes[victim].wait()
-            killed_at, killed_time = time.monotonic(), time.time()
-            wait(lambda: [r for r in records(snap) if r["time"] > killed_time], 300, store, "the survivor's next step")
-            seconds = time.monotonic() - killed_at
-            lost = [r["steps_lost"] for r in all_records(snap) if r["time"] > killed_time and "steps_lost" in r]
-            rows.append((lost[0] if lost else None, seconds))
-            print(f"death {death + 1:2d}: node {victim} killed; the survivor's next step {seconds:.1f} s later, "
-                  f"steps lost {rows[-1][0]}", flush=True)
-            joined = time.time()
-            nodes[victim] = node(f"node-{death + 1}{'ab'[victim]}")
-            wait(lambda: both(joined), 300, store, "a step of both nodes again")
-        final = (last_step(snap) // 100 + 1) * 100
-        wait(lambda: (snap / f"step-{final:09d}" / "manifest.json").exists(), 900, store, f"snapshot {final}")
+        start_node(), start_node()
+        pause(300, until=lambda: records(snap))
+        for _ in range(deaths):
+            pause(chance.uniform(4, 10), until=done)
+            if done():
+                break
+            aimed = chance.random() < 0.5 or len(live()) < 2
+            if aimed:  # the death comes while a newcomer is in the rendezvous or its rank assignment
+                newcomer = start_node()
+                pause(120, until=lambda: newcomer.entered is not None)
+                pause(chance.uniform(0, 2.5))
+            sig = chance.choice([signal.SIGKILL, signal.SIGTERM])
+            victim = chance.choice(live())
+            rows.append(Death(time.time(), sig.name, aimed))
+            kill(victim, sig)
+            if not aimed and len(live()) < 2:
+                pause(chance.uniform(0, 3))
+                start_node()
+        for node in nodes:  # the job finishes on the nodes that are left
+            if node.alive():
+                node.proc.wait(timeout=900)
     finally:
-        for proc in [*nodes, store]:
-            stop(proc)
-    reference = start(work, "reference", 0, memory)
-    try:
-        wait(lambda: (work / "reference" / f"step-{final:09d}" / "manifest.json").exists(), 900, reference,
-             f"the reference's snapshot {final}")
-    finally:
-        stop(reference)
-    ours, theirs = weights(snap, final), weights(work / "reference", final)
-    diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
-    lost = [n for n, _ in rows if n is not None]
-    print(f"snapshot.memory={memory}, {len(rows)} node deaths: steps lost {sum(lost)} in all, "
-          f"{statistics.mean(lost) if lost else float('nan'):.2f} per death (at most {max(lost, default=0)}; "
-          f"{len(rows) - len(lost)} not recorded); survivor's next step median "
-          f"{statistics.median(r[1] for r in rows):.1f} s; weights at step {final}: largest difference to an "
-          f"uninterrupted 2-worker run {diff:.2e}")
-    print(f"(logs in {work})")
+        for node in nodes:
+            stop(node.proc)
+            for folder in Path("/dev/shm").glob(f"mingpt-*-{node.proc.pid}"):  # the machine's memory goes with it
+                shutil.rmtree(folder, ignore_errors=True)
+        stop(store)
+    return summarize(seed, snap, nodes, rows, max_steps, reference, work)
+
+
+def summarize(seed: int, snap: Path, nodes: list, rows: list, max_steps: int, reference: Path, work: Path) -> dict:
+    found = all_records(snap)
+    steps = [r for r in found if "train_loss" in r]
+    recovery = []
+    for death in rows:
+        after = [r["time"] for r in steps if r["time"] > death.at]
+        recovery.append(after[0] - death.at if after else float("inf"))
+    joined_at = {}  # agent pid -> the first step of a generation it took part in
+    for r in found:
+        for name in (r.get("membership") or {}).get("members", []):
+            joined_at.setdefault(name.rsplit("agent ", 1)[-1].rstrip(")"), r["time"])
+    admission, never = [], 0
+    for node in nodes[2:]:  # the first two started the job
+        at = joined_at.get(str(node.proc.pid))
+        if at is not None and node.entered is not None:
+            admission.append(at - node.entered)
+        elif node.killed is None:
+            never += 1  # alive, never let in
+    lost = [r["steps_lost"] for r in found if "steps_lost" in r]
+    completed = (snap / f"step-{max_steps:09d}" / "manifest.json").exists() and \
+        all(node.proc.returncode == 0 for node in nodes if node.killed is None)
+    val = greedy = None
+    if completed:
+        ours, theirs = (json.loads((folder / f"step-{max_steps:09d}" / "manifest.json").read_text())
+                        for folder in (snap, reference))
+        val = abs(ours["metrics"]["val_loss"] - theirs["metrics"]["val_loss"])
+        greedy = sample(snap, max_steps) == sample(reference, max_steps)
+    row = {"seed": seed, "completed": completed, "deaths": len(rows), "steps_again": sum(lost),
+           "recovery": recovery, "admission": admission, "never_admitted": never, "val_diff": val, "greedy": greedy}
+    killed = sum(d.signal == "SIGKILL" for d in rows)
+    print(f"seed {seed}: completed {'yes' if completed else 'NO'}; {len(rows)} deaths ({killed} SIGKILL, "
+          f"{len(rows) - killed} SIGTERM, {sum(d.aimed for d in rows)} while a node was joining); steps trained "
+          f"again {sum(lost)}; recovery median {_median(recovery)} max {_max(recovery)}; joins admitted "
+          f"{len(admission)} (alive and never let in: {never}), admission median {_median(admission)} max "
+          f"{_max(admission)}; val loss against an uninterrupted run: difference {val if val is None else f'{val:.1e}'}; "
+          f"greedy text equal: {greedy} (logs in {work})", flush=True)
+    return row
+
+
+def sample(snap: Path, step: int) -> str:
+    return subprocess.run([str(Path(sys.executable).parent / "mingpt-sample"), str(snap / f"step-{step:09d}"),
+                           "--temperature=0", "--max-new-tokens=200"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} s" if values else "-"
+
+
+def _max(values: list[float]) -> str:
+    return f"{max(values):.1f} s" if values else "-"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def churn_seeds(seeds: list[int], deaths: int, max_steps: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
+        work = Path(tmp)
+        reference = start(work, "reference", 0, "on", max_steps)
+        reference.wait()
+        rows = [churn(seed, deaths, max_steps, work / "data", work / "reference") for seed in seeds]
+    recovery = [s for row in rows for s in row["recovery"]]
+    admission = [s for row in rows for s in row["admission"]]
+    print(f"{len(rows)} seeds: completed {sum(r['completed'] for r in rows)}; deaths {sum(r['deaths'] for r in rows)}; "
+          f"steps trained again {sum(r['steps_again'] for r in rows)}; recovery median {_median(recovery)} max "
+          f"{_max(recovery)}; admission median {_median(admission)} max {_max(admission)} (never let in: "
+          f"{sum(r['never_admitted'] for r in rows)}); greedy text equal in "
+          f"{sum(bool(r['greedy']) for r in rows)}; val loss difference at most "
+          f"{max((r['val_diff'] for r in rows if r['val_diff'] is not None), default=float('nan')):.1e}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--node-deaths", type=int, default=0, help="kill whole nodes instead (two agents)")
+    parser.add_argument("--churn", type=int, default=0, metavar="SEEDS", help="run SEEDS churn jobs instead")
+    parser.add_argument("--deaths", type=int, default=20, help="node deaths per churn job")
+    parser.add_argument("--max-steps", type=int, default=1500, help="trainer.max_steps of a churn job")
     parser.add_argument("--memory", default="on", choices=["on", "off"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    chance = random.Random(args.seed)
-    if args.node_deaths:
-        node_deaths(args.node_deaths, args.memory, chance)
+    if args.churn:
+        churn_seeds(list(range(args.seed, args.seed + args.churn)), args.deaths, args.max_steps)
         return
+    chance = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
         work = Path(tmp)
         job, snap, log = start(work, "chaos", args.kills, args.memory), work / "chaos", work / "chaos.log"

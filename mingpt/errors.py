@@ -29,6 +29,16 @@ class TrainingError(MinGPTError):
     """Training cannot go on as configured (for example, the loss became infinite or NaN)."""
 
 
+class PeerLeft(Exception):
+    """This process's generation ended because of another process: one was asked to stop, or died. Not a
+    failure of this one: it exits with `exit_code` (mingpt.training.launcher), which mingpt-torchrun's agent
+    answers with a restart that does not use up --max-restarts."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class Stopped(KeyboardInterrupt):
     """SIGINT or SIGTERM, raised where the program is, so that its cleanups run (temporary files,
     worker processes, the run's lease) before it exits. A KeyboardInterrupt: code that handles Ctrl-C

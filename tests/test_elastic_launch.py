@@ -12,8 +12,8 @@ import signal
 import pytest
 
 from launch import (
-    BIN, RDZV_CONF, REPO, SMALL, free_port, manifests, output, plain_torchrun, port_listens, rendezvous,
-    slow_corpus, wait_for,
+    BIN, RDZV_CONF, REPO, SMALL, free_port, manifests, output, plain_torchrun, port_listens, rendezvous, run,
+    slow_corpus, torchrun, wait_for,
 )
 from mingpt.data.prepare import PrepareConfig, prepare
 from mingpt.training import distributed
@@ -95,6 +95,19 @@ def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
     store.send_signal(signal.SIGTERM)
     assert store.wait(timeout=30) == 0
     wait_for(lambda: "stopped by SIGTERM" in output(store), 10, "the store's last line")
+
+
+def test_a_node_that_comes_after_the_job_finished_says_so_and_exits_0(tmp_path, procs):
+    """The job's last node closes its rendezvous as it finishes; a node started afterwards (a scheduler's
+    replacement, late) finds it closed: one line, exit 0, no worker started."""
+    port = free_port()
+    rendezvous(procs, port)
+    node = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=done-job", f"--rdzv-conf={RDZV_CONF},is_host=false")
+    assert "done: step 4" in run(procs, node, _job(tmp_path, 4), "first")
+    late = run(procs, node, _job(tmp_path, 4), "late", timeout=120)
+    assert "mingpt-torchrun: job done-job has finished (its rendezvous is closed)" in late
+    assert "starting its workers" not in late and "Traceback" not in late
 
 
 def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, procs):

@@ -207,12 +207,13 @@ EVERY = 10  # steps between the elastic job's snapshots
 def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     """Two agents on 127.0.0.1 as two nodes, launched with mingpt-torchrun as the README says (no
     variable in the environment), around the store that mingpt-rendezvous hosts; the first node dies
-    (the node any other store would live on), the other goes on alone; a node comes back. (An agent
-    hosting the store itself, torch's default, trains the uneven-shards test above.)"""
+    (the node any other store would live on), the other goes on alone; a node comes back, then leaves on
+    SIGTERM (a preemption), and the survivor goes on alone again. None of it uses up --max-restarts=0.
+    (An agent hosting the store itself, torch's default, trains the uneven-shards test above.)"""
     snap = tmp_path / "elastic"
     port = free_port()
     rendezvous(procs, port)
-    args = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
+    args = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
                     f"--rdzv-conf={RDZV_CONF},is_host=false")
     args += overrides(tmp_path, "elastic", ENDLESS_STEPS, every=EVERY, extra=[*HEAVIER, *KEEP_ALL])
@@ -231,11 +232,29 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     regrown = lambda: [m for m in by_world(2) if m["step"] > grown_from and m["step"] % EVERY == 0]
     wait_for(regrown, 120, "a periodic snapshot from two nodes again", [survivor, newcomer])
     compared = regrown()[0]["step"]
-    for agent in (survivor, newcomer):
-        agent.send_signal(signal.SIGTERM)
-    for agent in (survivor, newcomer):
-        agent.wait(timeout=90)  # the workers snapshot and exit; an agent may exit non-zero on SIGTERM
+
+    # The newcomer leaves. Both nodes snapshot the step they reached; the survivor goes on alone, in a
+    # new round, instead of taking the shared stop for the end of the job.
+    newcomer.send_signal(signal.SIGTERM)
+    newcomer.wait(timeout=90)  # its workers snapshot and exit; torchrun itself exits non-zero on SIGTERM
+    left_at = latest_step(snap)
+    wait_for(lambda: [m for m in by_world(1) if m["step"] > left_at], 120, "a snapshot from the survivor alone",
+             [survivor])
+    survivor.send_signal(signal.SIGTERM)
+    survivor.wait(timeout=90)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in output(survivor)  # set by mingpt-torchrun, not by us
+    assert re.search(rf"membership change: left \S+ \(agent {newcomer.pid}\)", output(survivor))
+
+    # The leader of each new round says what changed: the dead node, lost; the newcomer joining; the
+    # newcomer leaving on SIGTERM (or, had its agent left the rendezvous first, gone from it).
+    changes = [(m["membership"], m["recovery_s"]) for m in metrics(snap) if "membership" in m]
+    named = lambda node: f"(agent {node.pid})"
+    assert [c["cause"] for c, _ in changes if any(named(dead) in n for n in c["left"])] == \
+        ["lost (its processes died or were cut off)"]
+    assert [len(c["members"]) for c, _ in changes if any(named(newcomer) in n for n in c["joined"])] == [2]
+    causes = [c["cause"] for c, _ in changes if any(named(newcomer) in n for n in c["left"])]
+    assert causes in (["asked to stop (SIGTERM)"], ["gone from the rendezvous"]), causes
+    assert all(0 < seconds < 60 for _, seconds in changes)
 
     # The survivor goes on from the step it reached: from the leader's rescue snapshot, or where the
     # leader was on the lost node, from its own node's memory tier (snapshots are 10 steps apart).
@@ -243,8 +262,9 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     assert lost_steps and max(lost_steps) <= 1, lost_steps
     history = [m for m in metrics(snap) if "train_loss" in m]
     sizes = [m["world_size"] for m in history]
-    # Two nodes, then one, then two again (the first node may train alone for a moment before the second joins).
-    assert 2 in sizes and 1 in sizes[sizes.index(2):] and sizes[-1] == 2, sizes
+    # Two nodes, one, two again, one (the first node may train alone for a moment before the second joins).
+    grown = sizes.index(2, sizes.index(1, sizes.index(2)))
+    assert 1 in sizes[grown:] and sizes[-1] == 1, sizes
     for m in manifests(snap):
         assert m["samples_seen"] == m["step"] * 16  # the global batch never changed
     # Against an uninterrupted run: the same examples in the same steps; only float summation

@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from mingpt.cli import configure_logging
-from mingpt.errors import MinGPTError
+from mingpt.errors import MinGPTError, PeerLeft
 from mingpt.training.app import register
 from mingpt.training.config import Config, from_hydra, validate
 from mingpt.training.distributed import first_on_its_node, leads_this_generation
@@ -39,6 +39,9 @@ def main(raw: DictConfig) -> None:
         cfg: Config = from_hydra(raw)
         validate(cfg)
         train(cfg)
+    except PeerLeft as e:  # not this process's failure: mingpt-torchrun's agent restarts it for free
+        log.warning("%s", e)
+        exit_now(e.exit_code)
     except MinGPTError as e:
         log.error("%s", e)  # redacted by the handler's filter (configure_logging), as every record is
         exit_now(2)

@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous.utils import (
 
 from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError
+from mingpt.training import agent
 from mingpt.training.app import compose_config
 from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf
 from mingpt.training.preparation import prepare_data
@@ -32,16 +33,23 @@ CHECK = "check with `nc -zv {host} {port}` from this node (README: Multinode tro
 
 def main(argv: list[str] | None = None) -> int:
     """`mingpt-torchrun`: torchrun with the same arguments, the agents' store sharing off (unless the
-    user set the variable) and quick rendezvous settings (merged under the user's `--rdzv-conf`)."""
+    user set the variable), quick rendezvous settings (merged under the user's `--rdzv-conf`), and an
+    agent that keeps the job going while nodes die, leave and join (mingpt.training.agent)."""
     args = run.parse_args(argv)  # torchrun's own parser: the same options, the same errors
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
+    configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
+    logging.getLogger("mingpt").setLevel(logging.INFO)  # this node's own progress and membership, on its own log
     status = run_command(lambda: check_launch(args)) or run_command(lambda: prepare_before_joining(args))
     if status:
         return status
     os.environ.setdefault(STORE_SHARING, "1")
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
           file=sys.stderr, flush=True)
-    record(run.run)(args)
+    agent.install()
+    try:
+        record(run.run)(args)
+    except agent.JobFinished as e:
+        print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -53,8 +61,6 @@ def prepare_before_joining(args: argparse.Namespace) -> None:
     conf = Path(args.training_script).resolve().parent / "conf"
     if args.no_python or args.module or not (conf / "config.yaml").is_file():
         return
-    configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
-    logging.getLogger("mingpt").setLevel(logging.INFO)  # this node's own progress, on its own log
     cfg = compose_config(conf, args.training_script_args)
     started = time.monotonic()
     folder = prepare_data(cfg)

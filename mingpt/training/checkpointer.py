@@ -357,9 +357,10 @@ class Checkpointer:
             self.writer.check()
             raise SnapshotError("the process writing snapshots could not write them; see its log")
 
-    def finish(self) -> None:
+    def finish(self, release_memory: bool = True) -> None:
         """Wait for the snapshot in flight: the job must not end before it is committed, nor end
-        "done" when it was not. Every process learns the outcome, so all exit alike."""
+        "done" when it was not. Every process learns the outcome, so all exit alike. Then free the
+        memory tier, unless the next generation may read it."""
         self.writer.wait()
         failed = float(self.world.is_leader and self.writer.failures > 0)
         failed, lost = distributed.all_reduce_sum([failed, float(self.problems()[1])], self.world)
@@ -367,7 +368,7 @@ class Checkpointer:
         if failed:
             self.writer.check(final=True)
             raise SnapshotError("the process writing snapshots could not write the last one; see its log")
-        if self.memory is not None:
+        if self.memory is not None and release_memory:
             self.memory.release()  # the last step is in a snapshot: the memory is needed no more
 
     def rescue(self, replica: Replica, metrics: dict) -> None:

@@ -260,6 +260,12 @@ def gpu_of(local_rank: int) -> int:
     return local_rank
 
 
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective's failure because another process died, hung or was cut off: torch's
+    DistError (NCCL, the stores), or gloo's transport error (a RuntimeError naming gloo's tcp pair)."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "/gloo/transport/" in str(error))
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()

@@ -1,4 +1,5 @@
-"""What `mingpt-torchrun` sets for elastic jobs that survive restarts and membership changes (torch 2.13).
+"""What `mingpt-torchrun` sets for elastic jobs that survive restarts and membership changes (torch 2.13),
+and what its agent (mingpt.training.agent) and the workers tell each other.
 
 Why a wrapper around torchrun: by default torchrun's agents share their rendezvous store with the
 workers. With torch 2.13 a job on several agents then never trains (an agent times out on
@@ -9,18 +10,32 @@ all of it, but the agent reads it, so the worker cannot set it for itself: the l
 
 from __future__ import annotations
 
+import json
+import os
+
 STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
-# Rendezvous settings for quick recovery: a dead node is noticed after 3 missed heartbeats (15 s,
-# torch's default), a new round starts 5 s after the minimum of nodes is there (torch: 30 s), and
-# a round is closed 10 s after it started to close (torch: 30 s). The user's own keys win.
+# Rendezvous settings for quick recovery (torch's defaults in brackets). A dead node is noticed when it has
+# missed 3 heartbeats a second apart (15 s): nodes' clocks must agree to within about a second, as NTP keeps
+# them. A round closes 2 s after its first node arrived (30 s): long enough for the survivors of a change,
+# who poll the rendezvous once a second, to arrive together. The user's own keys win.
 QUICK_RENDEZVOUS = {
     "join_timeout": "600",
-    "last_call_timeout": "5",
+    "last_call_timeout": "2",
     "close_timeout": "10",
-    "keep_alive_interval": "5",
+    "keep_alive_interval": "1",
     "keep_alive_max_attempt": "3",
 }
+
+# Exit statuses by which a worker tells the agent that its generation ended because of another process,
+# not of its own failure: a membership change, which mingpt-torchrun's agent restarts without using up
+# --max-restarts (plain torchrun counts them as failures).
+PEER_STOPPED = 75  # another process was asked to stop (SIGTERM): its node leaves, or the job is being resized
+PEER_LOST = 76  # a collective failed: another process died, hung or was cut off
+MEMBERSHIP_EXITS = {PEER_STOPPED: "asked to stop (SIGTERM)", PEER_LOST: "lost (its processes died or were cut off)"}
+
+# How the agent tells its workers what changed before this generation (read by the leader, which logs it).
+MEMBERSHIP = "MINGPT_MEMBERSHIP"
 
 
 def merge_rendezvous_conf(user_conf: str, defaults: dict[str, str] = QUICK_RENDEZVOUS) -> str:
@@ -30,3 +45,12 @@ def merge_rendezvous_conf(user_conf: str, defaults: dict[str, str] = QUICK_RENDE
         key, _, value = item.partition("=")
         merged[key.strip()] = value.strip()
     return ",".join(f"{key}={value}" for key, value in merged.items())
+
+
+def membership_change() -> dict | None:
+    """What this generation's agent saw change (nodes left and joined, why, when), or None: no agent said."""
+    try:
+        change = json.loads(os.environ.get(MEMBERSHIP, ""))
+    except ValueError:
+        return None
+    return change if isinstance(change, dict) else None

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import math
 import signal
-from contextlib import nullcontext
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -22,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import micro_batches, shard, window_order
-from mingpt.errors import ConfigError, TrainingError, forget_stops, raise_stopped
+from mingpt.errors import ConfigError, PeerLeft, TrainingError, forget_stops, raise_stopped
 from mingpt.interop.pretrained import Pretrained, open_pretrained
 from mingpt.metrics.loggers import Loggers
 from mingpt.model import GPT, GPTConfig
@@ -31,6 +33,7 @@ from mingpt.training import distributed, parallel
 from mingpt.training.checkpointer import Checkpointer, Replica, TrainState
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
+from mingpt.training.launcher import PEER_LOST, PEER_STOPPED, membership_change
 from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
@@ -45,6 +48,7 @@ class TrainResult:
     train_loss: float | None
     val_loss: float | None
     stopped_early: bool = False
+    peer_stopped: bool = False  # stopped because a process on another node was asked to, not this one
 
 
 class StopFlag:
@@ -100,13 +104,30 @@ def _train(cfg: Config) -> TrainResult:
         model_config = _model_config(cfg, data, pretrained)
         world = distributed.start(cfg.trainer.dist_timeout_s, meeting)
         try:
-            with StopFlag() as stop:
+            with StopFlag() as stop, _a_lost_peer_ends_the_generation():
                 result = Trainer(cfg, world, store, data, model_config, pretrained).run(stop)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the last snapshot is committed: only leaving is left
             distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
-            return result
         finally:
             distributed.stop()
+    if result.peer_stopped:  # the job goes on: the agent restarts this process in the next round, for free
+        raise PeerLeft(f"another node's process was asked to stop: step {result.step} is saved; this process goes on "
+                       "in the next round of the job", PEER_STOPPED)
+    return result
+
+
+@contextmanager
+def _a_lost_peer_ends_the_generation() -> Iterator[None]:
+    """A collective that fails because another process died, hung or was cut off ends this generation
+    (PeerLeft): it is no failure of this process, whose rescue snapshot is written by then."""
+    try:
+        yield
+    except Exception as e:
+        if distributed.lost_a_peer(e):
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise PeerLeft(f"another process was lost ({type(e).__name__}: {first}); this process goes on in the "
+                           "next round of the job", PEER_LOST) from e
+        raise
 
 
 def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None) -> GPTConfig:
@@ -151,6 +172,8 @@ class Trainer:
         self.metrics = Loggers(t.loggers, store.run, cfg.to_dict(), world.is_leader)  # trainer.loggers
         self.events: list[tuple[str, str]] = []  # (kind, text): what resume found, marked on the dashboards
         self.steps_lost: int | None = None  # at a resume: steps reached before it and not in the state loaded
+        # What changed in the job's membership before this generation, as mingpt-torchrun's agent saw it.
+        self.change = membership_change() if world.is_leader else None
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
@@ -245,6 +268,8 @@ class Trainer:
                                     "trainer.warmup_steps, then run again to resume from the last snapshot")
             last = state.step == t.max_steps or stops > 0
             throughput.step()
+            if self.change is not None:
+                self._log_membership()
             if state.step % t.log_every == 0 or last:
                 self._log_progress(throughput)
             # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
@@ -255,9 +280,14 @@ class Trainer:
             if state.step % cfg.snapshot.every == 0 or last:
                 self.save()
             if stops > 0:
-                self.finish()
-                _log(world, "stopped at step %d on request; run the same command to resume", state.step)
-                return TrainResult(state.step, self.train_loss, self.val_loss, stopped_early=True)
+                self.finish(release_memory=stop.requested)  # where the job goes on, the next round may read it
+                if stop.requested:
+                    _log(world, "stopped at step %d on request; run the same command to resume", state.step)
+                else:
+                    _log(world, "%d process(es) on other nodes were asked to stop: step %d is saved; the job goes "
+                         "on without them", stops, state.step)
+                return TrainResult(state.step, self.train_loss, self.val_loss, stopped_early=True,
+                                   peer_stopped=not stop.requested)
         self.finish()
         _log(world, "done: step %d, train loss %.4f, val loss %.4f", state.step, self.train_loss, self.val_loss)
         return TrainResult(state.step, self.train_loss, self.val_loss)
@@ -310,6 +340,23 @@ class Trainer:
         self.metrics.log(step, {"train_loss": self.train_loss, "lr": lr, "tokens_per_s": rate,
                                 "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
 
+    def _log_membership(self) -> None:
+        """At the generation's first step, a metrics record of its nodes and of what changed before it, as the
+        agent saw it; and where nodes left or joined, one line: who left and how, who joined, the new size,
+        the steps lost, the time from the change to this step."""
+        change, self.change = self.change, None
+        left, joined, members = (change.get(key) or [] for key in ("left", "joined", "members"))
+        seconds = time.time() - float(change.get("noticed") or time.time())
+        record = {"left": left, "joined": joined, "members": members, "cause": change.get("cause"),
+                  "world_size": self.world.world_size, "steps_lost": self.steps_lost}
+        self.metrics.log(self.replica.state.step, {"membership": record, "recovery_s": round(seconds, 2)})
+        if left or joined:
+            how = f" ({change['cause']})" if left and change.get("cause") else ""
+            _log(self.world, "membership change: left %s%s; joined %s; now %d node(s), %d process(es); steps lost "
+                 "%s; this step %.1f s after the change", ", ".join(left) or "none", how,
+                 ", ".join(joined) or "none", len(members), self.world.world_size,
+                 "unknown" if self.steps_lost is None else self.steps_lost, seconds)
+
     def _mfu(self, tokens_per_s: float) -> float:
         """MFU of this run (leader only; NaN elsewhere). Above 100% the peak was probed on a busy machine:
         probe again, keeping the higher figure."""
@@ -326,9 +373,9 @@ class Trainer:
             self.metrics.flush()  # what the dashboards show survives as long as the snapshot
         self.checkpointer.save(self.replica, self._snapshot_metrics())
 
-    def finish(self) -> None:
+    def finish(self, release_memory: bool = True) -> None:
         self.metrics.close()
-        self.checkpointer.finish()
+        self.checkpointer.finish(release_memory)
 
     def _snapshot_metrics(self) -> dict:
         return {"train_loss": self.train_loss, "val_loss": self.val_loss}

@@ -1,0 +1,205 @@
+"""torch's elastic agent, kept going through churn: what `mingpt-torchrun` runs on every node.
+
+torchrun's LocalElasticAgent restarts its workers when they fail (using up --max-restarts) and when a
+node waits to join (free). Under churn, nodes dying or leaving at any moment, four things ended a job
+that still had a node. Each is changed here, in a subclass of torch's agent and a wrapper of its
+rendezvous handler:
+
+1. Workers that ended because another process left or died (launcher.PEER_STOPPED, PEER_LOST) used up a
+   restart. It is given back, as for any membership change.
+2. A node dying after a round closed, while the agents assigned ranks, left the others waiting a minute
+   for the ranks that node was to write, then exiting. The wait is bounded (RANKS_WAIT_S), and an error
+   in a round sends the agent into the next one.
+3. An agent that failed closed the rendezvous, which ends every other node. Only a finished job closes
+   it now; a node that arrives after that says so and exits 0 (JobFinished).
+4. A peer node dying while this node's workers were in no collective with it (starting, meeting their
+   peers) went unnoticed until trainer.dist_timeout_s. The agent watches the round's members and
+   restarts its workers as soon as one is gone from the rendezvous.
+
+Each agent also tells its new workers what changed (launcher.MEMBERSHIP); the new leader logs it.
+Reading the round's members and leaving a round use torch's private rendezvous state: `Rendezvous`
+keeps all of that in one place, and does without it where torch's internals differ.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+
+from torch.distributed import DistError
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousHandler,
+                                                  RendezvousTimeoutError)
+from torch.distributed.launcher import api as launcher_api
+
+from mingpt.training.launcher import MEMBERSHIP, MEMBERSHIP_EXITS
+
+log = logging.getLogger(__name__)
+
+RANKS_WAIT_S = 10.0  # how long an agent waits for the ranks of a closed round (torch: the store's 60 s)
+RANKS_SLICE_S = 2.0  # how often it checks, meanwhile, that every node of the round is still alive
+LEAVE_S = 5.0  # how long a leaving agent tries to take itself out of the rendezvous
+
+
+class JobFinished(Exception):
+    """The job this node came to join has finished: its rendezvous is closed."""
+
+
+def install() -> None:
+    """Make torchrun's launcher (torch.distributed.run) start this module's `Agent` instead of torch's own."""
+    launcher_api.LocalElasticAgent = Agent
+
+
+class Rendezvous:
+    """torch's rendezvous handler, which only a finished job closes, and which can say who is in the round."""
+
+    def __init__(self, handler: RendezvousHandler):
+        self.handler = handler
+        self.finished = False  # this node's workers all ended well: the job is done
+
+    def __getattr__(self, name: str):  # the rest is torch's handler's
+        return getattr(self.handler, name)
+
+    def shutdown(self) -> bool:
+        """torch's launcher calls this when its agent ends other than by a signal; it closes the rendezvous
+        for every node. A node that failed for good leaves it instead, and the others go on."""
+        if self.finished:
+            return self.handler.shutdown()
+        self.leave()
+        return False
+
+    def members(self) -> set[str] | None:
+        """The nodes of the current round ("host_pid_n"), as the store has them (at most a second old, and
+        without nodes whose heartbeats stopped); None where that cannot be read."""
+        try:
+            holder = self.handler._state_holder
+            with self.handler._heartbeat_lock:
+                holder.sync()
+                return {str(node) for node in holder.state.participants}
+        except Exception as e:  # not torch's dynamic handler, or the store did not answer: no opinion
+            log.debug("the rendezvous's members could not be read: %s", e)
+            return None
+
+    def leave(self) -> None:
+        """Take this node out of the round (or the wait list) now, rather than when its heartbeats expire."""
+        try:
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
+
+            def leave_op(ctx, deadline: float) -> _Action:
+                if ctx.node in ctx.state.participants:
+                    return _Action.REMOVE_FROM_PARTICIPANTS
+                if ctx.node in ctx.state.wait_list:
+                    return _Action.REMOVE_FROM_WAIT_LIST
+                return _Action.FINISH
+
+            self.handler._stop_heartbeats()
+            self.handler._op_executor.run(leave_op, time.monotonic() + LEAVE_S)
+        except Exception as e:  # the others notice when the heartbeats expire
+            log.debug("could not leave the rendezvous: %s", e)
+
+
+class Agent(LocalElasticAgent):
+    """torch's LocalElasticAgent that survives churn (see the module's description)."""
+
+    def __init__(self, spec: WorkerSpec, *args, **kwargs):
+        self.rdzv = spec.rdzv_handler = Rendezvous(spec.rdzv_handler)
+        super().__init__(spec, *args, **kwargs)
+        self._members: set[str] = set()  # the nodes of the round this node's workers run in
+        self._cause: str | None = None  # why they are being restarted, and since when
+        self._noticed = 0.0
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            return super().run(role)
+        except SignalException:  # this node leaves (its workers have saved): the others need not wait for it
+            self.rdzv.leave()
+            raise
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.SUCCEEDED:
+            self.rdzv.finished = True
+        elif result.state == WorkerState.FAILED:
+            codes = sorted({failure.exitcode for failure in result.failures.values()})
+            if set(codes) <= MEMBERSHIP_EXITS.keys():
+                self._remaining_restarts += 1  # torch's loop takes one for this restart: a membership change is free
+                self._notice(MEMBERSHIP_EXITS[codes[0]])
+            else:
+                self._notice(f"a worker failed (exit {', '.join(map(str, codes))})")
+        elif result.state == WorkerState.HEALTHY and self._members:
+            gone = self._members - (self.rdzv.members() or self._members)
+            if gone:
+                self._remaining_restarts += 1
+                self._notice("gone from the rendezvous")
+                log.info("mingpt-torchrun: %s left the rendezvous: restarting this node's workers",
+                         ", ".join(_hosts(gone)))
+                return RunResult(state=WorkerState.UNHEALTHY)
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._notice("a node is waiting to join")  # the one reason torch restarts healthy workers
+        super()._restart_workers(worker_group)
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        log.info("mingpt-torchrun: entering the rendezvous of job %s", self.rdzv.get_run_id())
+        before = self._members or self.rdzv.members() or set()  # a newcomer: the round it comes to join
+        while True:
+            try:
+                super()._rendezvous(worker_group)
+                break
+            except RendezvousClosedError:
+                raise JobFinished(f"job {self.rdzv.get_run_id()} has finished (its rendezvous is closed): there is "
+                                  "nothing left to join. To start a new job, give it another --rdzv-id") from None
+            except RendezvousTimeoutError:
+                raise  # nobody came within join_timeout
+            except (RendezvousError, DistError) as e:  # a node died in the middle of the round, say
+                log.warning("mingpt-torchrun: a rendezvous round failed (%s: %s); joining the next one",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        self._members = self.rdzv.members() or set()
+        self._tell_workers(before)
+        log.info("mingpt-torchrun: this node is node %d of %d; starting its workers", worker_group.group_rank,
+                 worker_group.group_world_size)
+
+    def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec: WorkerSpec):
+        # The first agent of the round waits for every agent's description, the others for the ranks it
+        # writes. One of them dying made the others wait the store's whole timeout, then exit, which ended
+        # the job. Wait in short slices instead, while every node of the round is alive, and at most
+        # RANKS_WAIT_S; then the error sends this agent into the next round (`_rendezvous`).
+        previous, deadline = store.timeout, time.monotonic() + RANKS_WAIT_S
+        store.set_timeout(timedelta(seconds=RANKS_SLICE_S))
+        try:
+            while True:
+                try:
+                    return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+                except DistError:  # torch sets its keys again on each try: the same values
+                    members = self.rdzv.members()
+                    if time.monotonic() > deadline or (members is not None and len(members) < group_world_size):
+                        raise
+        finally:
+            store.set_timeout(previous)
+
+    def _notice(self, cause: str) -> None:
+        if self._cause is None:
+            self._cause, self._noticed = cause, time.time()
+
+    def _tell_workers(self, before: set[str]) -> None:
+        """What changed since the last round, for the new workers (their leader logs it)."""
+        now = self._members
+        change = {"left": _hosts(before - now), "joined": _hosts(now - before) if before else [],
+                  "members": _hosts(now), "cause": self._cause, "noticed": self._noticed or time.time()}
+        os.environ[MEMBERSHIP] = json.dumps(change)  # the workers inherit the agent's environment
+        self._cause, self._noticed = None, 0.0
+
+
+def _hosts(nodes: set[str]) -> list[str]:
+    """torch's node names ("host_pid_n") as "host (agent pid)"."""
+    named = []
+    for node in sorted(nodes):
+        host, pid, _ = (node.rsplit("_", 2) + ["", ""])[:3]
+        named.append(f"{host} (agent {pid})" if pid else node)
+    return named
