@@ -131,3 +131,12 @@ def test_a_collective_cut_by_a_peer_is_told_from_a_failure_of_this_process():
     assert lost_a_peer(dist.DistStoreError("wait timeout after 30000ms"))
     assert not lost_a_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not lost_a_peer(MemoryError())
+
+
+def test_a_store_that_does_not_answer_leaves_the_workers_training(caplog):
+    class Silent(Handler):
+        def num_nodes_waiting(self):
+            raise dist.DistStoreError("wait timeout after 60000ms")
+
+    assert Rendezvous(Silent()).num_nodes_waiting() == 0
+    assert "the rendezvous store did not answer (DistStoreError: wait timeout after 60000ms)" in caplog.text

@@ -1,8 +1,8 @@
 """torch's elastic agent, kept going through churn: what `mingpt-torchrun` runs on every node.
 
 torchrun's LocalElasticAgent restarts its workers when they fail (using up --max-restarts) and when a
-node waits to join (free). Under churn, nodes dying or leaving at any moment, four things ended a job
-that still had a node. Each is changed here, in a subclass of torch's agent and a wrapper of its
+node waits to join (free). Under churn, nodes dying or leaving at any moment, five things ended a job
+that still had a node, or stalled it. Each is changed here, in a subclass of torch's agent and a wrapper of its
 rendezvous handler:
 
 1. Workers that ended because another process left or died (launcher.PEER_STOPPED, PEER_LOST) used up a
@@ -15,6 +15,8 @@ rendezvous handler:
 4. A peer node dying while this node's workers were in no collective with it (starting, meeting their
    peers) went unnoticed until trainer.dist_timeout_s. The agent watches the round's members and
    restarts its workers as soon as one is gone from the rendezvous.
+5. The rendezvous store answering late, while the workers trained, ended the agent. It now waits for
+   the next answer.
 
 Each agent also tells its new workers what changed (launcher.MEMBERSHIP); the new leader logs it.
 Reading the round's members and leaving a round use torch's private rendezvous state: `Rendezvous`
@@ -72,6 +74,16 @@ class Rendezvous:
             return self.handler.shutdown()
         self.leave()
         return False
+
+    def num_nodes_waiting(self) -> int:
+        """torch's agent asks this of its healthy workers' round every monitor interval; a store that does
+        not answer in time ended the agent. The workers train on meanwhile: ask again next time."""
+        try:
+            return self.handler.num_nodes_waiting()
+        except Exception as e:
+            log.warning("mingpt-torchrun: the rendezvous store did not answer (%s: %s); training goes on",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return 0
 
     def members(self) -> set[str] | None:
         """The nodes of the current round ("host_pid_n"), as the store has them (at most a second old, and

@@ -111,8 +111,8 @@ def _train(cfg: Config) -> TrainResult:
         finally:
             distributed.stop()
     if result.peer_stopped:  # the job goes on: the agent restarts this process in the next round, for free
-        raise PeerLeft(f"another node's process was asked to stop: step {result.step} is saved; this process goes on "
-                       "in the next round of the job", PEER_STOPPED)
+        raise PeerLeft(f"another process was asked to stop: step {result.step} is saved; this process goes on in "
+                       "the next round of the job", PEER_STOPPED)
     return result
 
 
@@ -284,8 +284,8 @@ class Trainer:
                 if stop.requested:
                     _log(world, "stopped at step %d on request; run the same command to resume", state.step)
                 else:
-                    _log(world, "%d process(es) on other nodes were asked to stop: step %d is saved; the job goes "
-                         "on without them", stops, state.step)
+                    _log(world, "%d other process(es) were asked to stop: step %d is saved; the job goes on without "
+                         "them", stops, state.step)
                 return TrainResult(state.step, self.train_loss, self.val_loss, stopped_early=True,
                                    peer_stopped=not stop.requested)
         self.finish()
