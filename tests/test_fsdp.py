@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 
@@ -171,6 +172,34 @@ def test_a_planted_index_is_refused_and_never_runs_even_with_a_manifest_to_match
     manifest["files"]["state/.metadata"] = {"bytes": len(planted), "sha256": hashlib.sha256(planted).hexdigest()}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SnapshotError, match=r"refusing to read state/.metadata .* index of shards \(it names (io|builtins)\.open\)"):
+        open_model(str(folder), torch.device("cpu"))
+    assert not marker.exists()
+
+
+def _calls(module: str, name: str, argument: str) -> bytes:
+    """A pickle (protocol 4) that calls module.name(argument): what pickle.dumps cannot be made to write
+    for a dotted name, written opcode by opcode."""
+    text = lambda value: b"\x8c" + bytes([len(value.encode())]) + value.encode()  # SHORT_BINUNICODE
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(argument) + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
+
+
+@pytest.mark.parametrize("module, name", [
+    ("torch.distributed.checkpoint.metadata", "os.system"),  # the module imports os: a dotted name reaches it
+    ("torch.distributed.checkpoint.metadata", "torch.serialization.os.system"),
+    ("torch.distributed.checkpoint.metadata", "dataclass"),  # a function the module imported
+    ("torch", "load"),
+])
+def test_a_planted_index_reaches_no_function_through_dcps_modules(tmp_path, module, name):
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    save_sharded(store, 10)
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "snaps" / "step-000000010"
+    planted = _calls(module, name, f"touch {marker}")
+    (folder / "state" / ".metadata").write_bytes(planted)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["state/.metadata"] = {"bytes": len(planted), "sha256": hashlib.sha256(planted).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SnapshotError, match=rf"refusing to read state/.metadata .* \(it names {re.escape(module)}\."):
         open_model(str(folder), torch.device("cpu"))
     assert not marker.exists()
 

@@ -119,16 +119,26 @@ class ShardReader(FsspecReader):
         return metadata
 
 
+# What DCP's index names: its metadata classes, torch.Size, dtypes, and layouts (by a lookup that only reads
+# torch's own table). Exact (module, name) pairs: a module's other attributes, and dotted names, which pickle
+# follows attribute by attribute (`...metadata` + `os.system`), are never reached.
+_INDEX_CLASSES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)),
+}
+
+
 class _IndexUnpickler(pickle.Unpickler):
     """DCP writes its index with pickle. This unpickler builds DCP's metadata classes, torch.Size, dtypes
     and layouts, and refuses anything else: a planted index cannot call a function."""
 
     def find_class(self, module: str, name: str):
-        allowed = (module == "torch.distributed.checkpoint.metadata" and not name.startswith("__")) or \
-            (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                               ("torch.serialization", "_get_layout")} or \
-            (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not allowed:
+        if (module, name) not in _INDEX_CLASSES:
             raise pickle.UnpicklingError(f"it names {module}.{name}")
         return super().find_class(module, name)
 
