@@ -19,9 +19,10 @@ from fsspec.spec import AbstractFileSystem
 from mingpt.errors import MinGPTError
 
 
-# scheme://user:password@host or scheme://user@host, anywhere in a text. An AWS secret may hold "/",
-# so the password runs to the "@"; a user name holds neither "/" nor ":".
-_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)(?:[^\s/@:]*:[^\s@]*|[^\s/@:]*)@")
+# scheme://user:password@host or scheme://user@host, anywhere in a text. A password may hold "/" (AWS
+# secrets do) and "@": it runs to the last "@" before a space (more is hidden where a path holds an "@" too,
+# never less); a user name holds neither "/" nor ":".
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)(?:[^\s/@:]*:\S*|[^\s/@:]*)@")
 # Query parameters that carry a secret: presigned URLs (X-Amz-Signature, X-Amz-Credential,
 # X-Amz-Security-Token), Azure SAS (sig), token=, access_token=, api_key=, password= ...
 _SECRET_PARAMETER = re.compile(r"([?&;][^=&#\s]*(?:sig|token|credential|secret|password|key|auth)[^=&#\s]*=)[^&#\s]*",
@@ -74,9 +75,10 @@ def _check_link(url: str, chained: bool = False) -> str:
         raise MinGPTError(
             f"cannot use {redact(url)}: credentials do not go in the URL, where they would be shown and logged; "
             "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for S3, or give them in storage_options")
-    elif userinfo and "/" in userinfo[0].split("://", 1)[1]:  # URL parsers would split it, and show a piece
-        raise MinGPTError(f"cannot use {redact(url)}: its password holds a '/', which ends the host part of a "
-                          "URL; write each '/' in it as %2F")
+    elif userinfo and ("/" in userinfo[0].split("://", 1)[1] or userinfo[0].count("@") > 1):
+        # URL parsers would end the host part at the first "/" or take the text after an "@" for the host
+        raise MinGPTError(f"cannot use {redact(url)}: its password holds a '/' or an '@', which end the host part "
+                          "of a URL; write each '/' in it as %2F and each '@' as %40")
     return url
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import s3_keys
-from launch import MAIN, SMALL, env
+from launch import MAIN, SMALL, env, train_here
 from mingpt.cli import prepare
 from mingpt.errors import MinGPTError
 from mingpt.metrics.loggers import TensorBoardLogger
@@ -37,6 +37,10 @@ def run(args: list[str], cwd: Path) -> tuple[int, str]:
     ("https://host/x?token=HUSH#part", "https://host/x?token=***#part"),
     (f"failed on file://user:{HUSH}@localhost/x, then on ftp://HUSH@h/y",
      "failed on file://***@localhost/x, then on ftp://***@h/y"),
+    # A password holding "@", or "/" and "@": hidden up to its last "@", not its first.
+    (f"https://user:p@ss{HUSH}@host/c.txt", "https://***@host/c.txt"),
+    (f"https://user:HU/SH@{HUSH}@host/c.txt: 401", "https://***@host/c.txt: 401"),
+    (f"s3://KEY:HU@SH@bucket/x and s3://K:{HUSH}@@b/y", "s3://***@bucket/x and s3://***@b/y"),
 ])
 def test_redact_hides_credentials_anywhere_in_a_text(url, shown):
     assert redact(url) == shown
@@ -70,9 +74,10 @@ def test_a_file_system_that_cannot_connect_when_made_is_one_error_without_creden
     with pytest.raises(MinGPTError, match="cannot reach the storage endpoint") as refused:
         open_fs(f"ftp://user:{HUSH.replace('/', '%2F')}@127.0.0.1:{closed_port}/runs")
     assert "HUSH" not in str(refused.value) and f"ftp://***@127.0.0.1:{closed_port}/runs" in str(refused.value)
-    with pytest.raises(MinGPTError, match="write each '/' in it as %2F") as refused:  # a parser would show a piece
-        open_fs(f"ftp://user:{HUSH}@127.0.0.1:{closed_port}/runs")
-    assert "wJalrX" not in str(refused.value)
+    for password in (HUSH, "HU@SH", f"HU@{HUSH}"):  # a parser would take a piece for the host, and show it
+        with pytest.raises(MinGPTError, match="write each '/' in it as %2F and each '@' as %40") as refused:
+            open_fs(f"ftp://user:{password}@127.0.0.1:{closed_port}/runs")
+        assert "HU" not in str(refused.value) and "wJalrX" not in str(refused.value)
 
 
 def test_the_trainer_refuses_an_s3_url_with_credentials_and_never_shows_them(tmp_path, s3):
@@ -83,6 +88,17 @@ def test_the_trainer_refuses_an_s3_url_with_credentials_and_never_shows_them(tmp
     assert rc == 2, text
     assert "HUSH" not in text and f"s3://***@{s3.bucket}/run" in text and "Traceback" not in text
     assert not (tmp_path / "prepared").exists() and s3_keys(s3) == []
+
+
+@pytest.mark.parametrize("setting", ["data.corpus", "data.prepared_dir", "snapshot.dir", "model.init_from"])
+@pytest.mark.parametrize("password", ["HU@SH", f"HU/SH@{HUSH}"])
+def test_a_password_holding_an_at_sign_is_never_shown_in_part(tmp_path, closed_port, caplog, setting, password):
+    url = f"https://user:{password}@127.0.0.1:{closed_port}/x"
+    overrides = {"data.prepared_dir": str(tmp_path / "prepared"), "snapshot.dir": str(tmp_path / "snap"), setting: url}
+    with pytest.raises(MinGPTError) as refused:
+        train_here(tmp_path, *(f"{key}={value}" for key, value in overrides.items()))
+    shown = str(refused.value) + caplog.text
+    assert "SH" not in shown and "***@127.0.0.1" in shown, shown
 
 
 def test_mingpt_prepare_never_shows_corpus_credentials(tmp_path, closed_port, capsys):
