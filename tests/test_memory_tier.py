@@ -1,12 +1,18 @@
-"""The memory tier (mingpt.checkpoint.memory): a copy cut short by a real kill is never loaded, and a
-tier of another job is never used."""
+"""The memory tier (mingpt.checkpoint.memory): a copy cut short by a real kill is never loaded, a tier of
+another job is never used, and nothing another user plants in /dev/shm is ever read or written through."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from launch import REPO, wait_for
@@ -139,3 +145,123 @@ def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp
             assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), reached.model.parameters()))
         finally:
             writer.memory.release()
+
+
+# -- hostile ground: /dev/shm is writable by every user of the machine ---------------------------------------
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_memory():
+    """A folder like /dev/shm (world-writable, sticky), inside it."""
+    if os.getuid() != 0:
+        pytest.skip("giving files to another user needs root")
+    root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="test-tier-"))
+    root.chmod(0o1777)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def give_to_nobody(path: Path) -> None:
+    """Make `path` (and what is in it) another user's, as if that user had made it."""
+    for item in [path, *path.rglob("*")]:
+        os.lchown(item, NOBODY, NOBODY)
+
+
+def test_a_tier_folder_another_user_made_is_never_read_nor_written(shared_memory, caplog):
+    """Another user makes a valid tier of this job (its id can be worked out from the command line) under
+    the very name this job's launcher will use, open to everyone."""
+    planted = MemoryTier("run", "job-1", root=str(shared_memory))
+    planted.start()
+    planted.save({"w": torch.full((4,), 666.0)}, 99, {})
+    planted.wait()
+    planted.release = lambda: None
+    planted.folder.chmod(0o777)
+    give_to_nobody(planted.folder)
+    before = {p.name: p.read_bytes() for p in planted.folder.iterdir()}
+
+    ours = MemoryTier("run", "job-1", root=str(shared_memory))
+    assert ours.folder == planted.folder
+    assert ours.newest() is None  # never loaded as this job's weights
+    ours.start()
+    assert ours.off and not ours.writes  # never written into: the tier is off, the job goes on
+    ours.mark_reached(100)
+    assert {p.name: p.read_bytes() for p in ours.folder.iterdir()} == before
+    assert caplog.text.count("memory tier off") == 1 and "another user may have made it" in caplog.text
+
+
+def test_a_planted_link_never_makes_the_tier_write_elsewhere(shared_memory, tmp_path):
+    ours = MemoryTier("run", "job-1", root=str(shared_memory))
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    (victim / "slot-0.bin").write_bytes(b"precious")
+    ours.folder.symlink_to(victim)  # to a folder of this user's: only the link is the other user's
+    os.lchown(ours.folder, NOBODY, NOBODY)
+    ours.start()
+    assert ours.off and ours.newest() is None
+    assert (victim / "slot-0.bin").read_bytes() == b"precious" and [p.name for p in victim.iterdir()] == ["slot-0.bin"]
+
+
+def test_a_fifo_a_damaged_description_or_changed_bytes_are_skipped_never_loaded(tmp_path, caplog):
+    tier = MemoryTier("run", "job-1", root=str(tmp_path))
+    tier.start()
+    for step in (1, 2):  # slot 0 holds step 1, slot 1 step 2
+        tier.save({"w": torch.full((8,), float(step))}, step, {})
+        tier.wait()
+    assert tier.newest().step == 2
+    (tier.folder / "slot-1.bin").write_bytes(b"\1" + (tier.folder / "slot-1.bin").read_bytes()[1:])
+    held = tier.newest()  # step 2's bytes changed: step 1 it is
+    assert held.step == 1 and torch.equal(MemoryTier.unpack(MemoryTier.load(held), held.header)["w"],
+                                          torch.full((8,), 1.0))
+    header = json.loads((tier.folder / "slot-0.json").read_text())
+    for damage in ({"step": "1"}, {"nbytes": -1}, {"tensors": [{**header["tensors"][0], "dtype": "garbage"}]},
+                   {"tensors": [{**header["tensors"][0], "offset": 10**9}]}, {"tree": {"tensor": 5}}):
+        (tier.folder / "slot-0.json").write_text(json.dumps({**header, **damage}))
+        assert tier.newest() is None  # skipped: no exception, nothing loaded
+        tier._skipped.clear()
+    (tier.folder / "slot-0.json").unlink()
+    os.mkfifo(tier.folder / "slot-0.json")
+    started = time.monotonic()
+    assert tier.newest() is None and time.monotonic() - started < 5  # never waits on the FIFO
+    assert "memory tier: skipping" in caplog.text
+
+
+def test_a_tier_whose_folder_vanishes_turns_itself_off_once_and_training_goes_on(tmp_path, caplog):
+    tier = MemoryTier("run", "job-1", root=str(tmp_path))
+    tier.start()
+    tier.save({"w": torch.ones(4)}, 1, {})
+    tier.wait()
+    shutil.rmtree(tier.folder)  # as systemd's RemoveIPC does when a user's last session ends
+    tier.mark_reached(2)
+    assert tier.off and not tier.writes
+    tier.mark_reached(3)
+    assert caplog.text.count("memory tier off") == 1 and tier.newest() is None
+
+
+@pytest.fixture
+def full_memory(tmp_path):
+    """A tmpfs of 256 KiB: shared memory with less room than the state."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root and a machine that allows it")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_tier_with_no_room_left_turns_itself_off_instead_of_killing_the_process(full_memory):
+    """A sparse buffer in a full tmpfs would kill the process (SIGBUS) at its first page without room."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from mingpt.checkpoint.memory import MemoryTier
+        tier = MemoryTier("run", "job-1", root=sys.argv[1])
+        tier.start()
+        tier.save({"w": torch.ones(2**18)}, 1, {})  # 1 MiB
+        tier.wait()
+        print("off" if tier.off else "on", tier.newest())
+    """)
+    result = subprocess.run([sys.executable, "-c", code, str(full_memory)], capture_output=True, text=True, cwd=REPO,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["off", "None"] and result.stderr.count("memory tier off") == 1

@@ -40,7 +40,6 @@ from mingpt.training.distributed import World
 log = logging.getLogger(__name__)
 
 MEMORY_OVERHEAD = 0.03  # the share of the step time that the memory tier may take (snapshot.memory_every=0)
-SHARED_MEMORY = "/dev/shm"
 
 # The parts of GPTConfig that decide the shape of the weights.
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights")
@@ -144,7 +143,7 @@ class Checkpointer:
         durable_step = snapshot.manifest["step"] if snapshot else 0
         writer = snapshot.manifest.get("writer") if snapshot else None
         durable_generation = writer.get("generation") if isinstance(writer, dict) else None
-        held = self.memory.newest() if self.memory else None
+        held = self.memory.newest(newer_than=durable_step) if self.memory else None
         usable = held is not None and held.step > durable_step and \
             (durable_generation is None or (held.header.get("generation") or 0) >= durable_generation)
         mine = held.step if usable else -1
@@ -401,12 +400,13 @@ def _memory_tier(cfg: SnapshotConfig, run: str) -> MemoryTier | None:
     would never be read: a process that torchrun did not start is a job of its own, which no restart continues."""
     if cfg.memory == "off" or (cfg.memory == "auto" and "TORCHELASTIC_RUN_ID" not in os.environ):
         return None
-    if not os.access(SHARED_MEMORY, os.W_OK):
+    if not os.access(cfg.memory_dir, os.W_OK):
         if cfg.memory == "on":
-            raise ConfigError(f"snapshot.memory=on keeps the state in {SHARED_MEMORY}, which this machine lacks or "
-                              "this user cannot write; use snapshot.memory=auto or off")
+            raise ConfigError(f"snapshot.memory=on keeps the state in snapshot.memory_dir={cfg.memory_dir}, which "
+                              "this machine lacks or this user cannot write; use snapshot.memory=auto or off, or "
+                              "another snapshot.memory_dir")
         return None
-    return MemoryTier(run, job_identity(), SHARED_MEMORY)
+    return MemoryTier(run, job_identity(), cfg.memory_dir)
 
 
 def _check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:

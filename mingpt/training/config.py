@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, get_type_hints
 
@@ -92,6 +93,7 @@ class SnapshotConfig:
     # /dev/shm has room for two copies; on; off.
     memory: str = "auto"
     memory_every: int = 0  # steps between copies; 0: as often as costs at most 3% of the step time
+    memory_dir: str = "/dev/shm"  # where the tier lives: memory that outlives the workers, on this node only
     # Passed to fsspec, e.g. {client_kwargs: {endpoint_url: "http://minio:9000"}} for S3.
     # Prefer the AWS credential chain to keys here; these options are never logged or stored.
     storage_options: Dict[str, Any] = field(default_factory=dict)
@@ -190,6 +192,7 @@ def validate(cfg: Config) -> None:
         ("snapshot.lease_timeout_s", 1 <= s.lease_timeout_s < math.inf, "a finite number of seconds, at least 1"),
         ("snapshot.memory", s.memory in ("auto", "on", "off"), "auto, on or off"),
         ("snapshot.memory_every", s.memory_every >= 0, ">= 0 (0 chooses it)"),
+        ("snapshot.memory_dir", os.path.isabs(s.memory_dir), "an absolute path of a local folder (/dev/shm)"),
     ]
     for key, ok, expected in checks:
         if not ok:
