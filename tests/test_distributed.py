@@ -1,11 +1,20 @@
-"""Joining the process group: device placement by LOCAL_RANK."""
+"""Joining the process group: device placement by LOCAL_RANK, the launch's checks, and a generation
+that cannot form."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from launch import free_port, train_here
-from mingpt.errors import ConfigError
+from mingpt.errors import ConfigError, PeerLeft
 from mingpt.training import distributed
+from mingpt.training.launcher import PEER_LOST
 
 
 def test_more_workers_than_gpus_is_a_clear_error(monkeypatch):
@@ -75,3 +84,35 @@ def test_the_launch_is_checked_before_the_lease_or_any_data_work(tmp_path, monke
     with pytest.raises(ConfigError, match="RANK=1 with WORLD_SIZE=1"):
         train_here(tmp_path)
     assert list(tmp_path.iterdir()) == []  # no snapshot folder, no claim, no prepared data
+
+
+def test_sigterm_ends_a_process_blocked_in_torch_connecting_to_a_store_that_never_comes(closed_port):
+    """Under a Python SIGTERM handler (the trainer's, which cleans up), a process waiting in torch's C++ for
+    its generation's store would only see the signal after trainer.dist_timeout_s; torchrun's agent,
+    restarting it for a membership change, waited its 30 s shutdown timeout, then killed it."""
+    code = ("import signal; from mingpt.errors import raise_stopped; from mingpt.training import distributed; "
+            "signal.signal(signal.SIGTERM, raise_stopped); print('connecting', flush=True); distributed.meet(60)")
+    environment = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(closed_port), "TORCHELASTIC_RUN_ID": "job"}
+    worker = subprocess.Popen([sys.executable, "-c", code], env=environment, stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline() == "connecting\n"
+        time.sleep(1)  # inside torch's connect loop (a sleep here only makes the test pass less often if broken)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_peer_gone_while_a_generation_forms_under_torchrun_ends_the_generation(monkeypatch):
+    """torchrun set MASTER_*, so a store that stops answering is a peer gone (exit 76, restarted for free);
+    by hand it is a launch to check (one line, exit 2)."""
+    meeting = object.__new__(distributed.Meeting)
+    meeting.launch, meeting.address, meeting.timeout_s = distributed.Launch(1, 2, 0), "127.0.0.1:1", 300
+    cut = dist.DistNetworkError("Failed to recv, got 0 bytes")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert isinstance(meeting._error(cut), PeerLeft) and meeting._error(cut).exit_code == PEER_LOST
+    assert isinstance(meeting._error("rank(s) 0 never started"), ConfigError)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert isinstance(meeting._error(cut), ConfigError)

@@ -4,6 +4,7 @@ process is all a test needs."""
 import fcntl
 import os
 import re
+import shutil
 import signal
 
 import pytest
@@ -207,7 +208,8 @@ EVERY = 10  # steps between the elastic job's snapshots
 def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     """Two agents on 127.0.0.1 as two nodes, launched with mingpt-torchrun as the README says (no
     variable in the environment), around the store that mingpt-rendezvous hosts; the first node dies
-    (the node any other store would live on), the other goes on alone; a node comes back, then leaves on
+    (the node any other store would live on; its snapshot.memory_dir goes with it, as a machine's memory
+    does), the other goes on alone; a node comes back, then leaves on
     SIGTERM (a preemption), and the survivor goes on alone again. None of it uses up --max-restarts=0.
     (An agent hosting the store itself, torch's default, trains the uneven-shards test above.)"""
     snap = tmp_path / "elastic"
@@ -217,18 +219,22 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
                     f"--rdzv-conf={RDZV_CONF},is_host=false")
     args += overrides(tmp_path, "elastic", ENDLESS_STEPS, every=EVERY, extra=[*HEAVIER, *KEEP_ALL])
-    dead = procs.start(args, "node-a")
-    survivor = procs.start(args, "node-b")  # at once, so that it joins the first rendezvous
+    node = lambda name: procs.start([*args, f"snapshot.memory_dir={tmp_path / name}"], name)  # memory of its own
+    for name in ("node-a", "node-b", "node-c"):
+        (tmp_path / name).mkdir()
+    dead = node("node-a")
+    survivor = node("node-b")  # at once, so that it joins the first rendezvous
     by_world = lambda ws: [m for m in manifests(snap) if m["world_size"] == ws]
     wait_for(lambda: by_world(2), 120, "a snapshot from two nodes", [dead, survivor])
 
     kill_node(dead)
     dead.wait(timeout=30)
+    shutil.rmtree(tmp_path / "node-a")  # a machine that dies takes its memory with it
     shrunk_from = latest_step(snap)
     wait_for(lambda: [m for m in by_world(1) if m["step"] > shrunk_from], 120, "a snapshot from one node", [survivor])
 
     grown_from = latest_step(snap)
-    newcomer = procs.start(args, "node-c")
+    newcomer = node("node-c")
     regrown = lambda: [m for m in by_world(2) if m["step"] > grown_from and m["step"] % EVERY == 0]
     wait_for(regrown, 120, "a periodic snapshot from two nodes again", [survivor, newcomer])
     compared = regrown()[0]["step"]

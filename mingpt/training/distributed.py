@@ -12,16 +12,20 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from mingpt.errors import ConfigError
+from mingpt.errors import ConfigError, PeerLeft
+from mingpt.training.launcher import PEER_LOST
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +115,11 @@ class Meeting:
         generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "-"
         self.prefix = f"mingpt/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{generation}"
         try:
-            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size,
-                                       is_master=launch.rank == 0 and not agent_store,
-                                       timeout=timedelta(seconds=timeout_s), multi_tenant=not agent_store,
-                                       wait_for_workers=False)
+            with sigterm_ends_at_once():  # connecting waits in torch's C++ for a store that may never come
+                self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                           launch.world_size, is_master=launch.rank == 0 and not agent_store,
+                                           timeout=timedelta(seconds=timeout_s), multi_tenant=not agent_store,
+                                           wait_for_workers=False)
         except dist.DistError as e:
             raise self._error(e) from None
         self.store.set(self._key("joined", launch.rank), socket.gethostname())
@@ -148,7 +153,11 @@ class Meeting:
     def _has(self, kind: str, rank: int) -> bool:
         return self.store.check([self._key(kind, rank)])
 
-    def _error(self, cause) -> ConfigError:
+    def _error(self, cause) -> Exception:
+        if isinstance(cause, dist.DistError) and os.environ.get("TORCHELASTIC_RUN_ID"):
+            # torchrun formed this generation and set MASTER_*: a peer (the one hosting the store, say) has gone
+            return PeerLeft(f"a peer left while this generation formed ({_cause(cause)}); this process goes on in "
+                            "the next round of the job", PEER_LOST)
         return ConfigError(f"rank {self.launch.rank} of {self.launch.world_size} could not meet its peers at "
                            f"{self.address} within {self.timeout_s:.0f} s (trainer.dist_timeout_s): start all "
                            f"WORLD_SIZE processes, or check MASTER_ADDR and MASTER_PORT ({_cause(cause)})")
@@ -189,17 +198,32 @@ def _join(meeting: Meeting, device: torch.device) -> None:
     say("rank %d of %d: joining the process group at %s, waiting up to %.0f s (trainer.dist_timeout_s) for the "
         "other %d process(es) to start", launch.rank, launch.world_size, meeting.address, timeout_s,
         launch.world_size - 1)
-    meeting.ready()
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None
     meeting.store.set_timeout(timedelta(seconds=timeout_s))
     try:
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"{meeting.prefix}/pg", meeting.store),
-                                rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout_s),
-                                device_id=device_id)
+        with sigterm_ends_at_once():  # forming the group waits in torch's C++ for every peer
+            meeting.ready()
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"{meeting.prefix}/pg", meeting.store),
+                                    rank=launch.rank, world_size=launch.world_size,
+                                    timeout=timedelta(seconds=timeout_s), device_id=device_id)
     except dist.DistError as e:  # a peer that died between the meeting and here
         raise meeting._error(e) from None
     log.debug("joined process group: rank %d of %d, %s on %s", launch.rank, launch.world_size, backend, device)
+
+
+@contextmanager
+def sigterm_ends_at_once() -> Iterator[None]:
+    """Within: SIGTERM ends the process at once (its default action). For torch's blocking calls while a
+    generation forms (connecting to its store, forming the process group), which no Python handler can
+    interrupt: with a peer gone, the process would wait there until trainer.dist_timeout_s, and torchrun's
+    agent, restarting it for a membership change, would kill it only after its shutdown timeout (30 s).
+    Nothing is lost: the process has not trained yet."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _ranks(ranks: list[int]) -> str:
