@@ -37,8 +37,10 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousHandler,
                                                   RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action  # private: see `Rendezvous`
 from torch.distributed.launcher import api as launcher_api
 
+from mingpt.training.distributed import one_line
 from mingpt.training.launcher import MEMBERSHIP, MEMBERSHIP_EXITS
 
 log = logging.getLogger(__name__)
@@ -81,8 +83,7 @@ class Rendezvous:
         try:
             return self.handler.num_nodes_waiting()
         except Exception as e:
-            log.warning("mingpt-torchrun: the rendezvous store did not answer (%s: %s); training goes on",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            log.warning("mingpt-torchrun: the rendezvous store did not answer (%s); training goes on", one_line(e))
             return 0
 
     def members(self) -> set[str] | None:
@@ -100,8 +101,6 @@ class Rendezvous:
     def leave(self) -> None:
         """Take this node out of the round (or the wait list) now, rather than when its heartbeats expire."""
         try:
-            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
-
             def leave_op(ctx, deadline: float) -> _Action:
                 if ctx.node in ctx.state.participants:
                     return _Action.REMOVE_FROM_PARTICIPANTS
@@ -170,8 +169,7 @@ class Agent(LocalElasticAgent):
             except RendezvousTimeoutError:
                 raise  # nobody came within join_timeout
             except (RendezvousError, DistError) as e:  # a node died in the middle of the round, say
-                log.warning("mingpt-torchrun: a rendezvous round failed (%s: %s); joining the next one",
-                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                log.warning("mingpt-torchrun: a rendezvous round failed (%s); joining the next one", one_line(e))
         self._members = self.rdzv.members() or set()
         self._tell_workers(before)
         log.info("mingpt-torchrun: this node is node %d of %d; starting its workers", worker_group.group_rank,

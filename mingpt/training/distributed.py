@@ -156,11 +156,11 @@ class Meeting:
     def _error(self, cause) -> Exception:
         if isinstance(cause, dist.DistError) and os.environ.get("TORCHELASTIC_RUN_ID"):
             # torchrun formed this generation and set MASTER_*: a peer (the one hosting the store, say) has gone
-            return PeerLeft(f"a peer left while this generation formed ({_cause(cause)}); this process goes on in "
+            return PeerLeft(f"a peer left while this generation formed ({one_line(cause)}); this process goes on in "
                             "the next round of the job", PEER_LOST)
         return ConfigError(f"rank {self.launch.rank} of {self.launch.world_size} could not meet its peers at "
                            f"{self.address} within {self.timeout_s:.0f} s (trainer.dist_timeout_s): start all "
-                           f"WORLD_SIZE processes, or check MASTER_ADDR and MASTER_PORT ({_cause(cause)})")
+                           f"WORLD_SIZE processes, or check MASTER_ADDR and MASTER_PORT ({one_line(cause)})")
 
 
 WAIT_LOG_S = 30.0  # how often the leader says whom it waits for
@@ -230,7 +230,8 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _cause(cause) -> str:
+def one_line(cause) -> str:
+    """An error (or a text) in one line: its type and the first line of its message."""
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     return str(cause)

@@ -124,9 +124,8 @@ def _a_lost_peer_ends_the_generation() -> Iterator[None]:
         yield
     except Exception as e:
         if distributed.lost_a_peer(e):
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise PeerLeft(f"another process was lost ({type(e).__name__}: {first}); this process goes on in the "
-                           "next round of the job", PEER_LOST) from e
+            raise PeerLeft(f"another process was lost ({distributed.one_line(e)}); this process goes on in the next "
+                           "round of the job", PEER_LOST) from e
         raise
 
 
