@@ -2,19 +2,22 @@
 folders that are truncated, garbage, mismatched or pickles (model.init_from, data.tokenizer), and
 mingpt-torchrun's node counts and rendezvous endpoint. Every bad file here is a real file on disk."""
 
+import http.server
 import json
 import os
 import socket
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from conftest import TEXT
 from launch import BIN, MAIN, env, train_here
 from mingpt.cli import prepare, torchrun
-from mingpt.errors import MinGPTError, TokenizerError
+from mingpt.errors import ConfigError, MinGPTError, TokenizerError
 from mingpt.interop import hf
 from mingpt.interop.pretrained import open_pretrained
 from mingpt.model import GPT, GPTConfig
@@ -167,6 +170,7 @@ BAD_TORCHRUN_ARGS = [
     ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:70000"],
     ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-conf=is_host=perhaps"],
     ["--rdzv-conf=foo"], ["--rdzv-conf=join_timeout=abc"], ["--rdzv-backend=nope"], ["--max-restarts=-1"],
+    ["--rdzv-conf=keep_alive_interval=0"], ["--rdzv-conf=keep_alive_max_attempt=0"], ["--rdzv-conf=join_timeout=0"],
     ["--nnodes=2", "--rdzv-endpoint=user:HUSH@example.invalid:29500"],
 ]
 
@@ -188,18 +192,36 @@ def test_an_unreachable_rendezvous_store_is_one_line_with_the_readme_check(capsy
     assert f"nc -zv 127.0.0.1 {closed_port}" in line and "mingpt-rendezvous" in line
 
 
+def test_a_port_that_answers_but_is_no_rendezvous_store_is_one_line_in_seconds(monkeypatch):
+    """torch's store client, pointed at an HTTP server, waits for good whatever its timeout."""
+    monkeypatch.setattr(torchrun, "STORE_ANSWER_S", 2.0)
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match="accepts connections but does not answer as a rendezvous store"):
+            torchrun.check_endpoint(f"127.0.0.1:{web.server_address[1]}", "is_host=0,read_timeout=30")
+    finally:
+        web.shutdown()
+        web.server_close()
+    assert time.monotonic() - started < 10
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a store answers at once
+    torchrun.check_endpoint(f"127.0.0.1:{store.port}", "is_host=0,read_timeout=30")
+
+
 def test_a_node_started_before_the_store_waits_for_it():
-    with socket.socket() as store:
-        store.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused until listen()
-        port = store.getsockname()[1]
-        listening = threading.Event()
-        late = threading.Timer(1.0, lambda: (listening.set(), store.listen()))
-        late.start()
-        try:
-            torchrun.check_endpoint(f"127.0.0.1:{port}", "is_host=0,read_timeout=30")
-        finally:
-            late.cancel()
-        assert listening.is_set()  # it returned once the store came up, not before
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    stores = []  # connections are refused until the store starts, a second from now
+    late = threading.Timer(1.0, lambda: stores.append(TCPStore("127.0.0.1", port, is_master=True,
+                                                               wait_for_workers=False)))
+    late.start()
+    try:
+        torchrun.check_endpoint(f"127.0.0.1:{port}", "is_host=0,read_timeout=30")
+    finally:
+        late.cancel()
+    assert stores  # it returned once the store came up, not before
 
 
 def test_mingpt_torchrun_names_an_unresolvable_endpoint_at_once(tmp_path):

@@ -10,10 +10,12 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
-from torch.distributed import run
+from torch.distributed import TCPStore, run
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.utils import (
@@ -77,10 +79,12 @@ def check_launch(args: argparse.Namespace) -> None:
         check_endpoint(args.rdzv_endpoint, args.rdzv_conf)
 
 
-# torch's rendezvous backends, and the --rdzv-conf keys that are numbers of seconds or attempts.
+# torch's rendezvous backends.
 BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
-NUMERIC_CONF = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt",
-                "read_timeout", "timeout")
+# The --rdzv-conf keys that are numbers of seconds or attempts, and the least of each (a heartbeat every 0 s
+# is a busy loop; 0 attempts declares every node dead).
+NUMERIC_CONF = {"join_timeout": 1, "last_call_timeout": 0, "close_timeout": 1, "keep_alive_interval": 1,
+                "keep_alive_max_attempt": 1, "read_timeout": 1, "timeout": 1}
 
 
 def check_rendezvous(args: argparse.Namespace) -> None:
@@ -95,9 +99,9 @@ def check_rendezvous(args: argparse.Namespace) -> None:
         conf = _parse_rendezvous_config(args.rdzv_conf)
     except ValueError as e:
         raise ConfigError(f"--rdzv-conf: {str(e).rstrip('.')}; give KEY=VALUE pairs separated by commas") from None
-    for key in NUMERIC_CONF:
-        if key in conf and not (conf[key].isdigit() and int(conf[key]) >= 0):
-            raise ConfigError(f"--rdzv-conf: {key}={conf[key]} must be a whole number of at least 0")
+    for key, least in NUMERIC_CONF.items():
+        if key in conf and not (conf[key].isdigit() and int(conf[key]) >= least):
+            raise ConfigError(f"--rdzv-conf: {key}={conf[key]} must be a whole number of at least {least}")
 
 
 def check_nnodes(value: str) -> None:
@@ -148,7 +152,7 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
     while True:
         try:
             socket.create_connection((host, port), timeout=min(5, wait_s)).close()
-            return
+            return check_store_answers(host, port, endpoint)
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise ConfigError(
@@ -156,6 +160,34 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
                     f"({e.strerror or e}); start the store there first (mingpt-rendezvous --port {port}, or the "
                     f"node named in --rdzv-endpoint), and {check}") from None
             time.sleep(1)  # refused at once while the store's host is still starting: ask again
+
+
+STORE_ANSWER_S = 10.0  # how long a rendezvous store may take to answer its first question
+
+
+def check_store_answers(host: str, port: int, endpoint: str) -> None:
+    """A port that accepts connections is not yet a rendezvous store: torch's store client, connecting to
+    another kind of server (an HTTP port, say), waits for good, whatever its timeout. So its first question
+    is asked in a thread, and given STORE_ANSWER_S."""
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S),
+                             wait_for_workers=False)
+            store.check(["mingpt-torchrun/probe"])
+            outcome.append(None)
+        except Exception as e:
+            outcome.append(e)
+
+    asking = threading.Thread(target=ask, name="store-probe", daemon=True)  # left behind if it never returns
+    asking.start()
+    asking.join(STORE_ANSWER_S)
+    if not outcome or outcome[0] is not None:
+        why = f"({str(outcome[0]).splitlines()[0]})" if outcome else f"within {STORE_ANSWER_S:.0f} s"
+        raise ConfigError(f"--rdzv-endpoint={endpoint}: {host}:{port} accepts connections but does not answer as a "
+                          f"rendezvous store {why}: another kind of server may use that port; give the port of "
+                          f"mingpt-rendezvous, or of the node that hosts the store")
 
 
 def _is_this_machine(host: str) -> bool:
