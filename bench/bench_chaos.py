@@ -224,9 +224,7 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -
             if not aimed and len(live()) < 2:
                 pause(chance.uniform(0, 3))
                 start_node()
-        for node in nodes:  # the job finishes on the nodes that are left
-            if node.alive():
-                node.proc.wait(timeout=900)
+        pause(900, until=lambda: not live())  # the job finishes on the nodes that are left
     finally:
         for node in nodes:
             stop(node.proc)
