@@ -140,3 +140,16 @@ def test_a_store_that_does_not_answer_leaves_the_workers_training(caplog):
 
     assert Rendezvous(Silent()).num_nodes_waiting() == 0
     assert "the rendezvous store did not answer (DistStoreError: wait timeout after 60000ms)" in caplog.text
+
+
+def test_installed_the_agent_replaces_torchs_and_its_rendezvous_polls_four_times_a_second(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.launcher import api
+
+    monkeypatch.setattr(api, "LocalElasticAgent", api.LocalElasticAgent)  # restored after the test
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)
+    agent_module.install()
+    assert api.LocalElasticAgent is Agent
+    started = time.monotonic()
+    dynamic_rendezvous._delay(seconds=1)  # what a waiting agent sleeps between two looks at the round
+    assert time.monotonic() - started < 0.5

@@ -18,6 +18,10 @@ rendezvous handler:
 5. The rendezvous store answering late, while the workers trained, ended the agent. It now waits for
    the next answer.
 
+And one thing is quicker: an agent waiting in a round polls the store every POLL_S (torch: every second),
+so the agents of a membership change find each other sooner, and a round can close a second after its
+first node arrived (launcher.QUICK_RENDEZVOUS) without leaving a late one out.
+
 Each agent also tells its new workers what changed (launcher.MEMBERSHIP); the new leader logs it.
 Reading the round's members and leaving a round use torch's private rendezvous state: `Rendezvous`
 keeps all of that in one place, and does without it where torch's internals differ.
@@ -37,6 +41,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousHandler,
                                                   RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action  # private: see `Rendezvous`
 from torch.distributed.launcher import api as launcher_api
 
@@ -45,6 +50,7 @@ from mingpt.training.launcher import MEMBERSHIP, MEMBERSHIP_EXITS
 
 log = logging.getLogger(__name__)
 
+POLL_S = 0.25  # how often an agent waiting in a round asks the store for news (torch: 1 s)
 RANKS_WAIT_S = 10.0  # how long an agent waits for the ranks of a closed round (torch: the store's 60 s)
 RANKS_SLICE_S = 2.0  # how often it checks, meanwhile, that every node of the round is still alive
 LEAVE_S = 5.0  # how long a leaving agent tries to take itself out of the rendezvous
@@ -55,8 +61,15 @@ class JobFinished(Exception):
 
 
 def install() -> None:
-    """Make torchrun's launcher (torch.distributed.run) start this module's `Agent` instead of torch's own."""
+    """Make torchrun's launcher (torch.distributed.run) start this module's `Agent` instead of torch's own,
+    and its rendezvous poll every POLL_S."""
     launcher_api.LocalElasticAgent = Agent
+    torch_delay = dynamic_rendezvous._delay  # what a waiting agent sleeps in between two looks at the round
+
+    def quick_delay(seconds: float | tuple[float, float]) -> None:
+        torch_delay(min(seconds, POLL_S) if isinstance(seconds, (int, float)) else seconds)
+
+    dynamic_rendezvous._delay = quick_delay
 
 
 class Rendezvous:

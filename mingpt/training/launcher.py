@@ -17,11 +17,12 @@ STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 # Rendezvous settings for quick recovery (torch's defaults in brackets). A dead node is noticed when it has
 # missed 3 heartbeats a second apart (15 s): nodes' clocks must agree to within about a second, as NTP keeps
-# them. A round closes 2 s after its first node arrived (30 s): long enough for the survivors of a change,
-# who poll the rendezvous once a second, to arrive together. The user's own keys win.
+# them. A round closes 1 s after its first node arrived (30 s): long enough for the survivors of a change,
+# whose agents poll the rendezvous 4 times a second (mingpt.training.agent), to arrive together. The user's
+# own keys win.
 QUICK_RENDEZVOUS = {
     "join_timeout": "600",
-    "last_call_timeout": "2",
+    "last_call_timeout": "1",
     "close_timeout": "10",
     "keep_alive_interval": "1",
     "keep_alive_max_attempt": "3",
