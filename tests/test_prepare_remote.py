@@ -158,3 +158,20 @@ def test_a_bucket_that_is_not_there_is_one_line_naming_the_setting_and_nothing_i
                               "not exist"), message
     assert message.endswith("create it or fix data.prepared_dir") and "\n" not in message
     assert not (tmp_path / "copy").exists()
+
+
+def test_an_untrusted_claim_or_description_is_bounded_and_typed(tmp_path, s3, corpus_file):
+    """A claim is another node's word: one of a MB is not read whole at every poll (nor logged), a pid no
+    process can have is no error, and a description's dtype is one the token files are written in."""
+    folder = remote.RemoteFolder(f"s3://{s3.bucket}/prepared/x")
+    put(s3, "prepared/x/claim.json", json.dumps({"host": "h" * 2**20, "pid": 1, "beat": 0}).encode())
+    assert folder.holder() == {}  # unreadable: watched like a silent claim, and taken over in time
+    here = socket.gethostname()
+    for pid in (2**70, -1, 0, True):
+        assert remote._dead_here({"host": here, "pid": pid}) is False
+    local = tmp_path / "prepared"
+    prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=str(local)))
+    meta = json.loads((local / "meta.json").read_text())
+    (local / "meta.json").write_text(json.dumps({**meta, "dtype": "garbage"}))
+    with pytest.raises(DataError, match="its dtype is 'garbage', not one of uint16, uint32"):
+        PreparedData(local)

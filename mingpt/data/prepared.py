@@ -38,6 +38,9 @@ def file_sha256(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+TOKEN_DTYPES = ("uint16", "uint32")  # what token files are written in: the smallest that holds the vocabulary
+
+
 def fingerprint(digests: dict[str, str]) -> str:
     """One sha256 over the sha256 of each of TOKEN_FILES: it changes whenever the tokens do."""
     return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
@@ -68,6 +71,9 @@ def parse_meta(text: str, path: str, directory: str) -> dict:
     if not isinstance(meta.get("fingerprint"), str) or not isinstance(digests, dict) or set(digests) != set(TOKEN_FILES):
         raise DataError(f"{path} is damaged (its fingerprint or sha256 entries); delete {directory} and prepare the "
                         "data again")
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        raise DataError(f"{path} is damaged: its dtype is {meta.get('dtype')!r}, not one of {', '.join(TOKEN_DTYPES)}; "
+                        f"delete {directory} and prepare the data again")
     return meta
 
 

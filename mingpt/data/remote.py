@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 CLAIM_FILE = "claim.json"
 BEAT_S = 5.0  # how often the preparing node advances its claim's beat
 CLAIM_TIMEOUT_S = 120.0  # a claim unchanged this long, on the waiter's clock, is a dead node's
+MAX_CLAIM_BYTES = 64 * 1024
+PID_MAX = 4_194_304  # Linux's largest pid_max
 POLL_S = 1.0  # how often a waiting node looks again
 CHUNK_BYTES = 16 << 20  # one ranged read
 PARALLEL_READS = 16  # ranged reads in flight: memory stays under PARALLEL_READS * CHUNK_BYTES
@@ -81,8 +83,9 @@ class RemoteFolder:
     def holder(self) -> dict | None:
         """What the claim says (host, pid, beat), or None when there is no claim. A damaged claim reads
         as an empty holder, which is watched like any other."""
-        try:
-            data = json.loads(self.fs.cat_file(self._join(CLAIM_FILE)))
+        try:  # a claim is a small JSON object: more than MAX_CLAIM_BYTES is not one (and is not read whole)
+            raw = self.fs.cat_file(self._join(CLAIM_FILE), start=0, end=MAX_CLAIM_BYTES + 1)
+            data = json.loads(raw) if len(raw) <= MAX_CLAIM_BYTES else {}
         except FileNotFoundError:
             return None
         except ValueError:
@@ -252,10 +255,11 @@ def _ranged_copy(fs, path: str, target: Path) -> int:
 
 def _dead_here(holder: dict) -> bool:
     """Whether the claim is a process of this machine that no longer runs."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or not 0 < pid <= PID_MAX:
+        return False  # not this machine's, or no pid a process can have (kill(0) asks about a group)
     try:
-        os.kill(holder["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
