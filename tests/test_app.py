@@ -55,6 +55,11 @@ def one_line(error: BaseException) -> str:
         ("+snapshot.every_n=5", ["unknown setting snapshot.every_n (did you mean snapshot.every?)"]),
         ("+zzz=1", ["unknown setting zzz:"]),
         ("++model.n_layers=3", ["unknown setting model.n_layers (did you mean model.n_layer?)"]),
+        # Without `+`: the same words, where Hydra's own error took seven lines and advised `+`.
+        ("trainer.max_step=50", ["unknown setting trainer.max_step (did you mean trainer.max_steps?)"]),
+        ("model=gpt-nanoo", ["model=gpt-nanoo is no model option (did you mean gpt-nano?): the options are"]),
+        ("data=python-doc", ["data=python-doc is no data option (did you mean python-docs?)"]),
+        ("~trainer.lr", ["~trainer.lr: settings cannot be deleted"]),
     ],
 )
 def test_bad_config_is_refused_naming_the_key(override, words):
@@ -70,6 +75,16 @@ def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2_before_any_work(
     assert result.stdout == "" and result.stderr.splitlines() == [result.stderr.strip()], result.stderr
     assert result.stderr.rstrip().endswith("ERROR trainer.lr must be positive; got -1.0")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no snapshot folder, no data, no Hydra output
+
+
+@pytest.mark.multiproc
+def test_a_typo_in_a_setting_is_one_line_with_the_closest_match_and_exit_2(tmp_path):
+    """With `+` or `++` too: test_bad_config_is_refused_naming_the_key."""
+    result = app(tmp_path, "trainer.max_step=30")
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.splitlines() == ["error: unknown setting trainer.max_step (did you mean trainer.max_steps?): "
+                                          "`python train/main.py --cfg job` lists every setting"]
+    assert "+" not in result.stderr.split("error: ", 1)[1] and sorted(tmp_path.iterdir()) == []
 
 
 @pytest.mark.multiproc

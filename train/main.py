@@ -11,12 +11,14 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from mingpt.cli import configure_logging
 from mingpt.errors import MinGPTError, PeerLeft
+from mingpt.training import app
 from mingpt.training.app import register
 from mingpt.training.config import Config, from_hydra, validate
 from mingpt.training.distributed import first_on_its_node, leads_this_generation
@@ -70,8 +72,18 @@ def refuse_multirun(args: list[str]) -> None:
             sys.exit(2)
 
 
+def check_overrides(args: list[str]) -> None:
+    """Exit 2 with one line for a setting or option that does not exist (a typo, say), before Hydra starts."""
+    try:
+        app.check_overrides(Path(__file__).resolve().parent / "conf", args)
+    except MinGPTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
     refuse_multirun(sys.argv[1:])
+    check_overrides(sys.argv[1:])
     try:
         main()
     except KeyboardInterrupt as e:  # SIGTERM before training, or a second Ctrl-C cutting the first one's stop short
