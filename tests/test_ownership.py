@@ -69,7 +69,8 @@ def test_a_second_job_into_a_live_run_is_refused_and_changes_nothing(tmp_path, p
     # Once the first job has ended, another job (here, in this process) takes the run over at once, and says
     # what changed.
     log = train_here(tmp_path, "seed=7", f"trainer.max_steps={latest_step(tmp_path / 'snap') + 5}")
-    assert "taking over" in log and "settings changed since that snapshot: seed: 1337 -> 7" in log
+    assert "continuing" in log and "which released it" in log and "settings changed since that snapshot: seed: " \
+        "1337 -> 7" in log
 
 
 @pytest.mark.multiproc
@@ -81,7 +82,8 @@ def test_a_dead_holder_on_this_machine_is_taken_over_at_once(tmp_path, procs):
     assert claims(tmp_path / "snap")[-1]["released"] is False
 
     log = train_here(tmp_path, f"trainer.max_steps={latest_step(tmp_path / 'snap') + 5}")  # in this process
-    assert re.search(rf"taking over .* its processes on this machine \({first.pid}\) are gone", log)
+    assert re.search(rf"continuing .* after job .*, whose processes on this machine \({first.pid}\) have ended", log)
+    assert "taking over" not in log  # an ordinary resume, no alarm
     assert "resumed from" in log
 
 

@@ -175,12 +175,12 @@ class RunLease:
         if holder.get("job") == self.job:
             return  # a new generation of this very job: restarts never wait
         if holder.get("released"):
-            log.info("taking over %s, released by job %s", self.url, holder.get("job"))
+            log.info("continuing %s after job %s, which released it", self.url, holder.get("job"))
             return
         if _same_machine(holder):
-            if not any(process_alive(pid, start) for pid, start in _processes(holder)):
-                log.warning("taking over %s from job %s: its processes on this machine (%s) are gone", self.url,
-                            holder.get("job"), _pids(holder))
+            if not any(process_alive(pid, start) for pid, start in _processes(holder)):  # an ordinary resume
+                log.info("continuing %s after job %s, whose processes on this machine (%s) have ended", self.url,
+                         holder.get("job"), _pids(holder))
                 return
             raise self._owned(current, "its processes on this machine are running")
         self._watch(current, last_commit)

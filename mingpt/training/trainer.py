@@ -240,6 +240,10 @@ class Trainer:
              t.global_batch_size, world.world_size, dtype_name(compute_dtype(self.autocast)), self.precision_reason,
              world.device.type, self.parallelism, self.parallelism_reason)
         _log(world, "%s", _describe_windows(cfg, self.train_blocks))
+        if t.warmup_steps >= t.max_steps and world.is_leader:
+            log.warning("trainer.warmup_steps=%d is not below trainer.max_steps=%d: the whole run warms the learning "
+                        "rate up (trainer.lr=%g comes at step %d); lower trainer.warmup_steps", t.warmup_steps,
+                        t.max_steps, t.lr, t.warmup_steps)
 
         throughput = Throughput(t.global_batch_size * cfg.data.block_size)
         if world.is_leader:  # the one process that reports MFU
