@@ -20,8 +20,9 @@ deaths are aimed at a rendezvous: a new node is started, and the death comes 0-2
 the rendezvous (the victim may be the newcomer). Otherwise a new node replaces the dead one. Printed per
 seed: whether the job completed (final snapshot, every agent left exited 0), the steps trained again
 (`steps_lost` in metrics.jsonl), the time from each death to the next step (recovery), the time from a new
-node's entering the rendezvous to the first step it takes part in (admission, from the leader's
-`membership` record), and the final val loss and greedy text against an uninterrupted 2-worker run.
+node's entering the rendezvous to the round that lets it in (its agent's log), and to the first step it
+takes part in (the leader's `membership` record; deaths of its peers meanwhile delay it), and the final
+val loss and greedy text against an uninterrupted 2-worker run.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def all_records(snap: Path) -> list[dict]:
 
 
 ENTERED = "mingpt-torchrun: entering the rendezvous"  # what a node's agent logs as it comes to join
+LET_IN = "; starting its workers"  # ... and once a round let it in
 
 
 @dataclass
@@ -143,6 +145,7 @@ class Node:
     proc: subprocess.Popen
     log: Path
     entered: float | None = None  # when its agent entered the rendezvous (time.time())
+    let_in: float | None = None  # when a round first took it in
     killed: float | None = None
 
     def alive(self) -> bool:
@@ -180,12 +183,16 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -
         return nodes[-1]
 
     def pause(seconds: float, until=lambda: False) -> None:
-        """Wait, noting when each node enters the rendezvous; the job must not have failed meanwhile."""
+        """Wait, noting when each node enters the rendezvous and when a round lets it in."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not until():
             for node in nodes:
-                if node.entered is None and ENTERED in node.log.read_text(errors="replace"):
-                    node.entered = time.time()
+                if node.let_in is None and node.alive():
+                    text = node.log.read_text(errors="replace")
+                    if node.entered is None and ENTERED in text:
+                        node.entered = time.time()
+                    if LET_IN in text:
+                        node.let_in = time.time()
             time.sleep(0.05)
 
     def kill(node: Node, sig: signal.Signals) -> None:
@@ -245,9 +252,11 @@ def summarize(seed: int, snap: Path, nodes: list, rows: list, max_steps: int, re
     for r in found:
         for name in (r.get("membership") or {}).get("members", []):
             joined_at.setdefault(name.rsplit("agent ", 1)[-1].rstrip(")"), r["time"])
-    admission, never = [], 0
+    admission, let_in, never = [], [], 0
     for node in nodes[2:]:  # the first two started the job
         at = joined_at.get(str(node.proc.pid))
+        if node.entered is not None and node.let_in is not None:
+            let_in.append(node.let_in - node.entered)
         if at is not None and node.entered is not None:
             admission.append(at - node.entered)
         elif node.killed is None:
@@ -262,13 +271,14 @@ def summarize(seed: int, snap: Path, nodes: list, rows: list, max_steps: int, re
         val = abs(ours["metrics"]["val_loss"] - theirs["metrics"]["val_loss"])
         greedy = sample(snap, max_steps) == sample(reference, max_steps)
     row = {"seed": seed, "completed": completed, "deaths": len(rows), "steps_again": sum(lost),
-           "recovery": recovery, "admission": admission, "never_admitted": never, "val_diff": val, "greedy": greedy}
+           "recovery": recovery, "let_in": let_in, "admission": admission, "never_admitted": never, "val_diff": val,
+           "greedy": greedy}
     killed = sum(d.signal == "SIGKILL" for d in rows)
     print(f"seed {seed}: completed {'yes' if completed else 'NO'}; {len(rows)} deaths ({killed} SIGKILL, "
           f"{len(rows) - killed} SIGTERM, {sum(d.aimed for d in rows)} while a node was joining); steps trained "
-          f"again {sum(lost)}; recovery median {_median(recovery)} max {_max(recovery)}; joins admitted "
-          f"{len(admission)} (alive and never let in: {never}), admission median {_median(admission)} max "
-          f"{_max(admission)}; val loss against an uninterrupted run: difference {val if val is None else f'{val:.1e}'}; "
+          f"again {sum(lost)}; recovery median {_median(recovery)} max {_max(recovery)}; new nodes let into a round "
+          f"median {_median(let_in)} max {_max(let_in)}; training with it {len(admission)} (alive and never: "
+          f"{never}), median {_median(admission)} max {_max(admission)}; val loss against an uninterrupted run: difference {val if val is None else f'{val:.1e}'}; "
           f"greedy text equal: {greedy} (logs in {work})", flush=True)
     return row
 
@@ -301,9 +311,11 @@ def churn_seeds(seeds: list[int], deaths: int, max_steps: int) -> None:
         rows = [churn(seed, deaths, max_steps, work / "data", work / "reference") for seed in seeds]
     recovery = [s for row in rows for s in row["recovery"]]
     admission = [s for row in rows for s in row["admission"]]
+    let_in = [s for row in rows for s in row["let_in"]]
     print(f"{len(rows)} seeds: completed {sum(r['completed'] for r in rows)}; deaths {sum(r['deaths'] for r in rows)}; "
           f"steps trained again {sum(r['steps_again'] for r in rows)}; recovery median {_median(recovery)} max "
-          f"{_max(recovery)}; admission median {_median(admission)} max {_max(admission)} (never let in: "
+          f"{_max(recovery)}; let into a round median {_median(let_in)} max {_max(let_in)}; first step with a new "
+          f"node median {_median(admission)} max {_max(admission)} (never: "
           f"{sum(r['never_admitted'] for r in rows)}); greedy text equal in "
           f"{sum(bool(r['greedy']) for r in rows)}; val loss difference at most "
           f"{max((r['val_diff'] for r in rows if r['val_diff'] is not None), default=float('nan')):.1e}")

@@ -25,6 +25,7 @@ from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError
 from mingpt.training import agent
 from mingpt.training.app import compose_config
+from mingpt.training.distributed import one_line
 from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf
 from mingpt.training.preparation import prepare_data
 
@@ -184,7 +185,7 @@ def check_store_answers(host: str, port: int, endpoint: str) -> None:
     asking.start()
     asking.join(STORE_ANSWER_S)
     if not outcome or outcome[0] is not None:
-        why = f"({str(outcome[0]).splitlines()[0]})" if outcome else f"within {STORE_ANSWER_S:.0f} s"
+        why = f"({one_line(outcome[0])})" if outcome else f"within {STORE_ANSWER_S:.0f} s"
         raise ConfigError(f"--rdzv-endpoint={endpoint}: {host}:{port} accepts connections but does not answer as a "
                           f"rendezvous store {why}: another kind of server may use that port; give the port of "
                           f"mingpt-rendezvous, or of the node that hosts the store")
