@@ -87,11 +87,6 @@ def test_a_typo_in_a_setting_is_one_line_with_the_closest_match_and_exit_2(tmp_p
     assert "+" not in result.stderr.split("error: ", 1)[1] and sorted(tmp_path.iterdir()) == []
 
 
-def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path):
-    log = train_here(tmp_path, "trainer.max_steps=2", "trainer.warmup_steps=5", "trainer.eval_samples=8")
-    assert "trainer.warmup_steps=5 is not below trainer.max_steps=2: the whole run warms the learning rate up" in log
-
-
 @pytest.mark.multiproc
 def test_a_value_of_the_wrong_type_is_hydras_error_without_a_traceback(tmp_path):
     result = app(tmp_path, "trainer.max_steps=abc")

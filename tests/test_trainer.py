@@ -181,9 +181,10 @@ def test_finished_job_run_again_does_no_training(tmp_path):
 
 
 def test_longer_max_steps_continues_a_finished_run(tmp_path):
-    train_here(tmp_path, "trainer.max_steps=10")
-    text = train_here(tmp_path, "trainer.max_steps=20")
-    assert "resumed from" in text and "done: step 20" in text
+    text = train_here(tmp_path, "trainer.max_steps=10", "trainer.warmup_steps=10")
+    assert "trainer.warmup_steps=10 is not below trainer.max_steps=10: the whole run warms the learning rate up" in text
+    text = train_here(tmp_path, "trainer.max_steps=20", "trainer.warmup_steps=10")
+    assert "resumed from" in text and "done: step 20" in text and "warms the learning rate up" not in text
     assert manifests(tmp_path / "snap")[-1]["samples_seen"] == 20 * 8
 
 
