@@ -168,12 +168,18 @@ def test_a_planted_index_is_refused_and_never_runs_even_with_a_manifest_to_match
         open_model(str(folder), torch.device("cpu"))
     # ... and with one (whoever can write the bucket can write the manifest), the index is still never
     # unpickled with more than DCP's own classes.
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"]["state/.metadata"] = {"bytes": len(planted), "sha256": hashlib.sha256(planted).hexdigest()}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    plant_index(folder, planted)
     with pytest.raises(SnapshotError, match=r"refusing to read state/.metadata .* index of shards \(it names (io|builtins)\.open\)"):
         open_model(str(folder), torch.device("cpu"))
     assert not marker.exists()
+
+
+def plant_index(folder, planted: bytes) -> None:
+    """Put `planted` in as the snapshot's DCP index, with a manifest rewritten to match it."""
+    (folder / "state" / ".metadata").write_bytes(planted)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["state/.metadata"] = {"bytes": len(planted), "sha256": hashlib.sha256(planted).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _calls(module: str, name: str, argument: str) -> bytes:
@@ -194,11 +200,7 @@ def test_a_planted_index_reaches_no_function_through_dcps_modules(tmp_path, modu
     save_sharded(store, 10)
     marker = tmp_path / "pwned"
     folder = tmp_path / "snaps" / "step-000000010"
-    planted = _calls(module, name, f"touch {marker}")
-    (folder / "state" / ".metadata").write_bytes(planted)
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"]["state/.metadata"] = {"bytes": len(planted), "sha256": hashlib.sha256(planted).hexdigest()}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    plant_index(folder, _calls(module, name, f"touch {marker}"))
     with pytest.raises(SnapshotError, match=rf"refusing to read state/.metadata .* \(it names {re.escape(module)}\."):
         open_model(str(folder), torch.device("cpu"))
     assert not marker.exists()
