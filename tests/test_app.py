@@ -60,6 +60,7 @@ def one_line(error: BaseException) -> str:
         ("model=gpt-nanoo", ["model=gpt-nanoo is no model option (did you mean gpt-nano?): the options are"]),
         ("data=python-doc", ["data=python-doc is no data option (did you mean python-docs?)"]),
         ("~trainer.lr", ["~trainer.lr: settings cannot be deleted"]),
+        ("trainer.lr.x=1", ["unknown setting trainer.lr.x:"]),
     ],
 )
 def test_bad_config_is_refused_naming_the_key(override, words):

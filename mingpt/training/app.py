@@ -7,9 +7,8 @@ in Hydra's ConfigStore; the YAML files live beside the application, in `train/co
 from __future__ import annotations
 
 import difflib
-from dataclasses import fields, is_dataclass
+from functools import reduce
 from pathlib import Path
-from typing import Dict, get_origin, get_type_hints
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -19,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.errors import ConfigError
 from mingpt.model import PRESETS
-from mingpt.training.config import Config, ModelConfig, from_hydra, validate
+from mingpt.training.config import Config, ModelConfig, check_known, from_hydra, validate
 
 
 def register() -> None:
@@ -51,36 +50,13 @@ def check_overrides(conf_dir: Path, args: list[str]) -> None:
         if key in options and override.package is None:
             value = str(override.value())
             if value not in options[key]:
-                raise ConfigError(f"{key}={value} is no {key} option{_did_you_mean(value, options[key])}: the options "
-                                  f"are {', '.join(options[key])}")
-        elif not _is_setting(key):
-            raise ConfigError(f"unknown setting {key}{_did_you_mean(key, _settings(Config))}: `python train/main.py "
-                              "--cfg job` lists every setting")
-
-
-def _is_setting(dotted: str, schema: type = Config) -> bool:
-    """Whether `dotted` names a setting of the dataclass `schema`, or a key inside one of its dict settings."""
-    head, _, rest = dotted.partition(".")
-    hints = {f.name: f.type for f in fields(schema)}
-    if head not in hints:
-        return False
-    kind = get_type_hints(schema)[head]
-    if is_dataclass(kind):
-        return not rest or _is_setting(rest, kind)
-    return not rest or get_origin(kind) in (dict, Dict)  # snapshot.storage_options.client_kwargs....
-
-
-def _settings(schema: type, prefix: str = "") -> list[str]:
-    """Every setting of the dataclass `schema`, dotted."""
-    found = []
-    for name, kind in get_type_hints(schema).items():
-        found += _settings(kind, f"{prefix}{name}.") if is_dataclass(kind) else [f"{prefix}{name}"]
-    return found
-
-
-def _did_you_mean(word: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(word, known, n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
+                close = difflib.get_close_matches(value, options[key], n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"{key}={value} is no {key} option{hint}: the options are {', '.join(options[key])}")
+        else:  # the key as Hydra would nest it, checked as from_hydra checks what Hydra composed
+            nested: dict = {}
+            reduce(lambda level, part: level.setdefault(part, {}), key.split("."), nested)
+            check_known(nested)
 
 
 def compose_config(conf_dir: Path, overrides: list[str]) -> Config:

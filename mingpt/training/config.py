@@ -11,7 +11,7 @@ import difflib
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Dict, List, Optional, get_type_hints
+from typing import Any, Dict, List, Optional, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -128,12 +128,18 @@ FLOAT_KEYS = ("model.dropout", "data.val_fraction", "trainer.lr", "trainer.min_l
 def from_hydra(raw: DictConfig) -> Config:
     """The typed Config of what Hydra composed. Hydra's `+key=value` adds keys the schema lacks (its own
     error for a misspelt key suggests it), and they would be silently ignored: each is an error here."""
-    unknown = unknown_keys(OmegaConf.to_container(raw, resolve=False), Config)
+    check_known(OmegaConf.to_container(raw, resolve=False))
+    return OmegaConf.to_object(raw)
+
+
+def check_known(data: dict) -> None:
+    """ConfigError naming the first key of `data` (nested, as Hydra composes settings) that Config lacks,
+    and the closest known one."""
+    unknown = unknown_keys(data, Config)
     if unknown:
         key, close = unknown[0]
         hint = f" (did you mean {close}?)" if close else ""
         raise ConfigError(f"unknown setting {key}{hint}: `python train/main.py --cfg job` lists every setting")
-    return OmegaConf.to_object(raw)
 
 
 def unknown_keys(data: dict, schema: type, prefix: str = "") -> list[tuple[str, str | None]]:
@@ -147,6 +153,8 @@ def unknown_keys(data: dict, schema: type, prefix: str = "") -> list[tuple[str, 
             found.append((f"{prefix}{key}", f"{prefix}{close[0]}" if close else None))
         elif is_dataclass(hints[key]) and isinstance(value, dict):
             found += unknown_keys(value, hints[key], f"{prefix}{key}.")
+        elif isinstance(value, dict) and value and get_origin(hints[key]) not in (dict, Dict):  # trainer.lr.x
+            found.append((f"{prefix}{key}.{next(iter(value))}", None))
     return found
 
 

@@ -156,8 +156,7 @@ class Meeting:
     def _error(self, cause) -> Exception:
         if isinstance(cause, dist.DistError) and os.environ.get("TORCHELASTIC_RUN_ID"):
             # torchrun formed this generation and set MASTER_*: a peer (the one hosting the store, say) has gone
-            return PeerLeft(f"a peer left while this generation formed ({one_line(cause)}); this process goes on in "
-                            "the next round of the job", PEER_LOST)
+            return peer_lost(cause)
         return ConfigError(f"rank {self.launch.rank} of {self.launch.world_size} could not meet its peers at "
                            f"{self.address} within {self.timeout_s:.0f} s (trainer.dist_timeout_s): start all "
                            f"WORLD_SIZE processes, or check MASTER_ADDR and MASTER_PORT ({one_line(cause)})")
@@ -289,6 +288,12 @@ def lost_a_peer(error: BaseException) -> bool:
     """Whether `error` is a collective's failure because another process died, hung or was cut off: torch's
     DistError (NCCL, the stores), or gloo's transport error (a RuntimeError naming gloo's tcp pair)."""
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "/gloo/transport/" in str(error))
+
+
+def peer_lost(error: BaseException) -> PeerLeft:
+    """The end of this generation because of `error`, another process's loss (see `lost_a_peer`)."""
+    return PeerLeft(f"another process was lost ({one_line(error)}); this process goes on in the next round of the "
+                    "job", PEER_LOST)
 
 
 def barrier(world: World) -> None:

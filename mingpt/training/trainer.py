@@ -33,7 +33,7 @@ from mingpt.training import distributed, parallel
 from mingpt.training.checkpointer import Checkpointer, Replica, TrainState
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
-from mingpt.training.launcher import PEER_LOST, PEER_STOPPED, membership_change
+from mingpt.training.launcher import PEER_STOPPED, membership_change
 from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
@@ -124,8 +124,7 @@ def _a_lost_peer_ends_the_generation() -> Iterator[None]:
         yield
     except Exception as e:
         if distributed.lost_a_peer(e):
-            raise PeerLeft(f"another process was lost ({distributed.one_line(e)}); this process goes on in the next "
-                           "round of the job", PEER_LOST) from e
+            raise distributed.peer_lost(e) from e
         raise
 
 
