@@ -4,6 +4,7 @@
     python bench/bench_chaos.py                       # 20 kills, 2 workers, gpt-micro (~6 min)
     python bench/bench_chaos.py --kills 5 --memory off
     python bench/bench_chaos.py --churn 5             # 5 seeds of 20 node deaths each (~4 min a seed)
+    python bench/bench_chaos.py --churn 2 --parallelism fsdp   # the same, the model sharded over the nodes
 
 Kills: one `mingpt-torchrun --standalone --nproc-per-node=2 --max-restarts=<kills>` job, snapshot.every=100,
 endless. Each time the job has trained a random 3 to 12 steps past its last resume, one of its two
@@ -13,9 +14,10 @@ to the same step. Printed: per kill, who was killed, the step reached, the step 
 in all, on average per kill, and whether the weights at the final snapshot are bitwise equal.
 
 --churn: per seed, one job of `mingpt-torchrun --nnodes=1:4 --max-restarts=3` agents (one worker each,
-the launcher's own rendezvous settings) around `mingpt-rendezvous`, to trainer.max_steps. Every 4-10 s a
-random node dies: SIGKILL (agent and workers at once, as when a machine dies) or SIGTERM (a preemption:
-the node leaves), and its memory tier is removed, as a lost machine takes its memory with it. Half of the
+the launcher's own rendezvous settings, each node its own snapshot.memory_dir) around `mingpt-rendezvous`,
+to trainer.max_steps. Every 4-10 s a random node dies: SIGKILL (agent and workers at once, as when a
+machine dies) or SIGTERM (a preemption: the node leaves), and its memory folder is deleted, as a lost
+machine takes its memory with it. Half of the
 deaths are aimed at a rendezvous: a new node is started, and the death comes 0-2.5 s after it entered
 the rendezvous (the victim may be the newcomer). Otherwise a new node replaces the dead one. Printed per
 seed: whether the job completed (final snapshot, every agent left exited 0), the steps trained again
@@ -23,6 +25,9 @@ seed: whether the job completed (final snapshot, every agent left exited 0), the
 node's entering the rendezvous to the round that lets it in (its agent's log), and to the first step it
 takes part in (the leader's `membership` record; deaths of its peers meanwhile delay it), and the final
 val loss and greedy text against an uninterrupted 2-worker run.
+
+--parallelism fsdp shards the model over the workers (over the nodes, under --churn): each process then
+keeps its shard in memory, and under --churn sends a copy to the next node.
 """
 
 from __future__ import annotations
@@ -117,7 +122,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def weights(snap: Path, step: int) -> dict:
-    return torch.load(snap / f"step-{step:09d}" / "model.pt", weights_only=True)
+    from mingpt.checkpoint.load import open_snapshot, read_weights
+
+    return read_weights(open_snapshot(str(snap / f"step-{step:09d}")))
 
 
 def all_records(snap: Path) -> list[dict]:
@@ -144,6 +151,7 @@ class Node:
 
     proc: subprocess.Popen
     log: Path
+    memory: Path  # its snapshot.memory_dir
     entered: float | None = None  # when its agent entered the rendezvous (time.time())
     let_in: float | None = None  # when a round first took it in
     killed: float | None = None
@@ -176,10 +184,12 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -
     nodes: list[Node] = []
 
     def start_node() -> Node:
-        log = work / f"node-{len(nodes)}.log"
-        proc = subprocess.Popen(command, cwd=work, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        nodes.append(Node(proc, log))
+        log, memory = work / f"node-{len(nodes)}.log", work / f"memory-{len(nodes)}"
+        memory.mkdir()
+        proc = subprocess.Popen([*command, f"snapshot.memory_dir={memory}"], cwd=work, stdout=open(log, "wb"),
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        nodes.append(Node(proc, log, memory))
         return nodes[-1]
 
     def pause(seconds: float, until=lambda: False) -> None:
@@ -206,6 +216,7 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -
                     pass
         else:  # a machine is preempted or leaves: torchrun forwards it to the workers, which snapshot
             node.proc.send_signal(sig)
+        shutil.rmtree(node.memory, ignore_errors=True)  # the machine's memory goes with it
 
     def live() -> list[Node]:
         return [node for node in nodes if node.alive()]
@@ -235,8 +246,6 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -
     finally:
         for node in nodes:
             stop(node.proc)
-            for folder in Path("/dev/shm").glob(f"mingpt-*-{node.proc.pid}"):  # the machine's memory goes with it
-                shutil.rmtree(folder, ignore_errors=True)
         stop(store)
     return summarize(seed, snap, nodes, rows, max_steps, reference, work)
 
@@ -328,8 +337,10 @@ def main() -> None:
     parser.add_argument("--deaths", type=int, default=20, help="node deaths per churn job")
     parser.add_argument("--max-steps", type=int, default=1500, help="trainer.max_steps of a churn job")
     parser.add_argument("--memory", default="on", choices=["on", "off"])
+    parser.add_argument("--parallelism", default="ddp", choices=["ddp", "fsdp"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    SETTINGS.append(f"trainer.parallelism={args.parallelism}")  # every job of the run, the reference's too
     if args.churn:
         churn_seeds(list(range(args.seed, args.seed + args.churn)), args.deaths, args.max_steps)
         return

@@ -25,13 +25,13 @@ WRITER = textwrap.dedent("""
 
     tier = memory.MemoryTier("run", "job-1", root=sys.argv[1])
     tier.start()
-    for step in (1, 2):  # slot 0 then slot 1
+    for step in (1, 2):  # own-0 then own-1
         tier.save({"a": torch.full((4096,), float(step)), "b": torch.full((4096,), float(step)), "step": step}, step, {})
         tier.wait()
     view = memory._view
     def stall_after_one_tensor(buffer, entry, seen=[]):
         seen.append(entry)
-        if len(seen) == 2:  # step 3's first tensor is copied over step 1's slot; stop before the second
+        if len(seen) == 2:  # step 3's first tensor is copied over step 1's own-0; stop before the second
             print("mid-copy", flush=True)
             time.sleep(3600)
         return view(buffer, entry)
@@ -55,15 +55,15 @@ def test_a_copy_cut_short_by_a_kill_is_never_loaded(tmp_path):
             writer.kill()
             writer.wait()
     tier = MemoryTier("run", "job-1", root=str(tmp_path))
-    [written] = tier.folders()  # the writer's, named after its launcher: this process
-    assert written.name.endswith(f"-{os.getpid()}")
-    # Step 3 went to slot 0, over step 1: its first tensor is there, and nothing describes the slot.
-    assert torch.equal(torch.from_file(str(written / "slot-0.bin"), size=4096, dtype=torch.float32),
+    [written] = tier.folders()  # the writer's, named after its launcher (this process) and its piece
+    assert written.name.endswith(f"-{os.getpid()}-0of1")
+    # Step 3 went to own-0, over step 1: its first tensor is there, and nothing describes the slot.
+    assert torch.equal(torch.from_file(str(written / "own-0.bin"), size=4096, dtype=torch.float32),
                        torch.full((4096,), 3.0))
-    assert not (written / "slot-0.json").exists()
+    assert not (written / "own-0.json").exists()
     held = tier.newest()
     assert held is not None and held.step == 2
-    state = MemoryTier.unpack(MemoryTier.load(held), held.header)
+    state = MemoryTier.unpack(tier.read(held), held.header)
     assert state["step"] == 2 and torch.equal(state["a"], torch.full((4096,), 2.0))
     assert torch.equal(state["b"], torch.full((4096,), 2.0))
 
@@ -74,7 +74,7 @@ def test_a_tier_of_another_job_is_never_used_and_is_removed_when_a_job_starts(tm
     ours.save({"w": torch.ones(3), "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}], 7: None}, 5, {"samples_seen": 40})
     ours.wait()
     held = ours.newest()
-    state = MemoryTier.unpack(MemoryTier.load(held), held.header)
+    state = MemoryTier.unpack(ours.read(held), held.header)
     assert state == {"w": state["w"], "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}], 7: None}  # keys and tuples kept
     assert held.header["samples_seen"] == 40
 
@@ -94,7 +94,7 @@ def test_the_tier_of_a_job_whose_launcher_ended_is_removed_by_the_next_job_to_st
         tier.save({"w": torch.ones(2)}, 1, {})
         tier.wait()
     gone = MemoryTier("ended run", "a job", root=str(tmp_path))
-    gone.folder.rename(gone.root / f"{gone.prefix}-{ended.pid}")  # as if its launcher were that ended process
+    gone.folder.rename(gone.root / f"{gone.prefix}-{ended.pid}-0of1")  # as if its launcher were that ended process
     MemoryTier("a new run", "another job", root=str(tmp_path)).start()
     assert gone.folders() == []
     assert MemoryTier("running run", "a job", root=str(tmp_path)).newest().step == 1  # its launcher (ours) runs
@@ -103,48 +103,39 @@ def test_the_tier_of_a_job_whose_launcher_ended_is_removed_by_the_next_job_to_st
 def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp_path):
     """Generation 1 reached step 12 in memory; a generation 2 that never saw that tier went on from an older
     snapshot and committed step 10: its timeline wins, and the tier is left alone."""
-    from types import SimpleNamespace
-
     from launch import config
-    from mingpt.checkpoint.store import SnapshotStore
     from mingpt.model import GPT, GPTConfig
-    from mingpt.tokenizers import CharTokenizer
-    from mingpt.training.checkpointer import Checkpointer, Replica, TrainState
     from mingpt.training.distributed import World
+    from mingpt.training.recovery import MemoryCopies
+    from mingpt.training.state import Replica, TrainState
 
-    cfg = config("snapshot.memory=on", "snapshot.memory_every=1", f"snapshot.dir={tmp_path / 'run'}")
+    cfg = config("snapshot.memory=on", "snapshot.memory_every=1", f"snapshot.memory_dir={tmp_path}")
     world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    store = SnapshotStore(cfg.snapshot.dir)
 
-    def replica(seed: int) -> Replica:
+    def copies(seed: int) -> MemoryCopies:
         torch.manual_seed(seed)
         model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=8))
-        return Replica(model, torch.optim.AdamW(model.parameters()), None, TrainState())
+        made = MemoryCopies(cfg.snapshot, world, "run", Replica(model, torch.optim.AdamW(model.parameters()), None,
+                                                                 TrainState()))
+        made.tier.job = "job-1"  # a plain process is a job of its own: be the same job
+        return made
 
-    with store.claim(60):  # generation 1
-        writer = Checkpointer(cfg, world, store, CharTokenizer("abc"), "data")
-        try:
-            assert writer.load_newer_from_memory(replica(0), None) is None and writer.generation == 1
-            reached = replica(1)
-            reached.state.step, reached.state.samples_seen = 12, 96
-            writer.after_step(reached)
-            writer.before_update()
-
-            def resume(snapshot) -> Replica:
-                reader = Checkpointer(cfg, world, store, CharTokenizer("abc"), "data")
-                reader.memory.job = writer.memory.job  # a plain process is a job of its own: be the same job
-                resumed = replica(2)
-                reader.load_newer_from_memory(resumed, snapshot)
-                return resumed
-
-            later = SimpleNamespace(manifest={"step": 10, "writer": {"generation": 2}})
-            assert resume(later).state.step == 0  # refused: nothing loaded
-            same = SimpleNamespace(manifest={"step": 10, "writer": {"generation": 1}})
-            resumed = resume(same)
-            assert (resumed.state.step, resumed.state.samples_seen) == (12, 96)
-            assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), reached.model.parameters()))
-        finally:
-            writer.memory.release()
+    writer = copies(1)
+    assert writer.restore(0, None) is None  # nothing held yet; the tier starts
+    writer.generation = 1
+    writer.replica.state.step, writer.replica.state.samples_seen = 12, 96
+    writer.after_step()
+    writer.before_update()
+    try:
+        refused = copies(2)
+        assert refused.restore(10, 2) is None and refused.replica.state.step == 0  # nothing loaded
+        resumed = copies(2)
+        assert resumed.restore(10, 1)["step"] == 12
+        assert (resumed.replica.state.step, resumed.replica.state.samples_seen) == (12, 96)
+        assert all(torch.equal(a, b) for a, b in zip(resumed.replica.model.parameters(),
+                                                      writer.replica.model.parameters()))
+    finally:
+        writer.finish(release=True)
 
 
 # -- hostile ground: /dev/shm is writable by every user of the machine ---------------------------------------
@@ -195,33 +186,34 @@ def test_a_planted_link_never_makes_the_tier_write_elsewhere(shared_memory, tmp_
     ours = MemoryTier("run", "job-1", root=str(shared_memory))
     victim = tmp_path / "victim"
     victim.mkdir(mode=0o700)
-    (victim / "slot-0.bin").write_bytes(b"precious")
+    (victim / "own-0.bin").write_bytes(b"precious")
     ours.folder.symlink_to(victim)  # to a folder of this user's: only the link is the other user's
     os.lchown(ours.folder, NOBODY, NOBODY)
     ours.start()
     assert ours.off and ours.newest() is None
-    assert (victim / "slot-0.bin").read_bytes() == b"precious" and [p.name for p in victim.iterdir()] == ["slot-0.bin"]
+    assert (victim / "own-0.bin").read_bytes() == b"precious" and [p.name for p in victim.iterdir()] == ["own-0.bin"]
 
 
 def test_a_fifo_a_damaged_description_or_changed_bytes_are_skipped_never_loaded(tmp_path, caplog):
     tier = MemoryTier("run", "job-1", root=str(tmp_path))
     tier.start()
-    for step in (1, 2):  # slot 0 holds step 1, slot 1 step 2
+    for step in (1, 2):  # own-0 holds step 1, own-1 step 2
         tier.save({"w": torch.full((8,), float(step))}, step, {})
         tier.wait()
     assert tier.newest().step == 2
-    (tier.folder / "slot-1.bin").write_bytes(b"\1" + (tier.folder / "slot-1.bin").read_bytes()[1:])
+    (tier.folder / "own-1.bin").write_bytes(b"\1" + (tier.folder / "own-1.bin").read_bytes()[1:])
     held = tier.newest()  # step 2's bytes changed: step 1 it is
-    assert held.step == 1 and torch.equal(MemoryTier.unpack(MemoryTier.load(held), held.header)["w"],
+    assert held.step == 1 and torch.equal(MemoryTier.unpack(tier.read(held), held.header)["w"],
                                           torch.full((8,), 1.0))
-    header = json.loads((tier.folder / "slot-0.json").read_text())
+    header = json.loads((tier.folder / "own-0.json").read_text())
     for damage in ({"step": "1"}, {"nbytes": -1}, {"tensors": [{**header["tensors"][0], "dtype": "garbage"}]},
-                   {"tensors": [{**header["tensors"][0], "offset": 10**9}]}, {"tree": {"tensor": 5}}):
-        (tier.folder / "slot-0.json").write_text(json.dumps({**header, **damage}))
+                   {"tensors": [{**header["tensors"][0], "offset": 10**9}]}, {"tree": {"tensor": 5}},
+                   {"piece": [1, 1]}):
+        (tier.folder / "own-0.json").write_text(json.dumps({**header, **damage}))
         assert tier.newest() is None  # skipped: no exception, nothing loaded
         tier._skipped.clear()
-    (tier.folder / "slot-0.json").unlink()
-    os.mkfifo(tier.folder / "slot-0.json")
+    (tier.folder / "own-0.json").unlink()
+    os.mkfifo(tier.folder / "own-0.json")
     started = time.monotonic()
     assert tier.newest() is None and time.monotonic() - started < 5  # never waits on the FIFO
     assert "memory tier: skipping" in caplog.text

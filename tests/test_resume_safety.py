@@ -3,13 +3,16 @@ replace what is damaged, keep what is good, and say so. The trainer and the comm
 process; Ctrl-C is sent to the real command."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import TEXT
 from launch import env, manifests, train_here
 from mingpt.checkpoint.store import SnapshotError
 from mingpt.cli import sample, snapshot
@@ -150,3 +153,34 @@ def test_a_corpus_replaced_by_other_text_of_the_same_characters_is_named_on_resu
     assert "settings changed since that snapshot: trainer.max_steps: 10 -> 20\n" in second  # the data is not a setting
     fingerprints = [m["data_fingerprint"] for m in manifests(tmp_path / "snap")]
     assert len(fingerprints) == 2 and fingerprints[0] != fingerprints[1] and all(len(f) == 64 for f in fingerprints)
+
+
+# Written by the code before the run state went through torch's state-dict API (model.pt with an optimizer.pt
+# keyed by parameter index; DCP shards of two fsdp processes), kept to prove that they still load.
+OLD_SNAPSHOTS = Path(__file__).parent / "fixtures" / "snapshots-v1"
+OLD_MODEL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16"]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_snapshots_of_the_earlier_formats_resume_and_sample(tmp_path, kind, capsys):
+    from mingpt.checkpoint.load import open_model
+    from mingpt.checkpoint.store import SnapshotStore
+    from mingpt.training.state import Replica, TrainState
+
+    snapshot = SnapshotStore(str(OLD_SNAPSHOTS / kind)).latest()
+    assert snapshot.sharded == (kind == "fsdp")
+    _, model, _ = open_model(str(OLD_SNAPSHOTS / kind), torch.device("cpu"))
+    replica = Replica(model, torch.optim.AdamW(model.param_groups(0.1), fused=True), None, TrainState())
+    replica.load(*replica.read(snapshot), step=6, samples_seen=48)
+    steps = [state["step"].item() for state in replica.optimizer.state.values()]
+    assert len(steps) == len(list(model.parameters())) and set(steps) == {6.0}  # AdamW's state, not a fresh one
+    assert all(state["exp_avg"].abs().sum() > 0 for state in replica.optimizer.state.values())
+
+    shutil.copytree(OLD_SNAPSHOTS / kind, tmp_path / "snap")
+    (tmp_path / "corpus.txt").write_text(TEXT[:3000])
+    log = train_here(tmp_path, f"data.corpus={tmp_path / 'corpus.txt'}", *OLD_MODEL, "trainer.max_steps=8",
+                     "snapshot.every=8")
+    assert "step-000000006: step 6, 48 examples seen" in log and "done: step 8" in log
+    capsys.readouterr()
+    assert sample.main([str(tmp_path / "snap" / "step-000000006"), "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out.strip()

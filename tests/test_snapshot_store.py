@@ -13,6 +13,7 @@ from conftest import s3_keys
 from mingpt.tokenizers import CharTokenizer
 from mingpt.model import GPTConfig
 import mingpt.checkpoint.store as snapshot_module
+from mingpt.checkpoint.load import snapshot_store
 from mingpt.checkpoint.store import SnapshotError, SnapshotStore
 from mingpt.checkpoint.writer import SnapshotWriter
 from mingpt.storage import explain_storage_error
@@ -327,7 +328,7 @@ def plant_manifest(store: SnapshotStore, name: str, manifest) -> None:
 
 @pytest.mark.parametrize("case", BAD_MANIFESTS)
 def test_an_untrustworthy_manifest_is_damaged_with_a_reason_and_the_store_falls_back(store_url, case, caplog):
-    store = SnapshotStore(store_url)
+    store = snapshot_store(store_url)  # knows what a model's snapshot holds: files, model_config, samples_seen
     good = save(store, 10).manifest
     change, reason = BAD_MANIFESTS[case]
     plant_manifest(store, "step-000000020", change(_with(good, step=20)))

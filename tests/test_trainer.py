@@ -208,18 +208,21 @@ EVERY = 10  # steps between the elastic job's snapshots
 @pytest.mark.slow
 def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     """Two agents on 127.0.0.1 as two nodes, launched with mingpt-torchrun as the README says (no
-    variable in the environment), around the store that mingpt-rendezvous hosts; the first node dies
-    (the node any other store would live on; its snapshot.memory_dir goes with it, as a machine's memory
-    does), the other goes on alone; a node comes back, then leaves on
-    SIGTERM (a preemption), and the survivor goes on alone again. None of it uses up --max-restarts=0.
-    (An agent hosting the store itself, torch's default, trains the uneven-shards test above.)"""
+    variable in the environment), around the store that mingpt-rendezvous hosts, sharding the model
+    between them (fsdp); the first node dies (the node any other store would live on; its
+    snapshot.memory_dir goes with it, as a machine's memory does), the other goes on alone, from its
+    own shard and the copy of the dead node's shard that it holds in memory; a node comes back, then
+    leaves on SIGTERM (a preemption: every process writes its shard of the snapshot), and the survivor
+    goes on alone again. None of it uses up --max-restarts=0. (An agent hosting the store itself,
+    torch's default, trains the uneven-shards test above.)"""
     snap = tmp_path / "elastic"
     port = free_port()
     rendezvous(procs, port)
     args = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
                     f"--rdzv-conf={RDZV_CONF},is_host=false")
-    args += overrides(tmp_path, "elastic", ENDLESS_STEPS, every=EVERY, extra=[*HEAVIER, *KEEP_ALL])
+    args += overrides(tmp_path, "elastic", ENDLESS_STEPS, every=EVERY,
+                      extra=[*HEAVIER, *KEEP_ALL, "trainer.parallelism=fsdp", "snapshot.memory_every=1"])
     node = lambda name: procs.start([*args, f"snapshot.memory_dir={tmp_path / name}"], name)  # memory of its own
     for name in ("node-a", "node-b", "node-c"):
         (tmp_path / name).mkdir()
@@ -227,6 +230,9 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     survivor = node("node-b")  # at once, so that it joins the first rendezvous
     by_world = lambda ws: [m for m in manifests(snap) if m["world_size"] == ws]
     wait_for(lambda: by_world(2), 120, "a snapshot from two nodes", [dead, survivor])
+    tier = MemoryTier(str(snap), "", root=str(tmp_path / "node-b"))  # to read what the survivor's tier records
+    wait_for(lambda: tier.reached() > by_world(2)[0]["step"] and 3 <= tier.reached() % EVERY <= 6, 120,
+             "a step between two snapshots", [dead, survivor])
 
     kill_node(dead)
     dead.wait(timeout=30)
@@ -263,10 +269,11 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     assert causes in (["asked to stop (SIGTERM)"], ["gone from the rendezvous"]), causes
     assert all(0 < seconds < 60 for _, seconds in changes)
 
-    # The survivor goes on from the step it reached: from the leader's rescue snapshot, or where the
-    # leader was on the lost node, from its own node's memory tier (snapshots are 10 steps apart).
+    # The survivor goes on from the step it reached, from the memory tiers (snapshots are 10 steps apart):
+    # where the other node was lost, from its own shard and the copy of the other's that it was sent.
     lost_steps = [m["steps_lost"] for m in metrics(snap) if "steps_lost" in m]
     assert lost_steps and max(lost_steps) <= 1, lost_steps
+    assert "resumed from the memory tier" in output(survivor)  # which held both shards of the step reached
     history = [m for m in metrics(snap) if "train_loss" in m]
     sizes = [m["world_size"] for m in history]
     # Two nodes, one, two again, one (the first node may train alone for a moment before the second joins).

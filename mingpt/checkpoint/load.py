@@ -1,7 +1,8 @@
-"""Reading a trained model back: what `mingpt-sample`, `mingpt-export` and `model.init_from` share.
+"""Reading a trained model back: what `mingpt-sample`, `mingpt-export`, `model.init_from` and a resume share.
 
 A URL names one snapshot (a folder holding a manifest) or a run folder (its newest snapshot that
-verifies). Only the files a model needs are read: the optimizer state never is.
+verifies). Only the files a model needs are read: the optimizer state never is. What a model's
+snapshot must hold (`snapshot_problem`) is said here; the store knows files only.
 """
 
 from __future__ import annotations
@@ -10,11 +11,37 @@ import json
 
 import torch
 
-from mingpt.checkpoint.store import MANIFEST, Snapshot, SnapshotError, SnapshotStore
+from mingpt.checkpoint.store import MANIFEST, STATE_DIR, Snapshot, SnapshotError, SnapshotStore
 from mingpt.errors import MinGPTError
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import explain_storage_error, redact
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
+
+
+def snapshot_problem(manifest: dict) -> str | None:
+    """Why a committed manifest does not describe a model's snapshot, in a few words; None when it does."""
+    files = manifest["files"]
+    if "tokenizer.json" not in files or ("model.pt" in files) == (f"{STATE_DIR}/.metadata" in files):
+        return f"the manifest does not list tokenizer.json and either model.pt or {STATE_DIR}/"
+    samples = manifest.get("samples_seen")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        return "the manifest has no samples_seen count"
+    try:
+        GPTConfig(**manifest.get("model_config"))
+    except (TypeError, ValueError) as e:  # not a dict, unknown or missing keys, bad values
+        return f"the manifest's model_config is unusable ({e})"
+    return None
+
+
+def snapshot_store(url: str, **options) -> SnapshotStore:
+    """The store of the snapshots of a model's run at `url`."""
+    return SnapshotStore(url, expects=snapshot_problem, **options)
+
+
+def model_files(snapshot: Snapshot) -> list[str]:
+    """What loading the model alone reads: all of a sharded snapshot (its shards hold the weights with the
+    optimizer state), or model.pt and tokenizer.json."""
+    return list(snapshot.manifest["files"]) if snapshot.sharded else ["model.pt", "tokenizer.json"]
 
 
 def open_snapshot(url: str) -> Snapshot:
@@ -22,10 +49,10 @@ def open_snapshot(url: str) -> Snapshot:
     url = url.rstrip("/")
     parent, _, name = url.rpartition("/")
     if parent:
-        store = SnapshotStore(parent)
+        store = snapshot_store(parent)
         if store.fs.exists(f"{store.path}/{name}/{MANIFEST}"):
             return store.get(name)
-    snapshot = SnapshotStore(url).latest(model_only=True)
+    snapshot = snapshot_store(url).latest(files=model_files)
     if snapshot is None:
         raise SnapshotError(f"no committed snapshot found in {redact(url)}; give a snapshot folder the trainer wrote")
     return snapshot

@@ -1,27 +1,31 @@
-"""The memory tier: the replica's state after every step (or every few), kept in shared memory that
-outlives the worker processes, so that a restart resumes from it rather than from the last durable
-snapshot, and a failure costs at most the step in flight.
+"""The memory tier: the run state after every step (or every few), kept in shared memory that outlives the
+worker processes, so that a restart resumes from it rather than from the last durable snapshot, and a
+failure costs at most the step in flight.
 
-    /dev/shm/mingpt-<hash of snapshot.dir>-<pid of the launcher>/
-        slot-0.bin, slot-1.bin      two buffers, written in turn: one always holds a complete state
-        slot-0.json, slot-1.json    what a buffer holds (job, step, where each tensor lies in it)
-        reached                     the last step its writer finished, for steps_lost
+    <snapshot.memory_dir>/mingpt-<hash of snapshot.dir>-<pid of the launcher>-<piece>of<pieces>/
+        own-0.bin, own-1.bin      this process's piece of the state, two buffers written in turn:
+                                  one always holds a complete copy
+        own-0.json, own-1.json    what a buffer holds (job, run, step, piece, where each tensor lies)
+        peer-0.*, peer-1.*        the piece of a process on another node, sent here (mingpt.training.recovery)
+        reached                   the last step its writer finished, for steps_lost
 
-One process per launcher (torchrun's agent: one per node, which outlives its workers) writes its
-own folder, the first of the launcher's processes to lock it; readers look at every folder of the run on the machine, so two agents of one job on one
-machine never write the same buffer. Writing a slot removes its description first and writes it
-again only once the copy is complete, so a copy cut short (the process killed in the middle) is
-never read: the other slot still holds the step before. A tier belongs to one job
-(mingpt.checkpoint.lease.job_identity) and one snapshot.dir; one of another job, or whose launcher
-has ended, is removed when a job starts.
+A piece is what one process holds of the state: all of it (ddp: piece 0 of 1), or its shard (fsdp,
+hsdp: where a tensor's shard lies in the whole is recorded with it, so that pieces written at one
+world size reassemble at any other). One process per launcher (torchrun's agent, one per node, which
+outlives its workers) and piece writes a folder, the first to lock it. Writing a slot removes its
+description first and writes it again only once the copy is complete, so a copy cut short (the
+process killed in the middle) is never read: the other slot still holds the step before. A tier
+belongs to one job (mingpt.checkpoint.lease.job_identity) and one snapshot.dir; one of another job,
+or whose launcher has ended, is removed when a job starts.
 
 /dev/shm is writable by every user of the machine, and these names can be worked out. So a folder is
 used only if it is a folder (not a link) of this user's alone (mode 0700); every file in it is checked
 to be a regular file of this user's before it is read or written, and opened without following links;
 a description is checked for its types and bounds, and a buffer against the sha256 (of it and of its
-description) recorded when it was written. Anything else is skipped with a warning, never loaded. A
-tier that cannot be written (no room, a folder another user made, the folder deleted under the job)
-turns itself off with one warning: the job goes on from its snapshots.
+description) recorded when it was written, which also covers a piece sent from another node. Anything
+else is skipped with a warning, never loaded. A tier that cannot be written (no room, a folder another
+user made, the folder deleted under the job) turns itself off with one warning: the job goes on from
+its snapshots.
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.tensor import DTensor
 
 from mingpt.checkpoint.lease import process_alive
 from mingpt.storage import replace_atomically
@@ -52,32 +57,50 @@ log = logging.getLogger(__name__)
 _LOCAL = LocalFileSystem()
 
 FORMAT = "mingpt-memory"
-VERSION = 2  # 2: a sha256 of each slot
+VERSION = 3  # 2: a sha256 of each slot; 3: pieces, and copies sent from another node
 ALIGN = 64  # bytes: every tensor starts at a multiple, so any dtype can be viewed in place
 MAX_HEADER = 64 * 2**20  # bytes: a larger description is not ours
 DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+SLOTS = ("own-0", "own-1", "peer-0", "peer-1")
 
 
 @dataclass
 class Held:
-    """A complete state in a slot: its description and the buffer's path."""
+    """A complete piece in a slot: its description and the buffer's path."""
 
     step: int
     header: dict
     path: Path
 
+    @property
+    def piece(self) -> tuple[int, int]:
+        """(index, count): which of the state's pieces this is."""
+        return tuple(self.header["piece"])
+
+
+@dataclass
+class Chunk:
+    """What a piece holds of a sharded tensor: `local`, at `offsets` in a whole of `shape`."""
+
+    shape: list[int]
+    offsets: list[int]
+    local: torch.Tensor
+
 
 class MemoryTier:
-    """This node's memory tier for one run (`run`: where its snapshots are) and one job."""
+    """This node's memory tier for one run (`run`: where its snapshots are), one job, and one piece of the
+    state (`piece`: index, count)."""
 
-    def __init__(self, run: str, job: str, root: str = "/dev/shm"):
-        self.job = job
+    def __init__(self, run: str, job: str, root: str = "/dev/shm", piece: tuple[int, int] = (0, 1)):
+        self.job, self.piece = job, piece
         self.root, self.prefix = Path(root), f"mingpt-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
-        self.folder = self.root / f"{self.prefix}-{os.getppid()}"  # what this process writes
+        self.launcher = f"{self.prefix}-{os.getppid()}"
+        self.folder = self.root / f"{self.launcher}-{piece[0]}of{piece[1]}"  # what this process writes
         self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
         self._error: BaseException | None = None
-        self._mapped: dict[int, torch.Tensor] = {}  # slot -> its buffer, mapped once (its pages stay resident)
-        self._written: int | None = None  # the slot of the last complete copy, once this process made one
+        self._mapped: dict[str, torch.Tensor] = {}  # slot -> its buffer, mapped once (its pages stay resident)
+        self._newest: dict[str, str] = {}  # "own"/"peer" -> the slot of the last complete copy this process made
         self.writes = False  # whether this process writes the folder: the first of its launcher's to lock it
         self.off = False  # turned off (turn_off): reads and writes nothing more
         self._lock: int | None = None
@@ -94,7 +117,7 @@ class MemoryTier:
     # -- reading ---------------------------------------------------------------------------------
 
     def folders(self) -> list[Path]:
-        """The run's tier folders on this machine, one per launcher: folders of this user's alone."""
+        """The run's tier folders on this machine: folders of this user's alone."""
         found = []
         for folder in sorted(self.root.glob(f"{self.prefix}-*")) if not self.off else []:
             if _private_folder(folder):
@@ -104,18 +127,30 @@ class MemoryTier:
                                    "made it")
         return found
 
-    def newest(self, newer_than: int = -1) -> Held | None:
-        """The newest complete state of this job on this machine after step `newer_than`, whose buffer
-        matches the sha256 it was written with; None if there is none."""
-        found = [self._read_slot(folder, slot) for folder in self.folders() for slot in (0, 1)]
-        for held in sorted((h for h in found if h is not None and h.step > newer_than), key=lambda h: -h.step):
-            if _digest(self._map(held), held.header) == held.header["sha256"]:
-                return held
-            self._skip(held.path, "its contents do not match the sha256 they were written with")
-        return None
+    def pieces(self, newer_than: int = -1) -> list[Held]:
+        """Every described piece of this job and run on this machine after step `newer_than`, newest first
+        (their buffers are checked when read)."""
+        found = [self._read_slot(folder, slot) for folder in self.folders() for slot in SLOTS]
+        return sorted((h for h in found if h is not None and h.step > newer_than), key=lambda h: -h.step)
 
-    def _read_slot(self, folder: Path, slot: int) -> Held | None:
-        header_path, path = folder / f"slot-{slot}.json", folder / f"slot-{slot}.bin"
+    def newest(self, newer_than: int = -1) -> Held | None:
+        """The newest piece after step `newer_than` whose buffer matches its sha256; None if there is none."""
+        return next((held for held in self.pieces(newer_than) if self._matches(_map(held), held)), None)
+
+    def read(self, held: Held) -> torch.Tensor | None:
+        """The buffer of `held`, read into this process's memory (it may be overwritten afterwards) once it
+        matches the sha256 it was written with; None (and a warning) when it does not."""
+        buffer = _map(held).clone()
+        return buffer if self._matches(buffer, held) else None
+
+    def _matches(self, buffer: torch.Tensor, held: Held) -> bool:
+        if _digest(buffer, held.header) == held.header["sha256"]:
+            return True
+        self._skip(held.path, "its contents do not match the sha256 they were written with")
+        return False
+
+    def _read_slot(self, folder: Path, slot: str) -> Held | None:
+        header_path, path = folder / f"{slot}.json", folder / f"{slot}.bin"
         try:
             header = json.loads(_read_own_file(header_path, MAX_HEADER))
             size = _own_file(path).st_size
@@ -125,8 +160,8 @@ class MemoryTier:
             self._skip(header_path, str(e))
             return None
         if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION \
-                or header.get("job") != self.job:
-            return None  # another job's, or another version's: not ours to read
+                or header.get("job") != self.job or header.get("run") != self.prefix:
+            return None  # another job's, run's or version's: not ours to read
         if not _well_described(header) or size < header["nbytes"]:
             self._skip(header_path, "a damaged description")
             return None
@@ -148,29 +183,20 @@ class MemoryTier:
         return max(steps)
 
     @staticmethod
-    def _map(held: Held) -> torch.Tensor:
-        """The buffer of `held`, mapped: its pages are read where they lie, not copied."""
-        return torch.from_file(str(held.path), shared=False, size=held.header["nbytes"], dtype=torch.uint8)
-
-    @staticmethod
-    def load(held: Held) -> torch.Tensor:
-        """The buffer of `held`, read into this process's memory (it may be overwritten afterwards)."""
-        return MemoryTier._map(held).clone()
-
-    @staticmethod
     def unpack(buffer: torch.Tensor, header: dict) -> Any:
-        """The state (nested dicts and lists of tensors and plain values) that `buffer` and `header` hold."""
+        """The state (nested dicts and lists of tensors, Chunks of sharded ones, and plain values) that
+        `buffer` and `header` hold."""
         views = [_view(buffer, entry).clone() for entry in header["tensors"]]
         return _unpack(header["tree"], views)
 
     # -- writing ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Make the folder of this process's launcher, once every process has read what it needed, and
-        write it if no other process of that launcher does. A folder of this run
-        that holds another job's state is removed: this job holds the run (mingpt.checkpoint.lease), so
-        that job ended or died. So is any tier whose launcher on this machine has ended (torchrun's agent
-        outlives its workers: while it runs, its tier may be needed)."""
+        """Make this process's folder, once every process has read what it needed, and write it if no other
+        process of its launcher does. A folder of this run that holds another job's state is removed: this
+        job holds the run (mingpt.checkpoint.lease), so that job ended or died. So is any tier whose
+        launcher on this machine has ended (torchrun's agent outlives its workers: while it runs, its tier
+        may be needed)."""
         if self.off:
             return
         for other in self.root.glob("mingpt-*"):
@@ -178,11 +204,11 @@ class MemoryTier:
                 continue  # another user's: never read, never removed
             jobs = _jobs(other)
             another_job = other.name.startswith(f"{self.prefix}-") and jobs and self.job not in jobs
-            if another_job or (other != self.folder and _launcher_gone(other)):
+            if another_job or (not other.name.startswith(f"{self.launcher}-") and _launcher_gone(other)):
                 log.info("removing %s, the memory tier of a job that ended", other)
                 shutil.rmtree(other, ignore_errors=True)
         self._mapped.clear()
-        self._written = None
+        self._newest.clear()
         try:
             self.folder.mkdir(mode=0o700, exist_ok=True)
         except OSError as e:
@@ -210,70 +236,123 @@ class MemoryTier:
         except OSError as e:  # the folder was deleted under the job (systemd's RemoveIPC), or the memory is full
             self.turn_off(f"cannot write in {self.folder} ({e.strerror or e})")
 
-    def has_room(self, state: Any) -> bool:
-        """Whether the shared memory has room for both slots of `state`."""
+    def has_room(self, state: Any, copies: int = 2) -> bool:
+        """Whether the shared memory has room for `copies` buffers of `state`."""
         tensors: list[torch.Tensor] = []
         _pack(state, tensors)
         try:
-            held = sum(path.lstat().st_size for path in self.folder.glob("slot-*.bin"))
+            held = sum(path.lstat().st_size for path in self.folder.glob("*.bin"))
             free = os.statvfs(self.folder)
         except OSError:
             return False
-        return free.f_bavail * free.f_frsize + held >= 2 * _layout(tensors)[1]
+        return free.f_bavail * free.f_frsize + held >= copies * _layout(tensors)[1]
 
-    def save(self, state: Any, step: int, info: dict) -> None:
-        """Copy `state` (the replica's state after `step`) into the older slot, in a background thread;
-        `wait` before the state changes again (the next optimizer step)."""
+    def save(self, state: Any, step: int, info: dict,
+             then: Callable[[dict | None, torch.Tensor | None], None] | None = None) -> None:
+        """Copy `state` (this process's piece of the state after `step`) into the older slot, in a background
+        thread; `wait_copied` before the state changes again (the next optimizer step). `then` runs in that
+        thread after the copy, with its description and buffer (None, None where nothing was copied)."""
         self.wait()
-        if self.off:
-            return
         tensors: list[torch.Tensor] = []
         tree = _pack(state, tensors)
-        slot = self._older_slot()
-        self._thread = threading.Thread(target=self._copy, args=(slot, tensors, tree, step, info),
+        self._copied.clear()
+        self._thread = threading.Thread(target=self._copy_then, args=(tensors, tree, step, info, then),
                                         name="memory-tier", daemon=True)
         self._thread.start()
 
+    def wait_copied(self) -> None:
+        """Wait until the copy in flight has read the state (what `then` does may still run)."""
+        if self._thread is not None:
+            self._copied.wait()
+        self._check_error()
+
     def wait(self) -> None:
-        """Wait for the copy in flight; a failed copy turns the tier off."""
+        """Wait for the copy in flight and what follows it; a failed copy turns the tier off."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._check_error()
+
+    def _check_error(self) -> None:
         if self._error is not None:
             self.turn_off(f"could not copy the state to {self.folder} ({self._error})")
             self._error = None
 
-    def _older_slot(self) -> int:
-        if self._written is not None:  # the other one holds the older step (or a failed copy)
-            return 1 - self._written
-        held = {slot: self._read_slot(self.folder, slot) for slot in (0, 1)}
-        if held[0] is None or held[1] is None:
-            return 0 if held[0] is None else 1
-        return 0 if held[0].step < held[1].step else 1
+    def _copy_then(self, tensors: list[torch.Tensor], tree: Any, step: int, info: dict, then) -> None:
+        header = buffer = None
+        try:
+            if self.writes and not self.off:
+                header, buffer = self._copy(tensors, tree, step, info)
+        finally:
+            self._copied.set()
+        if then is not None:
+            then(header, buffer)
 
-    def _copy(self, slot: int, tensors: list[torch.Tensor], tree: Any, step: int, info: dict) -> None:
+    def _copy(self, tensors: list[torch.Tensor], tree: Any, step: int, info: dict) -> tuple:
         started = time.perf_counter()
         try:
             entries, nbytes = _layout(tensors)
-            header_path, path = self.folder / f"slot-{slot}.json", self.folder / f"slot-{slot}.bin"
-            header_path.unlink(missing_ok=True)  # from here until the new header, this slot holds nothing
-            buffer = self._mapped.get(slot)
-            if buffer is None or buffer.numel() != nbytes:
-                _allocate(path, nbytes)
-                buffer = self._mapped[slot] = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+            slot, buffer = self._open_slot("own", nbytes)
             with torch.no_grad():
                 for entry, tensor in zip(entries, tensors):
                     _view(buffer, entry).copy_(tensor.detach())
-            header = {"format": FORMAT, "version": VERSION, "job": self.job, "step": step, "nbytes": nbytes,
-                      "tensors": entries, "tree": tree, "host": socket.gethostname(), "written": time.time(), **info}
+            header = {"format": FORMAT, "version": VERSION, "job": self.job, "run": self.prefix,
+                      "piece": list(self.piece), "step": step, "nbytes": nbytes, "tensors": entries, "tree": tree,
+                      "host": socket.gethostname(), "written": time.time(), **info}
             header = json.loads(json.dumps(header))  # as a reader will see it
             header["sha256"] = _digest(buffer, header)
-            replace_atomically(_LOCAL, str(header_path), json.dumps(header).encode())
-            self._written = slot
+            self._publish(slot, header)
+            return header, buffer
         except BaseException as e:  # no space left, a read-only /dev/shm: the durable tier still works
             self._error = e
-        self.copy_seconds = time.perf_counter() - started
-        self.copies += 1
+            return None, None
+        finally:
+            self.copy_seconds = time.perf_counter() - started
+            self.copies += 1
+
+    def receive(self, nbytes: int) -> tuple[str | None, torch.Tensor]:
+        """A buffer of `nbytes` for a piece sent from another node: its older peer slot, emptied of its
+        description (publish it with `publish`), or (slot None) scratch memory where the tier cannot keep it."""
+        if not self.off:
+            try:
+                return self._open_slot("peer", nbytes)
+            except OSError as e:
+                self.turn_off(f"cannot keep a copy sent from another node in {self.folder} ({e.strerror or e})")
+        return None, torch.empty(nbytes, dtype=torch.uint8)
+
+    def publish(self, slot: str, header: dict) -> None:
+        """Describe what `slot` now holds: from here on it is read."""
+        try:
+            self._publish(slot, header)
+        except OSError as e:
+            self.turn_off(f"cannot write in {self.folder} ({e.strerror or e})")
+
+    def _open_slot(self, kind: str, nbytes: int) -> tuple[str, torch.Tensor]:
+        """The older slot of `kind`, emptied of its description, and its buffer of `nbytes`, mapped."""
+        slot = f"{kind}-{1 - int(self._newest[kind][-1])}" if kind in self._newest else self._oldest(kind)
+        (self.folder / f"{slot}.json").unlink(missing_ok=True)  # from here until the new one, it holds nothing
+        buffer = self._mapped.get(slot)
+        if buffer is None or buffer.numel() != nbytes:
+            path = self.folder / f"{slot}.bin"
+            _allocate(path, nbytes)
+            buffer = self._mapped[slot] = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        return slot, buffer
+
+    def _oldest(self, kind: str) -> str:
+        held = {slot: self._read_slot(self.folder, slot) for slot in (f"{kind}-0", f"{kind}-1")}
+        empty = [slot for slot, h in held.items() if h is None]
+        return empty[0] if empty else min(held, key=lambda slot: held[slot].step)
+
+    def _publish(self, slot: str, header: dict) -> None:
+        replace_atomically(_LOCAL, str(self.folder / f"{slot}.json"), json.dumps(header).encode())
+        self._newest[slot.split("-")[0]] = slot
+
+    def forget_other_layouts(self) -> None:
+        """Remove this launcher's folders of another layout (another number of pieces): a generation of
+        another world size wrote them, and this one has copies of its own by now."""
+        for other in self.root.glob(f"{self.launcher}-*"):
+            if not other.name.endswith(f"of{self.piece[1]}") and _private_folder(other):
+                shutil.rmtree(other, ignore_errors=True)
 
     def _forget_lock(self) -> None:
         if self._lock is not None:
@@ -289,10 +368,33 @@ class MemoryTier:
         self._forget_lock()
 
 
+def assemble(trees: list[Any]) -> Any:
+    """One state from the unpacked pieces of every shard: each sharded tensor whole, from its Chunks;
+    anything else as the first piece has it (the same in every piece)."""
+    first = trees[0]
+    if isinstance(first, Chunk):
+        whole = torch.empty(first.shape, dtype=first.local.dtype)
+        if sum(chunk.local.numel() for chunk in trees) != whole.numel():
+            raise ValueError(f"the pieces of a tensor of shape {first.shape} do not fill it")
+        for chunk in trees:
+            whole[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.local.shape))] = chunk.local
+        return whole
+    if isinstance(first, dict):
+        return {key: assemble([tree[key] for tree in trees]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(assemble([tree[i] for tree in trees]) for i in range(len(first)))
+    return first
+
+
+def _map(held: Held) -> torch.Tensor:
+    """The buffer of `held`, mapped: its pages are read where they lie, not copied."""
+    return torch.from_file(str(held.path), shared=False, size=held.header["nbytes"], dtype=torch.uint8)
+
+
 def _jobs(folder: Path) -> set:
     """The jobs that the described slots in `folder` belong to."""
     jobs = set()
-    for header in folder.glob("slot-*.json"):
+    for header in folder.glob("*-?.json"):
         try:
             jobs.add(json.loads(_read_own_file(header, MAX_HEADER)).get("job"))
         except (OSError, ValueError, AttributeError, TypeError):
@@ -354,8 +456,10 @@ def _digest(buffer: torch.Tensor, header: dict) -> str:
 def _well_described(header: dict) -> bool:
     """Whether a description's fields have the types and bounds the tier reads them with."""
     try:
+        piece = header["piece"]
         if not (_whole(header["step"]) and _whole(header["nbytes"]) and isinstance(header["sha256"], str)
-                and isinstance(header["tensors"], list)):
+                and isinstance(header["tensors"], list) and isinstance(piece, list) and len(piece) == 2
+                and all(map(_whole, piece)) and piece[0] < piece[1]):
             return False
         for entry in header["tensors"]:
             dtype, shape, offset, nbytes = entry["dtype"], entry["shape"], entry["offset"], entry["nbytes"]
@@ -374,8 +478,8 @@ def _whole(value: Any) -> bool:
 
 def _launcher_gone(folder: Path) -> bool:
     """Whether the launcher that the folder is named after (a process of this machine) has ended."""
-    pid = folder.name.rsplit("-", 1)[-1]
-    return pid.isdigit() and not process_alive(int(pid))
+    parts = folder.name.split("-")  # mingpt, hash, pid, piece
+    return len(parts) == 4 and parts[2].isdigit() and not process_alive(int(parts[2]))
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[dict], int]:
@@ -394,7 +498,12 @@ def _view(buffer: torch.Tensor, entry: dict) -> torch.Tensor:
 
 
 def _pack(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """A JSON tree of `obj` whose tensors are replaced by their index in `tensors` (dict keys keep their type)."""
+    """A JSON tree of `obj` whose tensors are replaced by their index in `tensors` (dict keys keep their type);
+    a sharded tensor by its shard's, with where the shard lies in the whole."""
+    if isinstance(obj, DTensor):
+        [chunk] = obj.__create_chunk_list__()  # what DCP records of a shard: its offsets in the whole
+        tensors.append(obj.to_local())
+        return {"tensor": len(tensors) - 1, "shape": list(obj.shape), "offsets": list(chunk.offsets)}
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return {"tensor": len(tensors) - 1}
@@ -407,7 +516,8 @@ def _pack(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _unpack(tree: Any, tensors: list[torch.Tensor]) -> Any:
     if "tensor" in tree:
-        return tensors[tree["tensor"]]
+        tensor = tensors[tree["tensor"]]
+        return Chunk(tree["shape"], tree["offsets"], tensor) if "offsets" in tree else tensor
     if "dict" in tree:
         return {key: _unpack(value, tensors) for key, value in tree["dict"]}
     if "list" in tree:

@@ -1,12 +1,14 @@
-"""Snapshots of a training run, in a local folder or any fsspec URL, one folder per snapshot.
+"""Snapshots of a run, in a local folder or any fsspec URL, one folder per snapshot: files, their hashes,
+and an opaque info dict that the store's user fills and checks. The trainer's hold:
 
     <dir>/step-000001200/model.pt        model weights (state dict; all a sampler needs)
                         optimizer.pt    AdamW state
                         tokenizer.json  the vocabulary
-                        manifest.json   written last: step, configs, size and sha256 of each file
+                        manifest.json   written last: step, info (configs, ...), size and sha256 of each file
 
-A sharded snapshot (trainer.parallelism=fsdp) holds `state/`, one shard file per writing process and
-DCP's index, in place of model.pt and optimizer.pt (see mingpt.checkpoint.sharded).
+or, written by every process of a sharded job, `state/` (one shard file per writing process and DCP's
+index, see mingpt.checkpoint.sharded) in place of model.pt and optimizer.pt. What a trained model's
+snapshot must hold is mingpt.checkpoint.load's to say (`expects`).
 
 The manifest is the commit marker: a folder without one is debris from an interrupted save and
 is never loaded. A committed snapshot is never overwritten. Files are loaded only after their
@@ -23,13 +25,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from mingpt.errors import MinGPTError
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
-from mingpt.model import GPTConfig
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, explain_storage_error, open_exclusive, sync_folder
 
@@ -38,10 +39,10 @@ log = logging.getLogger(__name__)
 FORMAT = "mingpt-snapshot"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-# The only files a snapshot may hold. A manifest naming anything else (`../../etc/passwd`) is damaged.
-PAYLOAD_FILES = ("model.pt", "optimizer.pt", "scaler.pt", "tokenizer.json")
 STATE_DIR = "state"  # a sharded snapshot's shards, and DCP's index of them
-_SHARD = re.compile(rf"^{STATE_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
+# What a file in a snapshot may be called: a name, or a name in one folder; never `..`, never absolute.
+# A manifest naming anything else (`../../etc/passwd`) is damaged.
+_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_.][A-Za-z0-9_.-]*)?$")
 _NAME = re.compile(r"^step-(\d{9})$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 64 << 20  # hashing reads, and the read-ahead of S3 files
@@ -80,12 +81,6 @@ class Snapshot:
     def sharded(self) -> bool:
         """Written by every process of an fsdp job (state/), not by one (model.pt, optimizer.pt)."""
         return f"{STATE_DIR}/.metadata" in self.manifest["files"]
-
-    @property
-    def model_files(self) -> list[str]:
-        """What loading the model alone reads: all of a sharded snapshot (its shards hold the weights with
-        the optimizer state), or model.pt and tokenizer.json."""
-        return list(self.manifest["files"]) if self.sharded else ["model.pt", "tokenizer.json"]
 
     def read(self, filename: str) -> bytes:
         """The bytes of one payload file, after checking its size and sha256 against the manifest."""
@@ -186,13 +181,15 @@ class Listing:
 class SnapshotStore:
     """The snapshots of one run, under `url` (a local path or fsspec URL)."""
 
-    def __init__(self, run: RunDir | str, keep: int = 3, storage_options: dict | None = None):
+    def __init__(self, run: RunDir | str, keep: int = 3, storage_options: dict | None = None,
+                 expects: Callable[[dict], str | None] = lambda manifest: None):
         if isinstance(run, str):
             try:
                 run = RunDir(run, storage_options)
             except MinGPTError as e:
                 raise SnapshotError(f"{e}; fix snapshot.dir") from None
         self.run, self.keep = run, keep
+        self.expects = expects  # why a manifest's files and info do not make a snapshot its user can read
         self.fs, self.path, self.url, self.local = run.fs, run.path, run.url, run.local
         self.lease: RunLease | None = None  # set by `claim`; saving then checks it still holds the run
         self._claimed_after = -1  # the newest step committed when this process claimed the run
@@ -258,15 +255,15 @@ class SnapshotStore:
         listing.committed.sort(key=lambda s: s.step)
         return listing
 
-    def latest(self, model_only: bool = False) -> Snapshot | None:
-        """The newest committed snapshot whose files (or `model_only`, those the model needs) verify;
-        damaged newer ones are logged and skipped."""
+    def latest(self, files: Callable[[Snapshot], list[str]] | None = None) -> Snapshot | None:
+        """The newest committed snapshot whose files (or those `files` names) verify; damaged newer ones
+        are logged and skipped."""
         listing = self.scan()
         for name, problem in listing.damaged:
             log.warning("snapshot %s is damaged (%s); ignoring it", self.url_of(name), problem)
         for snapshot in reversed(listing.committed):
             try:
-                snapshot.verify(snapshot.model_files if model_only else None)
+                snapshot.verify(files(snapshot) if files else None)
                 return snapshot
             except SnapshotError as e:
                 log.warning("%s; falling back to the snapshot before it", e)
@@ -307,7 +304,7 @@ class SnapshotStore:
             return None, f"unreadable ({e.strerror or type(e).__name__})"
         except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
             return None, f"{MANIFEST} is not valid JSON"
-        problem = manifest_problem(manifest, step_of(name))
+        problem = manifest_problem(manifest, step_of(name)) or self.expects(manifest)
         return (None, problem) if problem else (manifest, None)
 
     # -- writing -------------------------------------------------------------------------------
@@ -319,8 +316,6 @@ class SnapshotStore:
         kept as it is; a damaged one is replaced. With a lease, nothing is written once it is lost.
         """
         payload = {f"{key}.pt": value for key, value in tensors.items()} | files
-        if set(payload) - set(PAYLOAD_FILES):
-            raise ValueError(f"snapshot files must be among {PAYLOAD_FILES}, got {sorted(payload)}")
         existing = self.begin(step)
         if existing is not None:
             return existing
@@ -492,22 +487,15 @@ def manifest_problem(manifest: Any, step: int) -> str | None:
         return f"the manifest is not {FORMAT} version {FORMAT_VERSION}"
     if manifest.get("step") != step:
         return f"the manifest says step {manifest.get('step')!r}, the folder step {step}"
-    if not _is_count(manifest.get("samples_seen")):
-        return "the manifest has no samples_seen count"
     files = manifest.get("files")
-    if not isinstance(files, dict) or "tokenizer.json" not in files or \
-            ("model.pt" in files) == (f"{STATE_DIR}/.metadata" in files):
-        return f"the manifest does not list tokenizer.json and either model.pt or {STATE_DIR}/"
+    if not isinstance(files, dict):
+        return "the manifest lists no files"
     for name, entry in files.items():
-        if name not in PAYLOAD_FILES and not _SHARD.match(name):
+        if not _FILE.match(name) or ".." in name.split("/"):
             return f"the manifest names a file {name!r} that snapshots never hold"
         if not (isinstance(entry, dict) and _is_count(entry.get("bytes"))
                 and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
             return f"the manifest entry of {name} is not {{bytes, sha256}}"
-    try:
-        GPTConfig(**manifest.get("model_config"))
-    except (TypeError, ValueError) as e:  # not a dict, unknown or missing keys, bad values
-        return f"the manifest's model_config is unusable ({e})"
     return None
 
 

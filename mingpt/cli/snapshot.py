@@ -11,7 +11,8 @@ import logging
 import sys
 
 from mingpt.checkpoint.lease import RunLease, describe
-from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, step_of
+from mingpt.checkpoint.load import snapshot_store
+from mingpt.checkpoint.store import Snapshot, SnapshotError, step_of
 from mingpt.cli import configure_logging, run_command, summary
 from mingpt.errors import MinGPTError
 from mingpt.storage import explain_storage_error, redact
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 def show(url: str, verify: bool) -> int:
     """Print the table; the exit status."""
     try:
-        store = SnapshotStore(url)
+        store = snapshot_store(url)
         listing = store.scan()
         holder = describe(RunLease(store.run, 0, job="-").current())
     except MinGPTError:

@@ -328,6 +328,15 @@ def all_gather(values: list[float], world: World) -> list[list[float]]:
     return [t.tolist() for t in everyone]
 
 
+def all_gather_object(obj, world: World) -> list:
+    """Each process's `obj` (picklable, made by this program), by rank, on every process."""
+    if not world.distributed:
+        return [obj]
+    everyone = [None] * world.world_size
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
 def broadcast_object(obj, world: World, src: int = 0):
     """`obj` as process `src` (by default the leader) has it, on every process."""
     if not world.distributed:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mingpt.checkpoint.load import snapshot_store
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import micro_batches, shard, window_order
@@ -93,7 +94,7 @@ def train(cfg: Config) -> TrainResult:
 
 def _train(cfg: Config) -> TrainResult:
     meeting = distributed.meet(cfg.trainer.dist_timeout_s)  # first: peers wait for this process while it prepares
-    store = SnapshotStore(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
+    store = snapshot_store(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     # The leader of this generation claims the run before any data work: a second job started
     # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
@@ -165,8 +166,7 @@ class Trainer:
                                       fused=True)  # one kernel for all parameters: 2.9 -> 1.2 ms on CPU
         self.replica = Replica(model, optimizer, scaler, TrainState())
         self.ddp: DDP | None = None
-        self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer, data.fingerprint,
-                                         sharded=parallel.is_sharded(model))
+        self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer, data.fingerprint, self.replica)
         self.metrics = Loggers(t.loggers, store.run, cfg.to_dict(), world.is_leader)  # trainer.loggers
         self.events: list[tuple[str, str]] = []  # (kind, text): what resume found, marked on the dashboards
         self.steps_lost: int | None = None  # at a resume: steps reached before it and not in the state loaded
@@ -185,7 +185,7 @@ class Trainer:
         """Load the newest state: in a node's memory tier, or else the newest verified snapshot; the same
         in every process. Or start a new run."""
         snapshot = self.checkpointer.latest()
-        memory = self.checkpointer.load_newer_from_memory(self.replica, snapshot)
+        memory = self.checkpointer.load_newer_from_memory(snapshot)
         if snapshot is None and memory is None:
             if self.pretrained:  # a new run: its weights, a fresh optimizer, step 0
                 self.model.load_state_dict(self.pretrained.load())
@@ -200,7 +200,8 @@ class Trainer:
             source, before = snapshot.url, snapshot.manifest.get("world_size")
         else:
             durable = f"step {snapshot.manifest['step']}" if snapshot else "none"
-            source, before = f"the memory tier of {memory['host']} (the last snapshot: {durable})", memory["world_size"]
+            source = f"the memory tier of {', '.join(memory['hosts'])} (the last snapshot: {durable})"
+            before = memory["world_size"]
         _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
              source, state.step, state.samples_seen, self.world.world_size)
         if self.checkpointer.reached:  # known where a memory tier recorded the steps
@@ -262,7 +263,7 @@ class Trainer:
                 self.checkpointer.rescue(self.replica, self._snapshot_metrics())
                 raise
             self.checkpointer.stop_on(failing, lost)
-            self.checkpointer.after_step(self.replica)  # into the memory tier
+            self.checkpointer.after_step()  # into the memory tier
             self.train_loss = loss_total / t.global_batch_size
             if not math.isfinite(self.train_loss):
                 self.finish()

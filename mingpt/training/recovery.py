@@ -1,0 +1,214 @@
+"""The memory tiers of every node, used together: a copy of the run state after every step (or every
+few), so that a failure costs at most the step in flight, under every parallelism.
+
+Each process keeps its piece of the state (mingpt.checkpoint.memory): the whole replica under ddp, one
+process per node; its shard under fsdp and hsdp, every process. Where a piece exists on no other node
+(fsdp across nodes), each process also sends its copy to the process of the same local index on the
+next node of this generation (ranks name the peers of this generation only; nothing stored depends on
+them), so that the state outlives any one machine. After a restart the processes gather what the
+tiers of the surviving nodes hold, agree on the newest step whose pieces are all there, and load it,
+cut to the new world size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from mingpt.checkpoint.lease import job_identity
+from mingpt.checkpoint.memory import Held, MemoryTier, assemble
+from mingpt.errors import ConfigError
+from mingpt.training import distributed
+from mingpt.training.config import SnapshotConfig
+from mingpt.training.distributed import World
+from mingpt.training.state import Replica
+
+log = logging.getLogger(__name__)
+
+OVERHEAD = 0.03  # the share of the step time that the copies may take (snapshot.memory_every=0)
+MEASURED_AT = 4  # the step of a generation at which snapshot.memory_every=0 is chosen, from the copies before
+
+
+def piece_of(model: torch.nn.Module) -> tuple[int, int]:
+    """(index, count) of this process's piece of the state: its place along the sharded dimension of the
+    mesh (fsdp: the only one; hsdp: within the node), or (0, 1) where it holds all of it."""
+    param = next(model.parameters())
+    if not isinstance(param, DTensor):
+        return 0, 1
+    mesh = param.device_mesh
+    return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+
+
+class MemoryCopies:
+    """This process's part in the memory tiers of a generation. Every process makes one where the memory
+    tier is wanted (the same decision everywhere: the copies and their exchange are collective)."""
+
+    def __init__(self, cfg: SnapshotConfig, world: World, run: str, replica: Replica):
+        self.world, self.replica = world, replica
+        self.tier = MemoryTier(run, job_identity(), cfg.memory_dir, piece_of(replica.model))
+        if not os.access(cfg.memory_dir, os.W_OK):
+            if cfg.memory == "on":
+                raise ConfigError(f"snapshot.memory=on keeps the state in snapshot.memory_dir={cfg.memory_dir}, "
+                                  "which this machine lacks or this user cannot write; use snapshot.memory=auto or "
+                                  "off, or another snapshot.memory_dir")
+            self.tier.turn_off(f"snapshot.memory_dir={cfg.memory_dir} cannot be written")
+        per_node = distributed.processes_per_node()
+        # fsdp across nodes: no other node holds this process's shard. Send it to the next node.
+        self.peers = (world.rank + per_node) % world.world_size, (world.rank - per_node) % world.world_size
+        self.group = dist.new_group(backend="gloo") if self.tier.piece[1] > per_node else None
+        self.every = cfg.memory_every
+        self.generation: int | None = None  # of the run's lease, known to every process
+        self.reached = 0  # the furthest step any node recorded before this start (0: unknown)
+        self._state: dict | None = None  # the replica's state_dict: live tensors, made once
+        self._steps = 0  # of this generation
+        self._last_step_at: float | None = None
+        self._step_seconds = 0.0
+        self._waited = 0.0  # by the training thread, for the copy before the last optimizer step
+
+    # -- restoring -------------------------------------------------------------------------------
+
+    def restore(self, durable_step: int, durable_generation: int | None) -> dict | None:
+        """Restore the replica from the newest step whose pieces the nodes' tiers hold, when it is newer than
+        the snapshot of `durable_step` and was written by its generation or a later one (a tier left by a
+        generation that another generation followed is never used); the description of one of its pieces
+        (step, host, world_size), or None. Every process calls it, then the tiers are started."""
+        usable = lambda held: (held.header.get("generation") or 0) >= (durable_generation or 0)
+        held = [h for h in self.tier.pieces(newer_than=durable_step) if usable(h)]
+        everyone = distributed.all_gather_object(([_key(h) for h in held], self.tier.reached()), self.world)
+        self.reached = max(reached for _, reached in everyone)
+        offers = {(process, *offer) for process, (offered, _) in enumerate(everyone) for offer in offered}
+        header = None
+        while header is None and (choice := _newest_complete(offers)):
+            header = self._load(choice, held, offers)
+        self.tier.start()  # read by all: stale tiers may go, and one process per launcher and piece writes
+        return header
+
+    def _load(self, choice: list[tuple], held: list[Held], offers: set) -> dict | None:
+        """Bring every process the pieces `choice` names (offers: process, step, generation, index, count),
+        each from the process that holds it, and load them; None where a holder found its piece damaged
+        (that offer is struck off)."""
+        trees, header, hosts = [], None, set()
+        for offer in choice:
+            process = offer[0]
+            mine = next((h for h in held if _key(h) == offer[1:]), None) if self.world.rank == process else None
+            buffer = self.tier.read(mine) if mine is not None else None
+            header = distributed.broadcast_object(mine.header if buffer is not None else None, self.world, process)
+            if header is None:
+                offers.discard(offer)
+                return None
+            if buffer is None:
+                buffer = torch.empty(header["nbytes"], dtype=torch.uint8)
+            distributed.broadcast_tensor(buffer, self.world, process)  # returns once every process has it
+            trees.append(MemoryTier.unpack(buffer, header))
+            hosts.add(header["host"])
+        changed = self.replica.load(assemble(trees), True, header["step"], header["samples_seen"])
+        if self.world.is_leader and changed:
+            log.info("%s", "; ".join(changed))
+        return {**header, "hosts": sorted(hosts)}
+
+    # -- copying ---------------------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """The step is done everywhere: copy this process's piece to its tier (every snapshot.memory_every
+        steps), in the background until `before_update`; and send it to the next node where it must."""
+        step, now = self.replica.state.step, time.monotonic()
+        if self._last_step_at is not None:
+            self._step_seconds = now - self._last_step_at
+        self._last_step_at = now
+        self._steps += 1
+        if self.tier.writes:
+            self.tier.mark_reached(step)
+        if step % self._every() != 0 or not (self.tier.writes or self.group):
+            return
+        if self._state is None:  # its tensors are the live ones: made once, it stays current
+            self._state = self.replica.state_dict()
+            if self.tier.writes and not self.tier.has_room(self._state, 4 if self.group else 2):
+                self.tier.turn_off(f"{self.tier.root} has no room for the copies of the state")
+        state = {**self._state, "scaler": self.replica.scaler.state_dict() if self.replica.scaler else None}
+        started = time.monotonic()
+        self.tier.save(state, step, {"samples_seen": self.replica.state.samples_seen,
+                                     "world_size": self.world.world_size, "generation": self.generation},
+                       then=self._send if self.group else None)
+        self._waited = time.monotonic() - started  # for the copy and the send before
+
+    def before_update(self) -> None:
+        """The optimizer is about to change the state: the copy in flight must have read it."""
+        started = time.monotonic()
+        self.tier.wait_copied()
+        self._waited += time.monotonic() - started
+        if self.tier.copies == 1 and self.tier.writes:
+            self.tier.forget_other_layouts()
+
+    def _every(self) -> int:
+        """snapshot.memory_every, or (0) the fewest steps between copies that keep what the training thread
+        waits for them within OVERHEAD of the step time, as measured by every process (the copy runs while
+        the next step computes: only what is left of it at the optimizer step costs time). Every process
+        chooses at the same step, together: where pieces are sent between nodes, all copy alike."""
+        if self.every or self._steps < MEASURED_AT:
+            return self.every or 1
+        measured = distributed.all_gather([self._waited, self._step_seconds], self.world)
+        waited, step = max(w for w, _ in measured), max(s for _, s in measured)
+        self.every = max(1, math.ceil(waited / (OVERHEAD * step))) if step > 0 else 1
+        if self.world.is_leader:
+            log.info("memory tier: a copy every %d step(s) (the step waits %.1f ms for one; a step takes %.0f ms)%s",
+                     self.every, 1000 * waited, 1000 * step, ", sent to the next node" if self.group else "")
+        return self.every
+
+    def _send(self, header: dict | None, buffer: torch.Tensor | None) -> None:
+        """In the copy's thread: send this piece to the next node and keep the one the previous node sends,
+        over a group of their own. Every process takes part, with an empty piece where it copied nothing."""
+        to, source = self.peers
+        try:
+            description = json.dumps(header).encode() if header else b""
+            sizes = torch.tensor([len(description), buffer.numel() if header else 0], dtype=torch.int64)
+            theirs = torch.empty(2, dtype=torch.int64)
+            self._swap(sizes, theirs)
+            incoming = torch.empty(int(theirs[0]), dtype=torch.uint8)
+            self._swap(torch.frombuffer(bytearray(description), dtype=torch.uint8) if description else
+                       torch.empty(0, dtype=torch.uint8), incoming)
+            slot, target = self.tier.receive(int(theirs[1])) if theirs[1] else (None, torch.empty(0))
+            self._swap(buffer if header else torch.empty(0, dtype=torch.uint8), target)
+            if slot is not None:
+                self.tier.publish(slot, json.loads(incoming.numpy().tobytes()))
+        except Exception as e:  # the peer is gone: the step's collective reports it
+            log.debug("could not exchange memory copies with processes %d and %d: %s", to, source, e)
+
+    def _swap(self, send: torch.Tensor, receive: torch.Tensor) -> None:
+        to, source = self.peers
+        ops = [dist.P2POp(dist.isend, send, to, self.group)] if send.numel() else []
+        ops += [dist.P2POp(dist.irecv, receive, source, self.group)] if receive.numel() else []
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    def finish(self, release: bool) -> None:
+        """Wait for the copy in flight and its exchange (every process takes part); with `release`, free the
+        memory: the last step is in a snapshot."""
+        self.tier.wait()
+        if release:
+            self.tier.release()
+
+
+def _key(held: Held) -> tuple:
+    """What a piece is: (step, generation, index, count). Pieces of one step fit together only where one
+    generation wrote them all, with one layout."""
+    return held.step, held.header.get("generation") or 0, *held.piece
+
+
+def _newest_complete(offers: set) -> list[tuple] | None:
+    """Of offers (process, step, generation, index, count), those of the newest step (and generation) whose
+    pieces 0 .. count-1 are all offered, one per piece: the first process that holds it; None if no step is
+    complete."""
+    for written in sorted({(step, gen, count) for _, step, gen, _, count in offers}, reverse=True):
+        holders = {}
+        for offer in sorted(o for o in offers if (o[1], o[2], o[4]) == written):
+            holders.setdefault(offer[3], offer)
+        if len(holders) == written[2]:
+            return [holders[index] for index in sorted(holders)]
+    return None

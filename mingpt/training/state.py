@@ -1,0 +1,166 @@
+"""The run state: model, optimizer, loss scaler, step and examples seen, one object for every kind of
+replica. Its tensors are read and restored only through torch's state-dict API (`get_state_dict`,
+`set_model_state_dict`, `set_optimizer_state_dict`), which knows whole replicas (ddp) and shards (fsdp,
+hsdp) alike, so that every parallelism takes one path. Where the state is kept (a durable snapshot,
+the memory tiers) is the checkpointer's concern; what a snapshot must match to be trained on is here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from mingpt.checkpoint.store import Snapshot, SnapshotError
+from mingpt.model import GPTConfig
+from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
+
+# The parts of GPTConfig that decide the shape of the weights.
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights")
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken
+    samples_seen: int = 0  # the data cursor: examples consumed from the global stream (mingpt.data.sampler)
+
+
+@dataclass
+class Replica:
+    """What a snapshot saves and restores: the same in every process of a generation (each its shard
+    where the model is sharded)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None  # fp16 only: the loss scale it found is part of the state
+    state: TrainState
+
+    @property
+    def sharded(self) -> bool:
+        return isinstance(self.model, FSDPModule)
+
+    def state_dict(self) -> dict:
+        """{model, optimizer, scaler}: tensors keyed by parameter name, this process's shards where sharded.
+        The live tensors, not copies."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load(self, state: dict, whole: bool, step: int, samples_seen: int) -> list[str]:
+        """Restore from `state` (as `state_dict` gives it; `whole`: every tensor whole, which each process
+        cuts its shard from); returns the optimizer settings that differed from this run's config, which
+        win over the saved ones."""
+        configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
+        options = StateDictOptions(full_state_dict=whole)
+        # Model and optimizer one at a time: set_state_dict with both hung in one case (see DESIGN.md).
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.state.step, self.state.samples_seen = step, samples_seen
+        return _apply_configured(self.optimizer, configured)
+
+    def read(self, snapshot: Snapshot) -> tuple[dict, bool]:
+        """The state that `snapshot` holds, for `load`: (state, whole). Shards are read where they are needed
+        (DCP plans it, in this process's layout); model.pt and optimizer.pt are read whole by every process."""
+        if snapshot.sharded:
+            from mingpt.checkpoint.sharded import read_shards  # DCP: imported where it is used
+
+            state = self.state_dict()
+            del state["scaler"]  # fp16 is never sharded
+            read_shards(snapshot, state)
+            return state, False
+        optimizer = snapshot.load_tensors("optimizer.pt")
+        if _keyed_by_index(optimizer):  # written before the state went through get_state_dict
+            optimizer = _keyed_by_name(optimizer, self.model, self.optimizer)
+        scaler = snapshot.load_tensors("scaler.pt") if "scaler.pt" in snapshot.manifest["files"] else None
+        return {"model": snapshot.load_tensors("model.pt"), "optimizer": optimizer, "scaler": scaler}, True
+
+
+def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:
+    """SnapshotError unless this run's model and tokenizer can train on from `snapshot`."""
+    try:
+        saved_tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+        saved = GPTConfig(**snapshot.manifest.get("model_config")).to_dict()
+    except (TypeError, ValueError) as e:  # not JSON, a tokenizer of no known kind, an unusable model_config
+        raise SnapshotError(f"snapshot {snapshot.url} does not describe its model and tokenizer ({e})") from None
+    if saved_tokenizer.eot_id is None and tokenizer.eot_id is not None:
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made before tokenizers reserved an end-of-text token, which prepared "
+            f"data now ends every document with ({saved_tokenizer.vocab_size} ids then, {tokenizer.vocab_size} now), "
+            "so it cannot train on: sample it with mingpt-sample, or start a new run in another snapshot.dir"
+        )
+    wanted = model_config.to_dict()
+    diffs = [f"{k}={saved.get(k)!r} (config asks for {wanted[k]!r})" for k in SHAPE_KEYS if saved.get(k) != wanted[k]]
+    if diffs:
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made with a different model: {', '.join(diffs)}. "
+            "Use the settings of that run, or a new snapshot.dir to start a new run"
+        )
+    if saved_tokenizer.to_dict() != tokenizer.to_dict():
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was made with another tokenizer ({saved_tokenizer.describe()}) than "
+            f"the data now gives ({tokenizer.describe()}); use the data settings of that run, or a new snapshot.dir"
+        )
+
+
+def changed_settings(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for each setting that differs between two `Config.to_dict()` trees."""
+    changed = []
+    for key in sorted(set(saved) | set(now)):
+        old, new = saved.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += changed_settings(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changed
+
+
+def to_cpu(obj):
+    """A copy of `obj` (nested dicts and lists) whose tensors are on the CPU, shards still placed in the whole."""
+    if isinstance(obj, DTensor):
+        return DTensor.from_local(to_cpu(obj.to_local()), obj.device_mesh, obj.placements, run_check=False,
+                                  shape=obj.shape, stride=obj.stride())
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    return obj
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _apply_configured(optimizer: torch.optim.Optimizer, configured: list[dict]) -> list[str]:
+    """Loading brings back the saved betas, weight decay, ...; this run's config wins. What differed."""
+    changed = {}  # one line per setting, whatever the number of groups
+    for group, wanted in zip(optimizer.param_groups, configured):
+        for key, value in wanted.items():
+            saved = group.get(key)
+            saved = tuple(saved) if isinstance(value, tuple) and isinstance(saved, list) else saved  # as JSON keeps it
+            if key != "lr" and saved != value:  # lr is set every step from the schedule
+                changed[key] = f"optimizer {key}: {saved} in the snapshot, {value} in the config: using the config"
+            group[key] = value
+    return list(changed.values())
+
+
+def _keyed_by_index(saved: dict) -> bool:
+    return any(isinstance(p, int) for group in saved["param_groups"] for p in group["params"])
+
+
+def _keyed_by_name(saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """An optimizer state dict keyed by parameter index (`Optimizer.state_dict`), keyed by parameter name
+    (as torch's state-dict API wants it): indices count the parameters of the groups in order."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[index]: state for index, state in saved["state"].items()},
+            "param_groups": [{**group, "params": [order[index] for index in group["params"]]}
+                             for group in saved["param_groups"]]}
