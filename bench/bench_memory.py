@@ -7,7 +7,7 @@
 Each job trains on the built-in corpus, the rounds interleaved (off, on, off, on, ...) so that the
 machine's load falls on both alike: one process (`python train/main.py`), or with --nodes N, N agents
 of `mingpt-torchrun --nnodes=N --nproc-per-node=1` around `mingpt-rendezvous` on this machine, each
-with a memory folder of its own. Under fsdp over nodes every process also sends its copy to the next
+with a memory folder of its own in /dev/shm. Under fsdp over nodes every process also sends its copy to the next
 node, so --parallelism fsdp --nodes 2 measures the copies and their replication. Printed per side: the
 median of the jobs' median tokens/s (metrics.jsonl, the first 10 steps left out, or a third where
 there are fewer than 30), and for `on` what the trainer logged of the tier (the interval it chose, the
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -65,9 +66,10 @@ def nodes(workdir: Path, count: int, settings: list[str]) -> list[Path]:
     store = subprocess.Popen([str(BIN / "mingpt-rendezvous"), f"--port={port}"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     agents, logs = [], []
+    shared = Path(tempfile.mkdtemp(prefix="bench-memory-", dir="/dev/shm"))  # as the default memory_dir is
     try:
         for node in range(count):
-            memory, log = workdir / f"memory-{node}", workdir / f"node-{node}.log"
+            memory, log = shared / f"node-{node}", workdir / f"node-{node}.log"
             memory.mkdir()
             agents.append(subprocess.Popen(
                 [str(BIN / "mingpt-torchrun"), f"--nnodes={count}", "--nproc-per-node=1", "--rdzv-backend=c10d",
@@ -82,6 +84,7 @@ def nodes(workdir: Path, count: int, settings: list[str]) -> list[Path]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait()
+        shutil.rmtree(shared, ignore_errors=True)
     return logs
 
 

@@ -3,7 +3,7 @@ copied by every other node with ranged reads, each file checked before it is use
 
 import json
 import logging
-import socket
+import os
 import subprocess
 import sys
 import threading
@@ -15,6 +15,7 @@ import pytest
 
 from conftest import s3_keys
 from launch import BIN, output
+from mingpt import claim
 from mingpt.data import prepare as prepare_module
 from mingpt.data import remote
 from mingpt.data.prepare import PrepareConfig, prepare
@@ -115,7 +116,7 @@ def test_a_claim_whose_beat_stops_is_taken_over_and_a_beating_one_is_waited_for(
     # A node that died left its claim: its beat never moves, and after the timeout it is taken over.
     for key in s3_keys(s3, "prepared/"):
         boto3.client("s3", endpoint_url=s3.endpoint).delete_object(Bucket=s3.bucket, Key=key)
-    put(s3, "prepared/corpus-char/claim.json", json.dumps({"host": "node-that-died", "pid": 7, "beat": 3}).encode())
+    put(s3, "prepared/corpus-char/claim.json", json.dumps({"host": "node-that-died", "pids": [[7, 1]], "beat": 3}).encode())
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mingpt"):
         prepare(shared(tmp_path / "survivor"))
@@ -124,12 +125,15 @@ def test_a_claim_whose_beat_stops_is_taken_over_and_a_beating_one_is_waited_for(
     assert "prepared/corpus-char/claim.json" not in s3_keys(s3, "prepared/")
 
 
-def test_a_claim_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_path, s3, shared, monkeypatch):
-    monkeypatch.setattr(remote, "CLAIM_TIMEOUT_S", 3600.0)  # only the dead pid can end the wait
+@pytest.mark.parametrize("reused", [False, True])
+def test_a_claim_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_path, s3, shared, monkeypatch, reused):
+    """Dead by pid and start time: a pid that a new process took since (here: this very process) does not
+    keep a dead claim alive."""
+    monkeypatch.setattr(remote, "CLAIM_TIMEOUT_S", 3600.0)  # only the dead process can end the wait
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    put(s3, "prepared/corpus-char/claim.json",
-        json.dumps({"host": socket.gethostname(), "pid": gone.pid, "beat": 0}).encode())
+    process = [os.getpid(), claim.start_time(os.getpid()) + 1] if reused else [gone.pid, 1]
+    put(s3, "prepared/corpus-char/claim.json", json.dumps({**claim.holder([]), "pids": [process], "beat": 0}).encode())
     assert PreparedData(prepare(shared(tmp_path / "node-a"))).meta["train_tokens"] > 0
 
 
@@ -166,9 +170,9 @@ def test_an_untrusted_claim_or_description_is_bounded_and_typed(tmp_path, s3, co
     folder = remote.RemoteFolder(f"s3://{s3.bucket}/prepared/x")
     put(s3, "prepared/x/claim.json", json.dumps({"host": "h" * 2**20, "pid": 1, "beat": 0}).encode())
     assert folder.holder() == {}  # unreadable: watched like a silent claim, and taken over in time
-    here = socket.gethostname()
-    for pid in (2**70, -1, 0, True):
-        assert remote._dead_here({"host": here, "pid": pid}) is False
+    for pid in (-1, 0):  # never a signal to a process group
+        assert claim.process_alive(pid) is False
+    assert claim.ended_here({**claim.holder([]), "pids": [[2**70, 1]]}) is False  # cannot tell: alive
     local = tmp_path / "prepared"
     prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=str(local)))
     meta = json.loads((local / "meta.json").read_text())

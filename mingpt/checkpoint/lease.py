@@ -15,7 +15,8 @@ when it exits.
 Another job may take the run over when the holder released it, ran on this machine and is gone, or
 stopped beating: judged by watching the claim (and the newest commit) not change for the holder's
 `timeout_s` on this process's own monotonic clock. Timestamps written by another host are never
-compared with ours, so no clock skew lets a live holder be taken over.
+compared with ours, so no clock skew lets a live holder be taken over. (Claim, beat, watch and
+liveness are mingpt.claim's, which the prepared data's claim shares.)
 
 Every generation of workers of one torchrun job (restarts, nodes leaving or joining) carries the
 same job identity, so it takes the run over at once. A worker left over from an older generation
@@ -30,12 +31,12 @@ import logging
 import os
 import re
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from mingpt.claim import Beat, ended_here, holder, processes_of, same_machine, start_time, stood_still
 from mingpt.errors import MinGPTError
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, is_local, redact, replace_atomically
@@ -70,7 +71,7 @@ def job_identity() -> str:
         return f"torchrun:{run_id}"
     if run_id == "none":
         agent = os.getppid()
-        return f"torchrun-agent:{socket.gethostname()}:{agent}:{_start_time(agent)}"
+        return f"torchrun-agent:{socket.gethostname()}:{agent}:{start_time(agent)}"
     return f"process:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
@@ -95,8 +96,7 @@ class RunLease:
         self.claim: Claim | None = None
         self.lost = False
         self._beat = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._beating: Beat | None = None
 
     @property
     def generation(self) -> int | None:
@@ -177,8 +177,8 @@ class RunLease:
         if holder.get("released"):
             log.info("continuing %s after job %s, which released it", self.url, holder.get("job"))
             return
-        if _same_machine(holder):
-            if not any(process_alive(pid, start) for pid, start in _processes(holder)):  # an ordinary resume
+        if same_machine(holder):
+            if ended_here(holder):  # an ordinary resume
                 log.info("continuing %s after job %s, whose processes on this machine (%s) have ended", self.url,
                          holder.get("job"), _pids(holder))
                 return
@@ -191,17 +191,12 @@ class RunLease:
         timeout = _timeout_of(current.record, self.timeout_s)
         log.warning("%s is held by job %s on host %s: watching its claim for up to %.0f s (its lease timeout) to "
                     "tell whether it is alive", self.url, current.record.get("job"), current.record.get("host"), timeout)
-        state = lambda: (self._claim_bytes(), last_commit())
-        seen = state()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, timeout / 8))
-            if state() != seen:
-                newest = self.current()
-                if newest is not None and newest.generation == current.generation and newest.record.get("released"):
-                    log.info("taking over %s, released by job %s meanwhile", self.url, newest.record.get("job"))
-                    return
-                raise self._owned(current, "it renewed its claim or committed while this job watched")
+        if not stood_still(lambda: (self._claim_bytes(), last_commit()), timeout):
+            newest = self.current()
+            if newest is not None and newest.generation == current.generation and newest.record.get("released"):
+                log.info("taking over %s, released by job %s meanwhile", self.url, newest.record.get("job"))
+                return
+            raise self._owned(current, "it renewed its claim or committed while this job watched")
         log.warning("taking over %s from job %s on host %s: it has not renewed its claim for %.0f s (watched from "
                     "here; its lease timeout is %.0f s)", self.url, current.record.get("job"),
                     current.record.get("host"), timeout, timeout)
@@ -246,26 +241,23 @@ class RunLease:
 
     def keep_alive(self) -> None:
         """Renew in a background thread every timeout_s / 4 until `release`; a lost lease sets `lost`."""
-        interval = max(0.2, self.timeout_s / 4)
+        self._beating = Beat(self._renew_quietly, max(0.2, self.timeout_s / 4), "run-lease")
+        self._beating.start()
 
-        def loop() -> None:
-            while not self._stop.wait(interval):
-                try:
-                    self.renew()
-                except LeaseLostError as e:
-                    log.error("%s", e)
-                    return
-                except Exception as e:  # a storage hiccup: the next renewal may get through
-                    log.warning("could not renew the claim on %s: %s: %s", self.url, type(e).__name__, redact(e))
-
-        self._thread = threading.Thread(target=loop, name="run-lease", daemon=True)
-        self._thread.start()
+    def _renew_quietly(self) -> bool:
+        try:
+            self.renew()
+        except LeaseLostError as e:
+            log.error("%s", e)
+            return False
+        except Exception as e:  # a storage hiccup: the next renewal may get through
+            log.warning("could not renew the claim on %s: %s: %s", self.url, type(e).__name__, redact(e))
+        return True
 
     def release(self) -> None:
         """Stop renewing and mark the claim released, so that another job may start at once."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._beating is not None:
+            self._beating.stop()
         if self.claim is None or self.lost:
             return
         try:
@@ -285,9 +277,8 @@ class RunLease:
         pids = [os.getpid()]
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             pids.append(os.getppid())  # the torchrun agent: the job lives while it does
-        return {"job": self.job, "generation": generation, "host": socket.gethostname(), "boot_id": _boot_id(),
-                "pids": [[pid, _start_time(pid)] for pid in pids], "since": since, "renewed": since, "beat": 0,
-                "released": False, "timeout_s": self.timeout_s}
+        return {"job": self.job, "generation": generation, **holder(pids), "since": since, "renewed": since,
+                "beat": 0, "released": False, "timeout_s": self.timeout_s}
 
     def _path(self, generation: int) -> str:
         return f"{self.folder}/gen-{generation:09d}.json"
@@ -364,51 +355,8 @@ def _when(epoch) -> str:
         return "an unknown time"
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _same_machine(record: dict) -> bool:
-    return record.get("host") == socket.gethostname() and record.get("boot_id") == _boot_id()
-
-
-def _start_time(pid: int) -> int:
-    """The start time of a process (clock ticks since boot), so that a reused pid is not taken for it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def process_alive(pid: int, start: int = 0) -> bool:
-    """Whether process `pid` of this machine runs (and, given its start time, is still that process)."""
-    if pid <= 0:
-        return False  # kill(0) or kill(-n) would ask about process groups, not this process
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # exists, owned by someone else; or we cannot tell: assume alive
-    return not start or _start_time(pid) == start
-
-
-def _processes(record: dict) -> list[tuple[int, int]]:
-    """The (pid, start time) pairs a claim names; whatever else its "pids" holds is ignored."""
-    found = []
-    for entry in record.get("pids") if isinstance(record.get("pids"), list) else []:
-        if isinstance(entry, list) and len(entry) == 2 and all(isinstance(n, int) for n in entry):
-            found.append((entry[0], entry[1]))
-    return found
-
-
 def _pids(record: dict) -> str:
-    return ", ".join(str(pid) for pid, _ in _processes(record))
+    return ", ".join(str(pid) for pid, _ in processes_of(record))
 
 
 def _timeout_of(record: dict, default: float) -> float:

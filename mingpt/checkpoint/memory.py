@@ -49,7 +49,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.tensor import DTensor
 
-from mingpt.checkpoint.lease import process_alive
+from mingpt.claim import process_alive
 from mingpt.storage import replace_atomically
 
 log = logging.getLogger(__name__)

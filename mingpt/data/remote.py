@@ -9,8 +9,9 @@ it first, and copied by every other node into a local folder that it memory-maps
 The claim is an exclusive create (If-None-Match: *), so two nodes do not prepare at once. A node that
 finds a claim waits for the meta.json. A claim whose beat stops changing for CLAIM_TIMEOUT_S, watched
 on the waiter's own clock (clocks of two machines are never compared), belongs to a node that died: the
-waiter removes it and claims the folder itself. A claim of a dead process on this machine is taken over
-at once.
+waiter removes it and claims the folder itself. A claim of this machine whose process has ended (by pid
+and start time: a reused pid does not count) is taken over at once. (Claim, beat and liveness are
+mingpt.claim's, which the run's lease shares.)
 
 A copy reads each file with parallel ranged reads into a scratch folder beside the local copy, checks
 each sha256 against meta.json, and only then renames the folder into place, so a damaged upload, or
@@ -22,14 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from mingpt.claim import Beat, ended_here, holder, processes_of
 from mingpt.data.prepared import META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
 from mingpt.storage import create_exclusive, explain_storage_error, open_fs, redact, replace_atomically
@@ -40,7 +40,6 @@ CLAIM_FILE = "claim.json"
 BEAT_S = 5.0  # how often the preparing node advances its claim's beat
 CLAIM_TIMEOUT_S = 120.0  # a claim unchanged this long, on the waiter's clock, is a dead node's
 MAX_CLAIM_BYTES = 64 * 1024
-PID_MAX = 4_194_304  # Linux's largest pid_max
 POLL_S = 1.0  # how often a waiting node looks again
 CHUNK_BYTES = 16 << 20  # one ranged read
 PARALLEL_READS = 16  # ranged reads in flight: memory stays under PARALLEL_READS * CHUNK_BYTES
@@ -107,7 +106,7 @@ class RemoteFolder:
                 return  # released: claim it, or find it published
             if now != watched:
                 watched, since = now, time.monotonic()
-            elif _dead_here(now) or time.monotonic() - since >= CLAIM_TIMEOUT_S:
+            elif ended_here(now) or time.monotonic() - since >= CLAIM_TIMEOUT_S:
                 log.warning("the node that claimed %s (%s) stopped; preparing it here instead", redact(self.url),
                             _describe(now))
                 self._remove_claim(now)
@@ -181,32 +180,30 @@ class _Claim:
 
     def __init__(self, folder: RemoteFolder):
         self.folder, self.path = folder, folder._join(CLAIM_FILE)
-        self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "beat": 0}
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._beat, name="prepared-data-claim", daemon=True)
+        self.mine = {**holder([os.getpid()]), "started": time.time(), "beat": 0}
+        self.beating = Beat(self._beat, BEAT_S, "prepared-data-claim")
 
     def content(self) -> bytes:
         return json.dumps(self.mine).encode()
 
     def start_beating(self) -> None:
-        self.thread.start()
+        self.beating.start()
 
-    def _beat(self) -> None:
-        while not self.stopped.wait(BEAT_S):
-            try:
-                if self.folder.holder() != self.mine:
-                    log.warning("another node took over the claim of %s; preparing on: the data is the same",
-                                redact(self.folder.url))
-                    return
-                beat = {**self.mine, "beat": self.mine["beat"] + 1}
-                replace_atomically(self.folder.fs, self.path, json.dumps(beat).encode())
-                self.mine = beat  # only once written: `release` removes the claim that is there
-            except Exception as e:  # a network hiccup: the next beat tries again; waiters allow for some
-                log.warning("could not renew the claim of %s: %s", redact(self.folder.url), redact(e))
+    def _beat(self) -> bool:
+        try:
+            if self.folder.holder() != self.mine:
+                log.warning("another node took over the claim of %s; preparing on: the data is the same",
+                            redact(self.folder.url))
+                return False
+            beat = {**self.mine, "beat": self.mine["beat"] + 1}
+            replace_atomically(self.folder.fs, self.path, json.dumps(beat).encode())
+            self.mine = beat  # only once written: `release` removes the claim that is there
+        except Exception as e:  # a network hiccup: the next beat tries again; waiters allow for some
+            log.warning("could not renew the claim of %s: %s", redact(self.folder.url), redact(e))
+        return True
 
     def release(self) -> None:
-        self.stopped.set()
-        self.thread.join()
+        self.beating.stop()
         try:
             self.folder._remove_claim(self.mine)
         except Exception as e:  # waiters take over a claim that stopped beating
@@ -253,19 +250,6 @@ def _ranged_copy(fs, path: str, target: Path) -> int:
     return size
 
 
-def _dead_here(holder: dict) -> bool:
-    """Whether the claim is a process of this machine that no longer runs."""
-    pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or not 0 < pid <= PID_MAX:
-        return False  # not this machine's, or no pid a process can have (kill(0) asks about a group)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def _describe(holder: dict) -> str:
-    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}" if holder else "a node (claim unreadable)"
+def _describe(claim: dict) -> str:
+    pids = ", ".join(str(pid) for pid, _ in processes_of(claim)) or "?"
+    return f"host {claim.get('host', '?')}, pid {pids}" if claim else "a node (claim unreadable)"
