@@ -3,6 +3,7 @@ wait for ranks, and a rendezvous that only a finished job closes. Unit tests ove
 real TCPStore; the whole behaviour, with real agents and workers, is in test_trainer.py (nodes dying,
 joining and leaving under --max-restarts=0) and test_elastic_launch.py (a node that comes too late)."""
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -43,11 +44,17 @@ class Members(Rendezvous):
         return self.current
 
 
+HOST = socket.gethostname()
+
+
 def bare_agent(members=None, restarts=0) -> Agent:
     """An Agent without torch's start-up (no rendezvous, no workers): its policy alone."""
     agent = object.__new__(Agent)
     agent.rdzv = Members(members)
     agent._members, agent._cause, agent._noticed, agent._remaining_restarts = set(members or ()), None, 0.0, restarts
+    agent._hung, agent._free_hangs = set(), 3
+    agent.watchdog = SimpleNamespace(check=lambda pids: [], finding="hung: host pid 1000 (stopped)")
+    agent._pcontext = SimpleNamespace(pids=lambda: {0: 1000, 1: 1001})
     return agent
 
 
@@ -60,8 +67,8 @@ def failed(*codes) -> RunResult:
 @pytest.mark.parametrize("codes, free, cause", [
     ((PEER_STOPPED,), True, "asked to stop (SIGTERM)"),
     ((PEER_LOST, PEER_LOST), True, "lost (its processes died or were cut off)"),
-    ((PEER_LOST, 1), False, "a worker failed (exit 1, 76)"),
-    ((-9,), False, "a worker failed (exit -9)"),
+    ((PEER_LOST, 1), False, f"failed: {HOST} pid 1000 (exit 76); {HOST} pid 1001 (exit 1)"),
+    ((-9,), False, f"failed: {HOST} pid 1000 (SIGKILL)"),
 ])
 def test_workers_ended_by_another_node_use_up_no_restart(monkeypatch, codes, free, cause):
     monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: failed(*codes))
@@ -69,6 +76,20 @@ def test_workers_ended_by_another_node_use_up_no_restart(monkeypatch, codes, fre
     assert agent._monitor_workers(None).state == WorkerState.FAILED  # torch's loop restarts, taking one back
     assert agent._remaining_restarts == (1 if free else 0)
     assert agent._cause == cause
+
+
+def test_a_restart_after_the_watchdog_ended_a_hung_worker_is_free_three_times(monkeypatch):
+    """torch ends the other workers when one fails: their exits (SIGTERM) come with the hung one's."""
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: failed(-9, -15))
+    agent = bare_agent()
+    agent._hung = {1000}
+    for left in (2, 1, 0):
+        assert agent._monitor_workers(None).state == WorkerState.FAILED
+        assert agent._free_hangs == left and agent._cause == "hung: host pid 1000 (stopped)"
+        agent._cause = None
+    assert agent._remaining_restarts == 3
+    agent._monitor_workers(None)  # a fourth: a hang that comes back every time is a failure
+    assert agent._remaining_restarts == 3 and agent._cause.startswith("failed: ")
 
 
 def test_a_node_gone_from_the_round_restarts_healthy_workers_for_free(monkeypatch):

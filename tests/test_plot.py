@@ -106,3 +106,14 @@ def test_mingpt_plot_draws_a_restarted_run(tmp_path):
     assert done.stdout == f"{tmp_path / 'loss.png'}\n"
     picture = (tmp_path / "loss.png").read_bytes()
     assert picture.startswith(PNG) and len(picture) > 10_000
+
+
+def test_each_processs_own_time_is_read_and_drawn_below(tmp_path):
+    times = lambda step, slow: {"step": step, "process_times": [
+        {"process": "a pid 1", "data_ms": 1.0, "compute_ms": 20.0, "sync_ms": 30.0},
+        {"process": "b pid 2", "data_ms": 1.0, "compute_ms": slow, "sync_ms": 10.0}]}
+    records = [{"step": 20, "train_loss": 3.0}, times(20, 20.0), times(40, 45.0), {"step": 60, "process_times": "?"}]
+    data = plot.curves(records)
+    assert data.own_ms == {"a pid 1": {20: 21.0, 40: 21.0}, "b pid 2": {20: 21.0, 40: 46.0}}
+    plot.draw(data, "run", str(tmp_path / "loss.png"), plot.pyplot())
+    assert (tmp_path / "loss.png").read_bytes().startswith(PNG)

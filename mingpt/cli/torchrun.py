@@ -26,7 +26,7 @@ from mingpt.errors import ConfigError
 from mingpt.training import agent
 from mingpt.training.app import compose_config
 from mingpt.training.distributed import one_line
-from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf
+from mingpt.training.launcher import NCCL_WATCH, STORE_SHARING, merge_rendezvous_conf
 from mingpt.training.preparation import prepare_data
 
 C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv-endpoint names none
@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if status:
         return status
     os.environ.setdefault(STORE_SHARING, "1")
+    for name, value in NCCL_WATCH.items():
+        os.environ.setdefault(name, value)
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
           file=sys.stderr, flush=True)
     agent.install()

@@ -1,5 +1,7 @@
 """A run's loss from its metrics.jsonl, as a picture (`mingpt-plot`): train and val loss against step,
-tokens/s on a second axis, and a vertical line where the run restarted or its world size changed.
+tokens/s on a second axis, and a vertical line where the run restarted or its world size changed; below,
+where the run recorded them, each process's own time per step (mingpt.training.stragglers), so that a slow
+one stands out.
 Needs matplotlib: pip install -e ".[plot]".
 """
 
@@ -29,6 +31,7 @@ class Curves:
     val_loss: dict[int, float] = field(default_factory=dict)
     tokens_per_s: dict[int, float] = field(default_factory=dict)
     marks: list[Mark] = field(default_factory=list)
+    own_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # process -> step -> its own ms a step
 
 
 def read_records(run: str) -> list[dict]:
@@ -61,6 +64,12 @@ def curves(records: list[dict]) -> Curves:
         for key in ("train_loss", "val_loss", "tokens_per_s"):
             if isinstance(record.get(key), (int, float)):
                 getattr(result, key)[record["step"]] = float(record[key])
+        for process in record.get("process_times") or [] if isinstance(record.get("process_times"), list) else []:
+            try:
+                own = float(process["data_ms"]) + float(process["compute_ms"])
+                result.own_ms.setdefault(str(process["process"]), {})[record["step"]] = own
+            except (KeyError, TypeError, ValueError):  # not a record this version wrote
+                continue
     result.marks = find_marks(records)
     return result
 
@@ -130,7 +139,12 @@ def pyplot():
 def draw(data: Curves, title: str, out: str, plt) -> None:
     """Write the picture to `out` (PNG, or any format matplotlib knows by the name's ending) with `plt`,
     matplotlib.pyplot."""
-    fig, loss_axis = plt.subplots(figsize=(8, 4.5))
+    if data.own_ms:
+        fig, (loss_axis, process_axis) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
+                                                      gridspec_kw={"height_ratios": [3, 1.3]})
+        _draw_processes(process_axis, data.own_ms)
+    else:
+        fig, loss_axis = plt.subplots(figsize=(8, 4.5))
     rate_axis = loss_axis.twinx()
     if data.tokens_per_s:
         steps = sorted(data.tokens_per_s)
@@ -152,7 +166,8 @@ def draw(data: Curves, title: str, out: str, plt) -> None:
         loss_axis.axvline(step, color=color, ls="--" if restart else ":", lw=1)
         loss_axis.annotate(" " + ", ".join(mark.text for mark in marks), (step, 0.98), rotation=90, va="top",
                            xycoords=("data", "axes fraction"), fontsize=7, color=color)
-    loss_axis.set_xlabel("step")
+    if not data.own_ms:
+        loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("loss")
     loss_axis.set_title(title, fontsize=10)
     loss_axis.grid(alpha=0.3)
@@ -164,3 +179,16 @@ def draw(data: Curves, title: str, out: str, plt) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def _draw_processes(axis, own_ms: dict[str, dict[int, float]]) -> None:
+    """Each process's own time a step (data and computing), a line per process: a straggler lies above."""
+    for process in sorted(own_ms):
+        steps = sorted(own_ms[process])
+        axis.plot(steps, [own_ms[process][s] for s in steps], lw=0.9, label=process)
+    axis.set_ylim(bottom=0)
+    axis.set_ylabel("own ms a step")
+    axis.set_xlabel("step")
+    axis.grid(alpha=0.3)
+    if len(own_ms) <= 8:
+        axis.legend(loc="upper right", fontsize=7)

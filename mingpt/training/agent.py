@@ -18,6 +18,10 @@ rendezvous handler:
 5. The rendezvous store answering late, while the workers trained, ended the agent. It now waits for
    the next answer.
 
+And a hung worker is found in seconds, instead of when the collectives time out: the agent watches its
+workers' progress (mingpt.training.watchdog), names a hung one with its stack, and ends it; the restart
+that follows is free, up to FREE_HANG_RESTARTS (a hang that comes back each time is a failure).
+
 And one thing is quicker: an agent waiting in a round polls the store every POLL_S (torch: every second),
 so the agents of a membership change find each other sooner, and a round can close a second after its
 first node arrived (launcher.QUICK_RENDEZVOUS) without leaving a late one out.
@@ -32,6 +36,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import time
 from datetime import timedelta
 
@@ -47,6 +53,8 @@ from torch.distributed.launcher import api as launcher_api
 
 from mingpt.training.distributed import one_line
 from mingpt.training.launcher import MEMBERSHIP, MEMBERSHIP_EXITS
+from mingpt.training.progress import PROGRESS_DIR
+from mingpt.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,7 @@ POLL_S = 0.25  # how often an agent waiting in a round asks the store for news (
 RANKS_WAIT_S = 10.0  # how long an agent waits for the ranks of a closed round (torch: the store's 60 s)
 RANKS_SLICE_S = 2.0  # how often it checks, meanwhile, that every node of the round is still alive
 LEAVE_S = 5.0  # how long a leaving agent tries to take itself out of the rendezvous
+FREE_HANG_RESTARTS = 3  # restarts after a hang that do not use up --max-restarts
 
 
 class JobFinished(Exception):
@@ -136,6 +145,10 @@ class Agent(LocalElasticAgent):
         self._members: set[str] = set()  # the nodes of the round this node's workers run in
         self._cause: str | None = None  # why they are being restarted, and since when
         self._noticed = 0.0
+        self.watchdog = Watchdog()
+        os.environ[PROGRESS_DIR] = str(self.watchdog.folder)  # the workers inherit the agent's environment
+        self._hung: set[int] = set()  # workers the watchdog ended
+        self._free_hangs = FREE_HANG_RESTARTS
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
@@ -143,6 +156,8 @@ class Agent(LocalElasticAgent):
         except SignalException:  # this node leaves (its workers have saved): the others need not wait for it
             self.rdzv.leave()
             raise
+        finally:
+            self.watchdog.close()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -150,12 +165,19 @@ class Agent(LocalElasticAgent):
             self.rdzv.finished = True
         elif result.state == WorkerState.FAILED:
             codes = sorted({failure.exitcode for failure in result.failures.values()})
-            if set(codes) <= MEMBERSHIP_EXITS.keys():
+            if self._hung & {failure.pid for failure in result.failures.values()} and self._free_hangs > 0:
+                self._free_hangs -= 1  # the watchdog ended one (and torch the others): the hang is the cause
+                self._remaining_restarts += 1
+                self._notice(self.watchdog.finding)
+            elif set(codes) <= MEMBERSHIP_EXITS.keys():
                 self._remaining_restarts += 1  # torch's loop takes one for this restart: a membership change is free
                 self._notice(MEMBERSHIP_EXITS[codes[0]])
             else:
-                self._notice(f"a worker failed (exit {', '.join(map(str, codes))})")
-        elif result.state == WorkerState.HEALTHY and self._members:
+                self._notice("failed: " + "; ".join(_failure(f) for f in sorted(result.failures.values(),
+                                                                              key=lambda f: f.local_rank)))
+        elif result.state == WorkerState.HEALTHY:
+            self._hung |= set(self.watchdog.check(list(self._pcontext.pids().values())))
+        if result.state == WorkerState.HEALTHY and self._members:
             gone = self._members - (self.rdzv.members() or self._members)
             if gone:
                 self._remaining_restarts += 1
@@ -185,6 +207,8 @@ class Agent(LocalElasticAgent):
                 log.warning("mingpt-torchrun: a rendezvous round failed (%s); joining the next one", one_line(e))
         self._members = self.rdzv.members() or set()
         self._tell_workers(before)
+        self.watchdog.new_generation()
+        self._hung.clear()
         log.info("mingpt-torchrun: this node is node %d of %d; starting its workers", worker_group.group_rank,
                  worker_group.group_world_size)
 
@@ -217,6 +241,19 @@ class Agent(LocalElasticAgent):
                   "members": _hosts(now), "cause": self._cause, "noticed": self._noticed or time.time()}
         os.environ[MEMBERSHIP] = json.dumps(change)  # the workers inherit the agent's environment
         self._cause, self._noticed = None, 0.0
+
+
+def _failure(failure) -> str:
+    """A worker's end in words: host, pid, signal or exit status, and the first line of its error file where
+    it wrote one."""
+    how = f"exit {failure.exitcode}"
+    if failure.exitcode < 0:
+        try:
+            how = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            pass
+    said = (failure.message or "").strip().splitlines() if os.path.isfile(failure.error_file) else []
+    return f"{socket.gethostname()} pid {failure.pid} ({how}{': ' + said[0] if said else ''})"
 
 
 def _hosts(nodes: set[str]) -> list[str]:

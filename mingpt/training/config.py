@@ -76,6 +76,9 @@ class TrainerConfig:
     # Where metrics go, from jsonl (metrics.jsonl beside the snapshots), tensorboard, wandb (see mingpt.metrics).
     loggers: List[str] = field(default_factory=lambda: ["jsonl"])
     dist_timeout_s: int = 300  # a collective that waits longer fails, and torchrun restarts the workers
+    # Under mingpt-torchrun, a worker that makes no progress this long is named, its stack logged, and the
+    # workers restarted (mingpt.training.watchdog); 0: 20 median steps, at least 20 s, once steps are timed.
+    hang_timeout_s: float = 0.0
 
 
 @dataclass
@@ -193,6 +196,9 @@ def validate(cfg: Config) -> None:
         ("trainer.eval_samples", t.eval_samples > 0, "a positive integer"),
         ("trainer.log_every", t.log_every > 0, "a positive integer"),
         ("trainer.dist_timeout_s", t.dist_timeout_s > 0, "a positive number of seconds"),
+        ("trainer.hang_timeout_s", t.hang_timeout_s == 0 or 5 <= t.hang_timeout_s < t.dist_timeout_s,
+         f"0 (chosen from the step time) or at least 5 s and below trainer.dist_timeout_s={t.dist_timeout_s} (a "
+         "collective that times out first restarts the workers without naming the hung one)"),
         ("snapshot.dir", bool(s.dir), "a folder path or URL"),
         ("snapshot.every", s.every > 0, "a positive number of steps"),
         ("snapshot.keep", s.keep >= 2, "at least 2, so that a damaged newest snapshot has a fallback"),

@@ -15,6 +15,18 @@ import os
 
 STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
+# On GPUs (NCCL), a hung collective is found by NCCL's own watchdog too: errors end the process instead of
+# hanging it, a heartbeat monitor ends a process whose watchdog itself is stuck, and on a timeout the flight
+# recorder writes the last collectives of every process (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE, /tmp by
+# default) for `python -m torch.distributed.flight_recorder`. The user's own values win.
+NCCL_WATCH = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+
 # Rendezvous settings for quick recovery (torch's defaults in brackets). A dead node is noticed when it has
 # missed 3 heartbeats a second apart (15 s): nodes' clocks must agree to within about a second, as NTP keeps
 # them. A round closes 1 s after its first node arrived (30 s): long enough for the survivors of a change,

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.checkpoint.load import snapshot_store
@@ -38,7 +39,9 @@ from mingpt.training.launcher import PEER_STOPPED, membership_change
 from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
+from mingpt.training.progress import Progress
 from mingpt.training.schedule import set_lr
+from mingpt.training.stragglers import StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +179,9 @@ class Trainer:
         self.val_loss: float | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
         self.flops_per_token = flops_per_token(model_config, model.num_params())
+        self.progress = Progress(t.hang_timeout_s)  # for the agent's watchdog (mingpt.training.watchdog)
+        self._split = (0.0, 0.0)  # the last step's seconds waiting for data and computing on its own
+        self._own_end = 0.0  # when this process's own work in the step ended
 
     @property
     def model(self) -> GPT:
@@ -233,6 +239,8 @@ class Trainer:
             self.model.compile()
         _log(world, "torch.compile %s (%s)", "on" if use_compile else "off", compile_reason)
         self.ddp = parallel.replicate(self.model, world)
+        if self.ddp is not None:  # to time this process's own backward pass, for stragglers
+            self.ddp.register_comm_hook(None, self._gradients_ready)
         # Window offsets are a function of (seed, position) only: any world size reads the same examples.
         order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
         _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s (%s), %s, "
@@ -249,8 +257,11 @@ class Trainer:
         if world.is_leader:  # the one process that reports MFU
             self.peak, source = peak_flops(world.device, compute_dtype(self.autocast))
             _log(world, "MFU is measured against %.1f GFLOP/s per process, from %s", self.peak / 1e9, source)
+        self.step_times = StepTimes(world, self.metrics)
         while state.step < t.max_steps:
             set_lr(self.replica.optimizer, t, state.step)
+            self.progress.mark(state.step, "computing")
+            started = time.perf_counter()
             try:
                 loss_sum = self._step(order.starts(state.samples_seen, t.global_batch_size))
                 state.step += 1
@@ -264,6 +275,8 @@ class Trainer:
                 raise
             self.checkpointer.stop_on(failing, lost)
             self.checkpointer.after_step()  # into the memory tier
+            self.step_times.add(*self._split, time.perf_counter() - started)
+            self.step_times.end_of_step(state.step)
             self.train_loss = loss_total / t.global_batch_size
             if not math.isfinite(self.train_loss):
                 self.finish()
@@ -277,7 +290,8 @@ class Trainer:
                 self._log_progress(throughput)
             # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
             if (t.eval_every and state.step % t.eval_every == 0) or (last and not stops):
-                self.val_loss = evaluate(self.model, self.val_blocks, cfg, world, self.autocast)
+                tick = lambda: self.progress.mark(state.step, "evaluating")
+                self.val_loss = evaluate(self.model, self.val_blocks, cfg, world, self.autocast, tick)
                 _log(world, "step %d | val loss %.4f", state.step, self.val_loss)
                 self.metrics.log(state.step, {"val_loss": self.val_loss})
             if state.step % cfg.snapshot.every == 0 or last:
@@ -305,20 +319,26 @@ class Trainer:
         # also when the batch does not split evenly.
         scale = world.world_size / t.global_batch_size
         loss_sum = torch.zeros((), device=world.device)
+        started, waited = time.perf_counter(), 0.0
         self.replica.optimizer.zero_grad(set_to_none=True)
         for i, piece in enumerate(pieces):
             first = mine.start + (piece or pieces[0]).start
             count = piece.stop - piece.start if piece else 0  # a padding piece: run, but weigh nothing
+            fetched = time.perf_counter()
             x, y = self.train_blocks.windows(starts[first : first + max(count, 1)])
             x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+            waited += time.perf_counter() - fetched
             # Dropout masks are a function of the data position, not of the process or its history.
             torch.manual_seed((self.cfg.seed * 1_000_003 + self.replica.state.samples_seen + first) % 2**63)
             sync = i == len(pieces) - 1
             with (nullcontext() if sync else parallel.no_sync(self.model, self.ddp)), self.autocast:
                 _, loss = (self.ddp or self.replica.model)(x, y)
             weighted = loss * (count * scale)
+            if sync:  # where the gradients are not exchanged bucket by bucket, its own work ends here
+                self._own_end = time.perf_counter()
             (self.replica.scaler.scale(weighted) if self.replica.scaler else weighted).backward()
             loss_sum += loss.detach().float() * count
+        updating = time.perf_counter()  # the gradients are everyone's now: what follows is this process's own again
         self.checkpointer.before_update()  # the memory tier's copy of the last step must be complete
         if self.replica.scaler:
             self.replica.scaler.unscale_(self.replica.optimizer)  # clip the true gradients, not the scaled ones
@@ -329,7 +349,15 @@ class Trainer:
             self.replica.scaler.update()
         else:
             self.replica.optimizer.step()
-        return loss_sum.item()
+        loss = loss_sum.item()
+        self._split = (waited, self._own_end - started - waited + time.perf_counter() - updating)
+        return loss
+
+    def _gradients_ready(self, group, bucket):  # no annotation: DDP checks it, and ours are strings
+        """DDP hands each bucket of gradients to this hook as soon as this process has computed them: the last
+        one ends this process's own work in the step (what comes after is waiting for the others)."""
+        self._own_end = time.perf_counter()
+        return allreduce_hook(group, bucket)
 
     def _log_progress(self, throughput: Throughput) -> None:
         t, step = self.cfg.trainer, self.replica.state.step
@@ -337,9 +365,10 @@ class Trainer:
         lr = self.replica.optimizer.param_groups[0]["lr"]
         used = self._mfu(rate)
         memory = peak_memory_bytes(self.world.device)
-        _log(self.world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | MFU %.1f%% | %.0f MB | ETA %s", step,
+        slow = f" | slow: {', '.join(sorted(self.step_times.slow))}" if self.step_times.slow else ""
+        _log(self.world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | MFU %.1f%% | %.0f MB | ETA %s%s", step,
              t.max_steps, self.train_loss, lr, rate, 100 * used, memory / 1e6,
-             _duration((t.max_steps - step) * seconds_per_step))
+             _duration((t.max_steps - step) * seconds_per_step), slow)
         self.metrics.log(step, {"train_loss": self.train_loss, "lr": lr, "tokens_per_s": rate,
                                 "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
 
@@ -353,6 +382,10 @@ class Trainer:
         record = {"left": left, "joined": joined, "members": members, "cause": change.get("cause"),
                   "world_size": self.world.world_size, "steps_lost": self.steps_lost}
         self.metrics.log(self.replica.state.step, {"membership": record, "recovery_s": round(seconds, 2)})
+        if change.get("cause") and not (left or joined):  # a restart within the same nodes: a hang, a failure
+            self.metrics.log(self.replica.state.step, {"restart": change["cause"]})
+            _log(self.world, "restart: %s; steps lost %s; this step %.1f s after it", change["cause"],
+                 "unknown" if self.steps_lost is None else self.steps_lost, seconds)
         if left or joined:
             how = f" ({change['cause']})" if left and change.get("cause") else ""
             _log(self.world, "membership change: left %s%s; joined %s; now %d node(s), %d process(es); steps lost "
@@ -372,13 +405,16 @@ class Trainer:
         return used
 
     def save(self) -> None:
+        self.progress.mark(self.replica.state.step, "saving")
         if self.world.is_leader:
             self.metrics.flush()  # what the dashboards show survives as long as the snapshot
         self.checkpointer.save(self.replica, self._snapshot_metrics())
 
     def finish(self, release_memory: bool = True) -> None:
+        self.progress.mark(self.replica.state.step, "saving")
         self.metrics.close()
         self.checkpointer.finish(release_memory)
+        self.progress.close()
 
     def _snapshot_metrics(self) -> dict:
         return {"train_loss": self.train_loss, "val_loss": self.val_loss}
@@ -397,8 +433,9 @@ def _describe_windows(cfg: Config, blocks: TokenBlocks) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocast) -> float:
-    """Mean loss over the first `eval_samples` validation blocks, shared among all processes.
+def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocast, tick=lambda: None) -> float:
+    """Mean loss over the first `eval_samples` validation blocks, shared among all processes; `tick()` after
+    each batch (progress, for the agent's watchdog).
 
     Fixed blocks, whatever `data.windows` says: every evaluation measures the same text, so
     evaluations of one run, and of runs that sample windows differently, compare."""
@@ -412,6 +449,7 @@ def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocas
         with autocast:
             _, loss = model(x.to(world.device), y.to(world.device))
         loss_sum += loss.item() * size
+        tick()
     model.train()
     return distributed.all_reduce_sum([loss_sum], world)[0] / count
 

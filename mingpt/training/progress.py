@@ -1,0 +1,72 @@
+"""This process's progress, for the watchdog of its node's agent (mingpt.training.watchdog): the step and
+the phase it is in, and when it entered it, written into a small file of a private folder that the agent
+made (MINGPT_PROGRESS_DIR). It needs no collective, so a hung collective cannot hide it: a process that
+stops marking is seen by its agent, which names it, writes its Python stack to the log and restarts the
+workers.
+
+Each mark is one pwrite of 32 bytes. Processes that torchrun did not start (no agent) mark nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import struct
+import time
+
+PROGRESS_DIR = "MINGPT_PROGRESS_DIR"
+# A phase the watchdog judges by the step time (computing, evaluating) or leaves to other timeouts
+# (starting: trainer.dist_timeout_s and the rendezvous; saving: the store's own).
+PHASES = ("starting", "computing", "evaluating", "saving")
+RECORD = struct.Struct("<qqdd")  # step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s
+_PR_SET_PTRACER = 0x59616D61
+
+
+class Progress:
+    """Marks of this process's progress, where an agent watches them."""
+
+    def __init__(self, hang_timeout_s: float):
+        self.hang_timeout_s = hang_timeout_s
+        folder = os.environ.get(PROGRESS_DIR)
+        self.fd = None
+        if folder:
+            self.fd = os.open(os.path.join(folder, str(os.getpid())), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            let_the_agent_read_my_stack()
+        self.step, self.phase = 0, "starting"
+        self.mark(0, "starting")
+
+    def mark(self, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
+        if self.fd is not None:
+            os.pwrite(self.fd, RECORD.pack(step, PHASES.index(phase), time.monotonic(), self.hang_timeout_s), 0)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def let_the_agent_read_my_stack() -> None:
+    """Where Yama lets a process read only its descendants (ptrace_scope 1), name the agent (and so the
+    py-spy it starts) as allowed to; and write every thread's stack to stderr on SIGUSR1, for a process
+    that still runs where py-spy is missing."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, os.getppid(), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: py-spy asks for what it needs there
+        pass
+
+
+def read(path: str) -> tuple[int, str, float, float] | None:
+    """(step, phase, when, hang timeout) of a progress file; None where it holds no mark yet."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(RECORD.size)
+    except OSError:
+        return None
+    if len(data) < RECORD.size:
+        return None
+    step, phase, when, timeout = RECORD.unpack(data)
+    return step, PHASES[phase] if 0 <= phase < len(PHASES) else "starting", when, timeout

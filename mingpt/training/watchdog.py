@@ -1,0 +1,148 @@
+"""The hang watchdog of a node's agent: finds a worker that stopped making progress, names it, writes its
+Python stack to the log, and ends it, so that torchrun restarts the workers and they resume from the
+memory tiers, instead of every node waiting for trainer.dist_timeout_s.
+
+Each worker marks its step and phase (mingpt.training.progress). A worker is hung when its last mark in a
+phase judged by the step time (computing, evaluating) is older than its hang timeout:
+trainer.hang_timeout_s, or (0, auto) HANG_STEPS times the median time of a step here, at least HANG_FLOOR_S,
+once MEASURED steps have been timed after the first ones (which compile and warm up). While one worker
+hangs the others wait for it in their collectives, so their marks age too; the hung one is the one that
+is stopped (SIGSTOP, a debugger), or else the one whose mark is the oldest, once that is older than
+1.5 times the timeout (a hang on another node: that node's agent acts first).
+
+Its stack comes from py-spy (`py-spy dump --nonblocking`, which reads a stopped process from outside),
+written as Python writes a traceback; where py-spy is missing or fails, a process that still runs
+writes its own on SIGUSR1 (faulthandler).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+from mingpt.training import progress
+
+log = logging.getLogger(__name__)
+
+HANG_STEPS = 20  # auto: a worker is hung after this many median steps without progress
+HANG_FLOOR_S = 20.0  # ... and never sooner than this
+MEASURED = 5  # step times needed before auto acts
+SKIPPED = 3  # the first step times of a generation, left out (compile, warm-up, the first copies)
+STACK_TIMEOUT_S = 15.0
+
+
+class Watchdog:
+    """One agent's watch over its workers' progress."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="mingpt-progress-"))  # 0700: this user's alone
+        self.host = socket.gethostname()
+        self._seen: dict[int, tuple[int, float]] = {}  # pid -> (step, when) of its last new step
+        self._times: deque[float] = deque(maxlen=50)
+        self._skipped = 0
+        self.finding: str | None = None  # what the last hang was: for the restart's cause
+
+    def new_generation(self) -> None:
+        """The workers are (re)started: their progress files and step times start afresh."""
+        for path in self.folder.iterdir():
+            path.unlink(missing_ok=True)
+        self._seen.clear()
+        self._times.clear()
+        self._skipped = 0
+
+    def check(self, pids: list[int]) -> list[int]:
+        """The workers among `pids` found hung (each named in the log with its stack, and ended)."""
+        now = time.monotonic()
+        marks = {pid: mark for pid in pids if (mark := progress.read(str(self.folder / str(pid)))) is not None}
+        self._time_steps(marks)
+        timeout = self.timeout(marks)
+        if timeout is None:
+            return []
+        stale = {pid: mark for pid, mark in marks.items() if mark[1] in ("computing", "evaluating")
+                 and now - mark[2] > timeout}
+        if not stale:
+            return []
+        hung = [pid for pid in stale if _state(pid) == "T"]
+        oldest = min(stale, key=lambda pid: stale[pid][2])
+        if not hung and now - stale[oldest][2] > 1.5 * timeout:
+            hung = [oldest]
+        for pid in hung:
+            step, phase, when, _ = stale[pid]
+            how = "stopped" if _state(pid) == "T" else "no progress"
+            self.finding = (f"hung: {self.host} pid {pid} ({how}; at step {step}, {phase}, for {now - when:.0f} s; "
+                            f"hang timeout {timeout:.0f} s)")
+            log.error("mingpt-torchrun: worker %s on %s made no progress for %.0f s (step %d, %s; %s); its stack, then "
+                      "a restart of the workers:\n%s", pid, self.host, now - when, step, phase, how, stack(pid))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return hung
+
+    def timeout(self, marks: dict) -> float | None:
+        """The hang timeout the workers asked for, or (auto) the one their step times give; None until known."""
+        configured = max((mark[3] for mark in marks.values()), default=0.0)
+        if configured > 0:
+            return configured
+        if len(self._times) < MEASURED:
+            return None
+        return max(HANG_FLOOR_S, HANG_STEPS * statistics.median(self._times))
+
+    def _time_steps(self, marks: dict) -> None:
+        for pid, (step, _, when, _) in marks.items():
+            last = self._seen.get(pid)
+            if last is None or step > last[0]:
+                self._seen[pid] = (step, when)
+                if last is not None and last[0] > 0:
+                    if self._skipped < SKIPPED:
+                        self._skipped += 1
+                    else:
+                        self._times.append((when - last[1]) / (step - last[0]))
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def stack(pid: int) -> str:
+    """The Python stack of every thread of `pid`, as Python writes a traceback (outermost call first)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    try:
+        out = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking", "--json"], capture_output=True,
+                             text=True, timeout=STACK_TIMEOUT_S)
+        threads = json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        threads = None
+    if not threads:  # py-spy missing or refused: the process writes its own, if it still runs
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        except ProcessLookupError:
+            pass
+        return "  (py-spy could not read it; a running process wrote its stack to its own log on SIGUSR1)"
+    lines = []
+    for thread in threads:
+        lines.append(f"Thread {thread.get('os_thread_id')} ({thread.get('thread_name') or 'unnamed'}), most recent "
+                     "call last:")
+        for frame in reversed(thread.get("frames") or []):
+            lines.append(f'  File "{frame.get("filename")}", line {frame.get("line")}, in {frame.get("name")}')
+    return "\n".join(lines)
+
+
+def _state(pid: int) -> str:
+    """The state letter of a process (R, S, D, T, ...), from /proc; "" where it has ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""

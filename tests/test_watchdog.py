@@ -1,0 +1,143 @@
+"""Hung and slow workers: found by the agent's watchdog (mingpt.training.watchdog) and the step-time
+comparison (mingpt.training.stragglers), with real torchrun processes frozen by SIGSTOP; and their rules
+in this process."""
+
+import logging
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from launch import SMALL, config, metrics, output, standalone, wait_for, worker
+from mingpt.errors import ConfigError
+from mingpt.training import progress, watchdog
+from mingpt.training.distributed import World
+from mingpt.training.stragglers import WINDOW, StepTimes
+
+HEAVIER = ["model=gpt-micro", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
+
+
+def reached(snap) -> int:
+    steps = [m["step"] for m in metrics(snap) if "train_loss" in m]
+    return max(steps, default=0)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_frozen_worker_then_a_frozen_leader_are_named_with_their_stacks_and_the_job_goes_on(tmp_path, procs):
+    """Two workers under mingpt-torchrun --max-restarts=0, a memory tier copied every step. A worker, then the
+    leader, is stopped with SIGSTOP: each time the log names its pid and shows its Python stack, and the job
+    trains past the step it had reached, having trained at most one step again. Then a worker stopped a
+    third of its time (SIGSTOP/SIGCONT) is named as a slow process."""
+    snap = tmp_path / "snap"
+    job = procs.start(standalone(2) + [
+        *SMALL, *HEAVIER, "trainer.max_steps=100000000", "trainer.log_every=1", "trainer.hang_timeout_s=5",
+        f"snapshot.dir={snap}", f"data.prepared_dir={tmp_path / 'prepared'}", "snapshot.every=1000",
+        "snapshot.memory=on", "snapshot.memory_every=1", f"snapshot.memory_dir={tmp_path}"], "job")
+    target = 20
+    for local_rank, name in ((1, "a worker"), (0, "the leader")):
+        wait_for(lambda: reached(snap) >= target, 120, "training", [job])
+        frozen = worker(job.pid, local_rank)
+        os.kill(frozen, signal.SIGSTOP)
+        frozen_at, since = reached(snap), time.monotonic()
+        wait_for(lambda: reached(snap) > frozen_at + 1, 60, f"training past the step {name} was frozen at", [job])
+        assert time.monotonic() - since < 60
+        text = output(job)
+        assert re.search(rf"worker {frozen} on \S+ made no progress for \d+ s \(step \d+, computing; stopped\)", text)
+        assert re.search(r'File "[^"]+trainer\.py", line \d+, in ', text)  # its stack, as Python writes one
+        assert "restart: hung: " in text
+        target = reached(snap) + 10
+    lost = [m["steps_lost"] for m in metrics(snap) if "steps_lost" in m]
+    assert len(lost) == 2 and max(lost) <= 1, lost
+
+    slowed = worker(job.pid, local_rank=1)
+    stop = threading.Event()
+
+    def duty_cycle():  # stopped a third of the time
+        while not stop.is_set():
+            os.kill(slowed, signal.SIGSTOP)
+            time.sleep(0.05)
+            os.kill(slowed, signal.SIGCONT)
+            time.sleep(0.1)
+
+    cycling = threading.Thread(target=duty_cycle)
+    cycling.start()
+    try:
+        wait_for(lambda: f"pid {slowed} takes" in output(job), 90,
+                 "the slow process named", [job])
+    finally:
+        stop.set()
+        cycling.join()
+        os.kill(slowed, signal.SIGCONT)
+    after = output(job).split(f"pid {slowed} takes")[-1]
+    assert "made no progress" not in after  # slow is not hung
+    wait_for(lambda: "| slow: " in output(job).split(f"pid {slowed} takes")[-1], 30, "the progress line", [job])
+    assert any("process_times" in m for m in metrics(snap))
+
+
+def marks(tmp_path, records: dict) -> list[int]:
+    for pid, (step, phase, age) in records.items():
+        (tmp_path / str(pid)).write_bytes(progress.RECORD.pack(step, progress.PHASES.index(phase),
+                                                               time.monotonic() - age, 0.0))
+    return list(records)
+
+
+def test_auto_hang_timeout_waits_for_step_times_then_takes_20_median_steps_at_least_20_s(tmp_path, monkeypatch):
+    dog = watchdog.Watchdog()
+    try:
+        dog.folder = tmp_path
+        pids = marks(tmp_path, {101: (0, "starting", 0), 102: (0, "starting", 0)})
+        assert dog.check(pids) == [] and dog.timeout({}) is None  # nothing timed yet: never acts
+        for step in range(1, 12):  # 0.1 s steps (the first SKIPPED left out)
+            marks(tmp_path, {101: (step, "computing", 1.1 - 0.1 * step), 102: (step, "computing", 1.1 - 0.1 * step)})
+            dog.check(pids)
+        assert dog.timeout({}) == pytest.approx(watchdog.HANG_FLOOR_S)
+        dog._times.extend([2.0] * 50)  # 2 s steps: 20 of them
+        assert dog.timeout({}) == pytest.approx(40.0)
+        # A worker marked 50 s ago, the other 45 s ago, neither stopped: the older one, once past 1.5 x 40 s.
+        ended = []
+        monkeypatch.setattr(watchdog, "stack", lambda pid: "  (a stack)")
+        monkeypatch.setattr(watchdog.os, "kill", lambda pid, sig: ended.append(pid))
+        marks(tmp_path, {101: (20, "computing", 50), 102: (20, "computing", 45)})
+        assert dog.check(pids) == []
+        marks(tmp_path, {101: (20, "computing", 61), 102: (20, "saving", 100)})  # saving: left to the store
+        assert dog.check(pids) == [101] and ended == [101]
+        assert "hung: " in dog.finding and "pid 101" in dog.finding
+    finally:
+        dog.close()
+
+
+def test_a_straggler_is_named_once_per_episode_and_noise_is_not(caplog):
+    caplog.set_level(logging.INFO, logger="mingpt")
+    world = World(rank=0, world_size=1, local_rank=0, device=None)
+    logged = []
+
+    class Metrics:
+        def log(self, step, record):
+            logged.append(record)
+
+    times = StepTimes(world, Metrics())
+    times.names = ["a pid 1", "b pid 2", "c pid 3"]
+    step_s = 0.1
+    window = lambda slow, step: times._report(step, [[0.0, 0.02, 0.08], [0.0, 0.02, 0.08], [0.0, slow, 0.1 - slow]],
+                                                step_s)
+    window(0.023, WINDOW)  # 15% more: not 20%
+    window(0.021 + 0.02, 2 * WINDOW)  # twice the others: once is not yet an episode
+    assert "slow process" not in caplog.text
+    for step in range(3, 8):
+        window(0.041, step * WINDOW)
+    assert caplog.text.count("slow process: c pid 3 takes 2.05x") == 1
+    for step in range(8, 12):
+        window(0.02, step * WINDOW)
+    assert caplog.text.count("c pid 3 is back to the others' speed") == 1
+    assert logged[0]["process_times"][2] == {"process": "c pid 3", "data_ms": 0.0, "compute_ms": 23.0, "sync_ms": 77.0}
+
+
+@pytest.mark.parametrize("value", ["3", "400"])
+def test_a_hang_timeout_that_contradicts_the_collective_timeout_is_one_line(value):
+    with pytest.raises(ConfigError, match="trainer.hang_timeout_s must be 0 .chosen from the step time. or at least 5 s "
+                                          "and below trainer.dist_timeout_s=300"):
+        config(f"trainer.hang_timeout_s={value}")
