@@ -21,7 +21,7 @@ import torch
 from mingpt.model import GPT, GPTConfig
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.checkpoint.writer import SnapshotWriter
-from mingpt.training.checkpointer import _to_cpu
+from mingpt.training.state import to_cpu
 
 
 def gpt_state(preset: str) -> tuple[GPT, torch.optim.Optimizer]:
@@ -35,7 +35,7 @@ def gpt_state(preset: str) -> tuple[GPT, torch.optim.Optimizer]:
 
 def copy_state(model: GPT, optimizer: torch.optim.Optimizer) -> dict:
     """What the trainer's save does in the training thread: CPU copies training cannot change."""
-    return {"model": _to_cpu(model.state_dict()), "optimizer": _to_cpu(optimizer.state_dict())}
+    return {"model": to_cpu(model.state_dict()), "optimizer": to_cpu(optimizer.state_dict())}
 
 
 def measure(url: str, model: GPT, optimizer: torch.optim.Optimizer, repeats: int) -> dict:

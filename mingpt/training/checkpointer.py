@@ -26,9 +26,7 @@ from mingpt.training import distributed
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
 from mingpt.training.recovery import MemoryCopies
-from mingpt.training.state import Replica, TrainState, changed_settings, check_compatible, to_cpu
-
-__all__ = ["Checkpointer", "Replica", "TrainState"]
+from mingpt.training.state import Replica, changed_settings, check_compatible, to_cpu
 
 log = logging.getLogger(__name__)
 

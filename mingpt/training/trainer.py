@@ -32,7 +32,8 @@ from mingpt.metrics.loggers import Loggers
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import redact
 from mingpt.training import distributed, parallel
-from mingpt.training.checkpointer import Checkpointer, Replica, TrainState
+from mingpt.training.checkpointer import Checkpointer
+from mingpt.training.state import Replica, TrainState
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
 from mingpt.training.launcher import PEER_STOPPED, membership_change
