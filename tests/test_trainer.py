@@ -95,9 +95,10 @@ def reference(tmp_path_factory):
 
 @pytest.mark.slow
 def test_killed_workers_cost_at_most_a_step_and_the_run_stays_bitwise_identical(tmp_path, procs, reference):
-    """One job, two SIGKILLs between periodic snapshots. A worker that is not the leader: the leader saves
-    the step it reached (the rescue snapshot). Then the leader, which cannot save for itself: the memory
-    tier holds its last step, and the next generation resumes from it, past the last snapshot."""
+    """A worker that is not the leader is SIGKILLed between periodic snapshots: the leader saves the step it
+    reached (the rescue snapshot), the restarted workers resume there, and the run stays bitwise that of an
+    uninterrupted one. (A killed leader, which cannot save for itself, resumes from the memory tier: see
+    test_watchdog's frozen leader under ddp and test_fsdp's four kills of the leader.)"""
     snap = tmp_path / "killed"
     tier = MemoryTier(str(snap), "")  # to read what the job's tier records
     every_step = [*HEAVIER, *KEEP_ALL, "snapshot.memory=on", "snapshot.memory_every=1"]  # steps of tens of ms
@@ -112,22 +113,12 @@ def test_killed_workers_cost_at_most_a_step_and_the_run_stays_bitwise_identical(
     rescued = int(re.search(r"step failed; saving step (\d+)", output(job))[1])
     # ... and the restarted workers resumed there.
     wait_for(lambda: f"step-{rescued:09d}: step {rescued}," in output(job), 120, "the resume", [job])
-
-    wait_for(lambda: tier.reached() > rescued + 10 and between_snapshots(), 120, "a later step between snapshots",
-             [job])
-    os.kill(worker(job.pid, local_rank=0), signal.SIGKILL)  # standalone: local rank 0 leads
-    killed_at = tier.reached()
-    found = lambda: re.search(r"resumed from the memory tier of \S+ \(the last snapshot: step (\d+)\): step (\d+)",
-                              output(job))
-    wait_for(found, 120, "the resume from memory", [job])
-    durable, resumed = int(found()[1]), int(found()[2])
-    assert durable < killed_at - 1 <= resumed  # past the snapshot; at most the step in flight lost
-    compared = (resumed // 10 + 2) * 10
+    compared = (rescued // 10 + 2) * 10
     wait_for(lambda: latest_step(snap) >= compared, 120, f"the step-{compared} snapshot", [job])
     stop(job)
-    assert output(job).count("resumed from") == 2, output(job)[-4000:]
+    assert output(job).count("resumed from") == 1, output(job)[-4000:]
     lost = [m["steps_lost"] for m in metrics(snap) if "steps_lost" in m]
-    assert len(lost) == 2 and max(lost) <= 1, lost
+    assert len(lost) == 1 and max(lost) <= 1, lost
     assert f"steps lost: {lost[-1]}" in output(job)
 
     uninterrupted = reference.at(compared)
