@@ -143,3 +143,18 @@ def test_a_sample_ends_where_the_model_ends_its_document(capsys):
                            seed=1)
     write_samples(Model(), tok, torch.tensor([[0]]), args)
     assert capsys.readouterr().out == "aab\n"
+
+
+@pytest.mark.parametrize("command", ["export", "plot", "prepare", "rendezvous", "sample", "snapshot"])
+def test_every_command_says_its_version_and_shows_its_defaults(command, capsys):
+    import importlib
+
+    import mingpt
+
+    main = importlib.import_module(f"mingpt.cli.{command}").main
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"mingpt-{command} {mingpt.__version__}\n"
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "--version" in capsys.readouterr().out

@@ -4,11 +4,13 @@ one line on stderr and exit 2, Ctrl-C is exit 130 and SIGTERM exit 143, never a 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
 from typing import Callable
 
+import mingpt
 from mingpt.errors import MinGPTError, forget_stops, raise_stopped
 from mingpt.storage import RedactingFilter, redact
 
@@ -31,6 +33,14 @@ def run_command(command: Callable[[], int | None], interrupted: str = "interrupt
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         forget_stops()
+
+
+def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A command's flags: its description, each flag's default in --help, and --version."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {mingpt.__version__}")
+    return parser
 
 
 def configure_logging(level: int, fmt: str = "%(levelname)s %(message)s", datefmt: str | None = None) -> None:

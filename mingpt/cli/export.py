@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 
-from mingpt.cli import run_command, summary
+from mingpt.cli import command_parser, run_command, summary
 from mingpt.interop.hf import export
 from mingpt.storage import redact
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-export", description=summary(__doc__))
+    parser = command_parser("mingpt-export", summary(__doc__))
     parser.add_argument("snapshot", help="a snapshot folder, or a run folder (its newest snapshot), local or s3://")
     parser.add_argument("out", help="a new folder, local or s3://")
     args = parser.parse_args(argv)

@@ -9,18 +9,17 @@ matplotlib: pip install -e ".[plot]".
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
-from mingpt.cli import configure_logging, run_command, summary
+from mingpt.cli import command_parser, configure_logging, run_command, summary
 from mingpt.errors import MinGPTError
 from mingpt.metrics.plot import curves, draw, pyplot, read_records
 from mingpt.storage import redact
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-plot", description=summary(__doc__))
+    parser = command_parser("mingpt-plot", summary(__doc__))
     parser.add_argument("run", help="a snapshot.dir holding metrics.jsonl (local path or s3://...)")
     parser.add_argument("-o", "--output", default="loss.png", help="the picture to write (default: loss.png)")
     args = parser.parse_args(argv)

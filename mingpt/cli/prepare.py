@@ -6,11 +6,10 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
-from mingpt.cli import configure_logging, run_command, summary
+from mingpt.cli import command_parser, configure_logging, run_command, summary
 from mingpt.data.corpus import BUILTIN_CORPUS
 from mingpt.data.prepare import PrepareConfig, is_remote, out_dir, prepare, verify
 from mingpt.data.prepared import read_meta
@@ -20,7 +19,7 @@ DEFAULTS = PrepareConfig()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-prepare", description=summary(__doc__))
+    parser = command_parser("mingpt-prepare", summary(__doc__))
     parser.add_argument("--corpus", nargs="+", default=[BUILTIN_CORPUS],
                         help=f"files, folders or quoted globs, local or fsspec URLs (s3://...), .gz/.bz2/.xz/.zst, "
                              f".jsonl; or {BUILTIN_CORPUS!r} (default)")

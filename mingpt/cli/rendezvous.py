@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket
@@ -10,7 +9,7 @@ import sys
 
 from torch.distributed import TCPStore
 
-from mingpt.cli import configure_logging, summary
+from mingpt.cli import command_parser, configure_logging, summary
 
 log = logging.getLogger("mingpt")
 
@@ -22,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     agent's `--rdzv-endpoint` at it: the agents then join as clients, and any of them may die
     without taking the job down, which is not so when the first agent hosts the store.
     """
-    parser = argparse.ArgumentParser(prog="mingpt-rendezvous", description=summary(main.__doc__))
+    parser = command_parser("mingpt-rendezvous", summary(main.__doc__))
     parser.add_argument("--port", type=int, default=29500, help="TCP port to listen on (default 29500)")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:

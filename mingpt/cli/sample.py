@@ -23,7 +23,7 @@ import torch
 
 from mingpt.checkpoint.load import open_model
 from mingpt.checkpoint.store import SnapshotError
-from mingpt.cli import configure_logging, run_command, summary
+from mingpt.cli import command_parser, configure_logging, run_command, summary
 from mingpt.errors import ConfigError
 from mingpt.model import GPT
 from mingpt.tokenizers import Tokenizer
@@ -62,7 +62,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-sample", description=summary(__doc__))
+    parser = command_parser("mingpt-sample", summary(__doc__))
     parser.add_argument("snapshot", help="snapshot folder or one snapshot (local path or s3://...)")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=500)

@@ -6,20 +6,19 @@ the folder cannot be read.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 from mingpt.checkpoint.lease import RunLease, describe
 from mingpt.checkpoint.load import snapshot_store
 from mingpt.checkpoint.store import Snapshot, SnapshotError, step_of
-from mingpt.cli import configure_logging, run_command, summary
+from mingpt.cli import command_parser, configure_logging, run_command, summary
 from mingpt.errors import MinGPTError
 from mingpt.storage import explain_storage_error, redact
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mingpt-snapshot", description=summary(__doc__))
+    parser = command_parser("mingpt-snapshot", summary(__doc__))
     parser.add_argument("command", choices=["list", "verify"], help="list reads manifests; verify also checks every file")
     parser.add_argument("url", help="a snapshot folder: local path or s3://bucket/prefix")
     args = parser.parse_args(argv)
