@@ -126,3 +126,16 @@ def test_compiled_and_eager_models_train_alike(tmp_path):
     train_here(tmp_path / "eager", *steps, "trainer.compile=false")
     assert "torch.compile on (as configured)" in log
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
+
+
+def test_tokens_per_second_leave_out_evaluation_and_saving(monkeypatch):
+    from mingpt.training import performance
+
+    clock = [100.0]
+    monkeypatch.setattr(performance.time, "perf_counter", lambda: clock[0])
+    throughput = performance.Throughput(tokens_per_step=1000)
+    clock[0] += 1.0  # a step of training
+    throughput.step()
+    with throughput.excluding():
+        clock[0] += 9.0  # an evaluation
+    assert throughput.read() == (1000.0, 1.0, 9.0)

@@ -104,8 +104,9 @@ def find_marks(records: list[dict]) -> list[Mark]:
 
 def _tokens_per_step(progress: list[dict]) -> float | None:
     """Tokens one step trains: each record's tokens/s covers the time since the record before it in
-    the same process, evaluations and snapshots included. The median, so restarts do not count."""
-    estimates = [(b["time"] - a["time"]) * b["tokens_per_s"] / (b["step"] - a["step"])
+    the same process but its `other_s` (evaluations and snapshots; older records count them in). The
+    median, so restarts do not count."""
+    estimates = [(b["time"] - a["time"] - _other(b)) * b["tokens_per_s"] / (b["step"] - a["step"])
                  for a, b in zip(progress, progress[1:]) if b["step"] > a["step"] and _timed(a, b)]
     return statistics.median(estimates) if estimates else None
 
@@ -117,8 +118,14 @@ def _unexplained_pause(before: dict, after: dict, per_step: float | None) -> flo
     if per_step is None or after["step"] <= before["step"] or not _timed(before, after):
         return 0.0
     elapsed = after["time"] - before["time"]
-    training = (after["step"] - before["step"]) * per_step / after["tokens_per_s"]
+    training = (after["step"] - before["step"]) * per_step / after["tokens_per_s"] + _other(after)
     return elapsed - training if elapsed > 1.5 * training and elapsed - training > 1.0 else 0.0
+
+
+def _other(record: dict) -> float:
+    """Seconds of evaluation and snapshots that a record's tokens/s leaves out."""
+    other = record.get("other_s")
+    return float(other) if isinstance(other, (int, float)) and other >= 0 else 0.0
 
 
 def _timed(a: dict, b: dict) -> bool:

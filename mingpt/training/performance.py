@@ -16,6 +16,8 @@ import os
 import platform
 import resource
 import time
+from contextlib import contextmanager
+from typing import Iterator
 from pathlib import Path
 
 import torch
@@ -135,19 +137,30 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Throughput:
-    """Tokens per second and seconds per step since the last reading (the progress line's figures)."""
+    """Tokens per second and seconds per step of training since the last reading (the progress line's
+    figures): time spent `excluding()` (evaluation, saving snapshots) is left out."""
 
     def __init__(self, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
-        self.started, self.steps = time.perf_counter(), 0
+        self.started, self.steps, self.excluded = time.perf_counter(), 0, 0.0
 
     def step(self) -> None:
         self.steps += 1
 
-    def read(self) -> tuple[float, float]:
-        """(tokens/s, seconds/step) since the last reading, which starts the next window."""
-        elapsed = time.perf_counter() - self.started
+    @contextmanager
+    def excluding(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - started
+
+    def read(self) -> tuple[float, float, float]:
+        """(tokens/s, seconds/step) of training since the last reading, which starts the next window, and
+        the seconds left out."""
+        excluded = self.excluded
+        elapsed = max(1e-9, time.perf_counter() - self.started - excluded)
         rate = self.steps * self.tokens_per_step / elapsed
         seconds_per_step = elapsed / max(1, self.steps)
-        self.started, self.steps = time.perf_counter(), 0
-        return rate, seconds_per_step
+        self.started, self.steps, self.excluded = time.perf_counter(), 0, 0.0
+        return rate, seconds_per_step, excluded

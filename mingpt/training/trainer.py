@@ -292,11 +292,13 @@ class Trainer:
             # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
             if (t.eval_every and state.step % t.eval_every == 0) or (last and not stops):
                 tick = lambda: self.progress.mark(state.step, "evaluating")
-                self.val_loss = evaluate(self.model, self.val_blocks, cfg, world, self.autocast, tick)
+                with throughput.excluding():
+                    self.val_loss = evaluate(self.model, self.val_blocks, cfg, world, self.autocast, tick)
                 _log(world, "step %d | val loss %.4f", state.step, self.val_loss)
                 self.metrics.log(state.step, {"val_loss": self.val_loss})
             if state.step % cfg.snapshot.every == 0 or last:
-                self.save()
+                with throughput.excluding():
+                    self.save()
             if stops > 0:
                 self.finish(release_memory=stop.requested)  # where the job goes on, the next round may read it
                 if stop.requested:
@@ -362,7 +364,7 @@ class Trainer:
 
     def _log_progress(self, throughput: Throughput) -> None:
         t, step = self.cfg.trainer, self.replica.state.step
-        rate, seconds_per_step = throughput.read()
+        rate, seconds_per_step, elsewhere = throughput.read()  # tokens/s of training: evaluations and saves left out
         lr = self.replica.optimizer.param_groups[0]["lr"]
         used = self._mfu(rate)
         memory = peak_memory_bytes(self.world.device)
@@ -371,6 +373,7 @@ class Trainer:
              t.max_steps, self.train_loss, lr, rate, 100 * used, memory / 1e6,
              _duration((t.max_steps - step) * seconds_per_step), slow)
         self.metrics.log(step, {"train_loss": self.train_loss, "lr": lr, "tokens_per_s": rate,
+                                "other_s": round(elsewhere, 3),
                                 "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
 
     def _log_membership(self) -> None:
