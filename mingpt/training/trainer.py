@@ -33,7 +33,6 @@ from mingpt.model import GPT, GPTConfig
 from mingpt.storage import redact
 from mingpt.training import distributed, parallel
 from mingpt.training.checkpointer import Checkpointer
-from mingpt.training.state import Replica, TrainState
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
 from mingpt.training.launcher import PEER_STOPPED, membership_change
@@ -42,6 +41,7 @@ from mingpt.training.precision import autocast_for, choose_compile, choose_preci
 from mingpt.training.preparation import prepare_data
 from mingpt.training.progress import Progress
 from mingpt.training.schedule import set_lr
+from mingpt.training.state import Replica, TrainState
 from mingpt.training.stragglers import StepTimes
 
 log = logging.getLogger(__name__)
