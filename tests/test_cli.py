@@ -158,3 +158,14 @@ def test_every_command_says_its_version_and_shows_its_defaults(command, capsys):
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0 and "--version" in capsys.readouterr().out
+
+
+def test_mingpt_torchrun_help_says_first_what_it_adds_to_torchrun(capsys):
+    from mingpt.cli import torchrun
+
+    with pytest.raises(SystemExit) as done:
+        torchrun.main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert out.startswith("mingpt-torchrun: torch's torchrun") and out.index("watchdog") < out.index("usage:")
+    assert torchrun._asks_for_help(["--nproc-per-node=2", "train/main.py", "--help"]) is False  # the script's

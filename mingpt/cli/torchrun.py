@@ -29,6 +29,15 @@ from mingpt.training.distributed import one_line
 from mingpt.training.launcher import NCCL_WATCH, STORE_SHARING, merge_rendezvous_conf
 from mingpt.training.preparation import prepare_data
 
+ADDS = """\
+mingpt-torchrun: torch's torchrun (the same options, below), plus what an elastic mingpt job needs:
+  - it prepares the job's data on this node before joining the rendezvous, and checks the node and
+    worker counts and the endpoint first (one line and exit 2 for what torchrun would fail on later);
+  - quick rendezvous settings, under any --rdzv-conf keys of yours, and the agents' store sharing off;
+  - an agent that keeps the job going while nodes die, leave and join, without using up --max-restarts;
+  - a watchdog that names a hung worker with its Python stack and restarts the workers in seconds;
+  - on GPUs, NCCL's async error handling, heartbeat monitor and flight recorder.
+"""
 C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv-endpoint names none
 log = logging.getLogger(__name__)
 CHECK = "check with `nc -zv {host} {port}` from this node (README: Multinode troubleshooting)"
@@ -38,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     """`mingpt-torchrun`: torchrun with the same arguments, the agents' store sharing off (unless the
     user set the variable), quick rendezvous settings (merged under the user's `--rdzv-conf`), and an
     agent that keeps the job going while nodes die, leave and join (mingpt.training.agent)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if _asks_for_help(argv):
+        print(ADDS)
     args = run.parse_args(argv)  # torchrun's own parser: the same options, the same errors
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
     configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
@@ -56,6 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     except agent.JobFinished as e:
         print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
     return 0
+
+
+def _asks_for_help(argv: list[str]) -> bool:
+    """Whether -h or --help comes before the training script (after it, it is the script's)."""
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            return True
+        if not arg.startswith("-") and arg.endswith(".py"):
+            return False
+    return False
 
 
 def prepare_before_joining(args: argparse.Namespace) -> None:
