@@ -42,6 +42,11 @@ def processes_of(record: dict) -> list[tuple[int, int]]:
     return found
 
 
+def pids(record: dict) -> str:
+    """The pids a claim names, for a message ("" where it names none)."""
+    return ", ".join(str(pid) for pid, _ in processes_of(record))
+
+
 def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -18,6 +18,11 @@ import torch
 from launch import REPO, wait_for
 from mingpt.checkpoint.memory import MemoryTier
 
+
+def newest(tier: MemoryTier):
+    """The newest piece of `tier` whose buffer matches its sha256, as a restore finds it; None if none."""
+    return next((held for held in tier.pieces() if tier.read(held) is not None), None)
+
 WRITER = textwrap.dedent("""
     import sys, time
     import torch
@@ -61,7 +66,7 @@ def test_a_copy_cut_short_by_a_kill_is_never_loaded(tmp_path):
     assert torch.equal(torch.from_file(str(written / "own-0.bin"), size=4096, dtype=torch.float32),
                        torch.full((4096,), 3.0))
     assert not (written / "own-0.json").exists()
-    held = tier.newest()
+    held = newest(tier)
     assert held is not None and held.step == 2
     state = MemoryTier.unpack(tier.read(held), held.header)
     assert state["step"] == 2 and torch.equal(state["a"], torch.full((4096,), 2.0))
@@ -73,13 +78,13 @@ def test_a_tier_of_another_job_is_never_used_and_is_removed_when_a_job_starts(tm
     ours.start()
     ours.save({"w": torch.ones(3), "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}], 7: None}, 5, {"samples_seen": 40})
     ours.wait()
-    held = ours.newest()
+    held = newest(ours)
     state = MemoryTier.unpack(ours.read(held), held.header)
     assert state == {"w": state["w"], "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}], 7: None}  # keys and tuples kept
     assert held.header["samples_seen"] == 40
 
     theirs = MemoryTier("run", "job-2", root=str(tmp_path))  # the same launcher here: the same folder
-    assert theirs.newest() is None
+    assert newest(theirs) is None
     theirs.start()
     assert not list(theirs.folder.iterdir())  # job-1's state is gone
     assert MemoryTier("another run", "job-2", root=str(tmp_path)).folder != theirs.folder
@@ -97,7 +102,15 @@ def test_the_tier_of_a_job_whose_launcher_ended_is_removed_by_the_next_job_to_st
     gone.folder.rename(gone.root / f"{gone.prefix}-{ended.pid}-0of1")  # as if its launcher were that ended process
     MemoryTier("a new run", "another job", root=str(tmp_path)).start()
     assert gone.folders() == []
-    assert MemoryTier("running run", "a job", root=str(tmp_path)).newest().step == 1  # its launcher (ours) runs
+    assert newest(MemoryTier("running run", "a job", root=str(tmp_path))).step == 1  # its launcher (ours) runs
+
+
+def test_a_generation_of_another_world_size_leaves_no_folder_behind_once_this_one_has_copied(tmp_path):
+    tier = MemoryTier("run", "job-1", root=str(tmp_path), piece=(0, 2))
+    for layout in ("0of2", "1of2", "0of1", "3of12"):
+        (tmp_path / f"{tier.launcher}-{layout}").mkdir(mode=0o700)
+    tier.forget_other_layouts()
+    assert sorted(path.name.rsplit("-", 1)[-1] for path in tmp_path.iterdir()) == ["0of2", "1of2"]
 
 
 def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp_path):
@@ -174,7 +187,7 @@ def test_a_tier_folder_another_user_made_is_never_read_nor_written(shared_memory
 
     ours = MemoryTier("run", "job-1", root=str(shared_memory))
     assert ours.folder == planted.folder
-    assert ours.newest() is None  # never loaded as this job's weights
+    assert newest(ours) is None  # never loaded as this job's weights
     ours.start()
     assert ours.off and not ours.writes  # never written into: the tier is off, the job goes on
     ours.mark_reached(100)
@@ -190,7 +203,7 @@ def test_a_planted_link_never_makes_the_tier_write_elsewhere(shared_memory, tmp_
     ours.folder.symlink_to(victim)  # to a folder of this user's: only the link is the other user's
     os.lchown(ours.folder, NOBODY, NOBODY)
     ours.start()
-    assert ours.off and ours.newest() is None
+    assert ours.off and newest(ours) is None
     assert (victim / "own-0.bin").read_bytes() == b"precious" and [p.name for p in victim.iterdir()] == ["own-0.bin"]
 
 
@@ -200,9 +213,9 @@ def test_a_fifo_a_damaged_description_or_changed_bytes_are_skipped_never_loaded(
     for step in (1, 2):  # own-0 holds step 1, own-1 step 2
         tier.save({"w": torch.full((8,), float(step))}, step, {})
         tier.wait()
-    assert tier.newest().step == 2
+    assert newest(tier).step == 2
     (tier.folder / "own-1.bin").write_bytes(b"\1" + (tier.folder / "own-1.bin").read_bytes()[1:])
-    held = tier.newest()  # step 2's bytes changed: step 1 it is
+    held = newest(tier)  # step 2's bytes changed: step 1 it is
     assert held.step == 1 and torch.equal(MemoryTier.unpack(tier.read(held), held.header)["w"],
                                           torch.full((8,), 1.0))
     header = json.loads((tier.folder / "own-0.json").read_text())
@@ -210,12 +223,12 @@ def test_a_fifo_a_damaged_description_or_changed_bytes_are_skipped_never_loaded(
                    {"tensors": [{**header["tensors"][0], "offset": 10**9}]}, {"tree": {"tensor": 5}},
                    {"piece": [1, 1]}):
         (tier.folder / "own-0.json").write_text(json.dumps({**header, **damage}))
-        assert tier.newest() is None  # skipped: no exception, nothing loaded
+        assert newest(tier) is None  # skipped: no exception, nothing loaded
         tier._skipped.clear()
     (tier.folder / "own-0.json").unlink()
     os.mkfifo(tier.folder / "own-0.json")
     started = time.monotonic()
-    assert tier.newest() is None and time.monotonic() - started < 5  # never waits on the FIFO
+    assert newest(tier) is None and time.monotonic() - started < 5  # never waits on the FIFO
     assert "memory tier: skipping" in caplog.text
 
 
@@ -228,7 +241,7 @@ def test_a_tier_whose_folder_vanishes_turns_itself_off_once_and_training_goes_on
     tier.mark_reached(2)
     assert tier.off and not tier.writes
     tier.mark_reached(3)
-    assert caplog.text.count("memory tier off") == 1 and tier.newest() is None
+    assert caplog.text.count("memory tier off") == 1 and newest(tier) is None
 
 
 @pytest.fixture
@@ -251,7 +264,7 @@ def test_a_tier_with_no_room_left_turns_itself_off_instead_of_killing_the_proces
         tier.start()
         tier.save({"w": torch.ones(2**18)}, 1, {})  # 1 MiB
         tier.wait()
-        print("off" if tier.off else "on", tier.newest())
+        print("off" if tier.off else "on", next((h for h in tier.pieces() if tier.read(h) is not None), None))
     """)
     result = subprocess.run([sys.executable, "-c", code, str(full_memory)], capture_output=True, text=True, cwd=REPO,
                             timeout=60)

@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from mingpt.claim import Beat, ended_here, holder, processes_of, same_machine, start_time, stood_still
+from mingpt.claim import Beat, ended_here, holder as holder_record, pids, same_machine, start_time, stood_still
 from mingpt.errors import MinGPTError
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, is_local, redact, replace_atomically
@@ -180,7 +180,7 @@ class RunLease:
         if same_machine(holder):
             if ended_here(holder):  # an ordinary resume
                 log.info("continuing %s after job %s, whose processes on this machine (%s) have ended", self.url,
-                         holder.get("job"), _pids(holder))
+                         holder.get("job"), pids(holder))
                 return
             raise self._owned(current, "its processes on this machine are running")
         self._watch(current, last_commit)
@@ -205,7 +205,7 @@ class RunLease:
         holder = current.record
         return RunOwnedError(
             f"{self.url} is in use by another job: {holder.get('job')} on host {holder.get('host', 'unknown')} "
-            f"(pid {_pids(holder) or 'unknown'}), holding it since {_when(holder.get('since'))}; {why}. "
+            f"(pid {pids(holder) or 'unknown'}), holding it since {_when(holder.get('since'))}; {why}. "
             "Wait for that job to end or stop it, or give this one another snapshot.dir. (One torchrun job on "
             "several nodes: give every node the same --rdzv-id.)"
         )
@@ -274,10 +274,10 @@ class RunLease:
     # -- storage -------------------------------------------------------------------------------
 
     def _record(self, generation: int, since: float) -> dict:
-        pids = [os.getpid()]
+        processes = [os.getpid()]
         if os.environ.get("TORCHELASTIC_RUN_ID"):
-            pids.append(os.getppid())  # the torchrun agent: the job lives while it does
-        return {"job": self.job, "generation": generation, **holder(pids), "since": since, "renewed": since,
+            processes.append(os.getppid())  # the torchrun agent: the job lives while it does
+        return {"job": self.job, "generation": generation, **holder_record(processes), "since": since, "renewed": since,
                 "beat": 0, "released": False, "timeout_s": self.timeout_s}
 
     def _path(self, generation: int) -> str:
@@ -353,10 +353,6 @@ def _when(epoch) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(epoch)))
     except (TypeError, ValueError):
         return "an unknown time"
-
-
-def _pids(record: dict) -> str:
-    return ", ".join(str(pid) for pid, _ in processes_of(record))
 
 
 def _timeout_of(record: dict, default: float) -> float:

@@ -133,21 +133,14 @@ class MemoryTier:
         found = [self._read_slot(folder, slot) for folder in self.folders() for slot in SLOTS]
         return sorted((h for h in found if h is not None and h.step > newer_than), key=lambda h: -h.step)
 
-    def newest(self, newer_than: int = -1) -> Held | None:
-        """The newest piece after step `newer_than` whose buffer matches its sha256; None if there is none."""
-        return next((held for held in self.pieces(newer_than) if self._matches(_map(held), held)), None)
-
     def read(self, held: Held) -> torch.Tensor | None:
         """The buffer of `held`, read into this process's memory (it may be overwritten afterwards) once it
         matches the sha256 it was written with; None (and a warning) when it does not."""
         buffer = _map(held).clone()
-        return buffer if self._matches(buffer, held) else None
-
-    def _matches(self, buffer: torch.Tensor, held: Held) -> bool:
         if _digest(buffer, held.header) == held.header["sha256"]:
-            return True
+            return buffer
         self._skip(held.path, "its contents do not match the sha256 they were written with")
-        return False
+        return None
 
     def _read_slot(self, folder: Path, slot: str) -> Held | None:
         header_path, path = folder / f"{slot}.json", folder / f"{slot}.bin"
@@ -351,7 +344,7 @@ class MemoryTier:
         """Remove this launcher's folders of another layout (another number of pieces): a generation of
         another world size wrote them, and this one has copies of its own by now."""
         for other in self.root.glob(f"{self.launcher}-*"):
-            if not other.name.endswith(f"of{self.piece[1]}") and _private_folder(other):
+            if other.name.rsplit("of", 1)[-1] != str(self.piece[1]) and _private_folder(other):
                 shutil.rmtree(other, ignore_errors=True)
 
     def _forget_lock(self) -> None:
@@ -478,8 +471,8 @@ def _whole(value: Any) -> bool:
 
 def _launcher_gone(folder: Path) -> bool:
     """Whether the launcher that the folder is named after (a process of this machine) has ended."""
-    parts = folder.name.split("-")  # mingpt, hash, pid, piece
-    return len(parts) == 4 and parts[2].isdigit() and not process_alive(int(parts[2]))
+    parts = folder.name.split("-")  # mingpt, hash, pid, piece (none in a folder of an earlier version)
+    return len(parts) in (3, 4) and parts[2].isdigit() and not process_alive(int(parts[2]))
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[dict], int]:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mingpt.claim import Beat, ended_here, holder, processes_of
+from mingpt.claim import Beat, ended_here, holder as holder_record, pids
 from mingpt.data.prepared import META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
 from mingpt.storage import create_exclusive, explain_storage_error, open_fs, redact, replace_atomically
@@ -180,7 +180,7 @@ class _Claim:
 
     def __init__(self, folder: RemoteFolder):
         self.folder, self.path = folder, folder._join(CLAIM_FILE)
-        self.mine = {**holder([os.getpid()]), "started": time.time(), "beat": 0}
+        self.mine = {**holder_record([os.getpid()]), "started": time.time(), "beat": 0}
         self.beating = Beat(self._beat, BEAT_S, "prepared-data-claim")
 
     def content(self) -> bytes:
@@ -250,6 +250,5 @@ def _ranged_copy(fs, path: str, target: Path) -> int:
     return size
 
 
-def _describe(claim: dict) -> str:
-    pids = ", ".join(str(pid) for pid, _ in processes_of(claim)) or "?"
-    return f"host {claim.get('host', '?')}, pid {pids}" if claim else "a node (claim unreadable)"
+def _describe(holder: dict) -> str:
+    return f"host {holder.get('host', '?')}, pid {pids(holder) or '?'}" if holder else "a node (claim unreadable)"

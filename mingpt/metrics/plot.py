@@ -64,7 +64,8 @@ def curves(records: list[dict]) -> Curves:
         for key in ("train_loss", "val_loss", "tokens_per_s"):
             if isinstance(record.get(key), (int, float)):
                 getattr(result, key)[record["step"]] = float(record[key])
-        for process in record.get("process_times") or [] if isinstance(record.get("process_times"), list) else []:
+        times = record.get("process_times")
+        for process in times if isinstance(times, list) else []:
             try:
                 own = float(process["data_ms"]) + float(process["compute_ms"])
                 result.own_ms.setdefault(str(process["process"]), {})[record["step"]] = own

@@ -100,11 +100,10 @@ class Checkpointer:
         """Restore the replica from the newest state that the nodes' memory tiers hold, when it is newer than
         `snapshot` (mingpt.training.recovery); the description of what was loaded (step, host, world_size),
         or None. Every process calls it."""
-        lease = self.store.lease
-        generation = distributed.broadcast_object(lease.generation if lease else None, self.world)
-        if self.memory is None:
+        if self.memory is None:  # the same everywhere: snapshot.memory and the launch decide it
             return None
-        self.memory.generation = generation
+        lease = self.store.lease
+        self.memory.generation = distributed.broadcast_object(lease.generation if lease else None, self.world)
         writer = snapshot.manifest.get("writer") if snapshot else None
         return self.memory.restore(snapshot.step if snapshot else 0,
                                    writer.get("generation") if isinstance(writer, dict) else None)

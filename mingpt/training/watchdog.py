@@ -73,13 +73,14 @@ class Watchdog:
                  and now - mark[2] > timeout}
         if not stale:
             return []
-        hung = [pid for pid in stale if _state(pid) == "T"]
+        stopped = {pid for pid in stale if _state(pid) == "T"}
+        hung = sorted(stopped)
         oldest = min(stale, key=lambda pid: stale[pid][2])
         if not hung and now - stale[oldest][2] > 1.5 * timeout:
             hung = [oldest]
         for pid in hung:
             step, phase, when, _ = stale[pid]
-            how = "stopped" if _state(pid) == "T" else "no progress"
+            how = "stopped" if pid in stopped else "no progress"
             self.finding = (f"hung: {self.host} pid {pid} ({how}; at step {step}, {phase}, for {now - when:.0f} s; "
                             f"hang timeout {timeout:.0f} s)")
             log.error("mingpt-torchrun: worker %s on %s made no progress for %.0f s (step %d, %s; %s); its stack, then "
