@@ -438,10 +438,10 @@ class _Pool:
             process.kill()
         for process in processes:
             process.join()
+        manager = self.pool._executor_manager_thread  # taken first: shutdown forgets it
         self.pool.shutdown(wait=False, cancel_futures=True)
         # Its manager thread notices the dead workers and closes its wake-up pipe. Let it finish: Python 3.11's
         # exit hook writes to that pipe without a lock, and racing the close it printed "Bad file descriptor".
-        manager = self.pool._executor_manager_thread
         if manager is not None:
             manager.join(timeout=10)
 
