@@ -21,14 +21,14 @@ DEFAULTS = PrepareConfig()
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("mingpt-prepare", summary(__doc__))
     parser.add_argument("--corpus", nargs="+", default=[BUILTIN_CORPUS],
-                        help=f"files, folders or quoted globs, local or fsspec URLs (s3://...), .gz/.bz2/.xz/.zst, "
-                             f".jsonl; or {BUILTIN_CORPUS!r} (default)")
+                        help=f"files, folders or quoted globs, local or fsspec URLs (s3://..., hf://datasets/...): "
+                             f"text, .jsonl or .parquet, .gz/.bz2/.xz/.zst; or {BUILTIN_CORPUS!r} (default)")
     parser.add_argument("--tokenizer", default=DEFAULTS.tokenizer,
                         help="char (default), bpe, a tiktoken encoding name such as gpt2, or a tokenizer folder")
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size, above 256 (e.g. 4096)")
     parser.add_argument("--bpe-sample-bytes", type=int, default=DEFAULTS.bpe_sample_bytes,
                         help="bpe learns its merges from a sample of this many bytes (default 100 MB)")
-    parser.add_argument("--text-field", default=DEFAULTS.text_field, help="JSONL field holding the text (default: text)")
+    parser.add_argument("--text-field", default=DEFAULTS.text_field, help="JSONL field or Parquet column holding the text (default: text)")
     parser.add_argument("--val-fraction", type=float, default=DEFAULTS.val_fraction,
                         help="share held out for validation (default 0.1)")
     parser.add_argument("--num-workers", type=int, default=DEFAULTS.num_workers,

@@ -4,17 +4,22 @@
     a file           corpus.txt, s3://bucket/corpus.txt.gz
     a folder         every file under it, in sorted path order (names starting with "." skipped)
                      following symbolic links to files and folders (a Hugging Face cache's layout)
-    a quoted glob    'corpus/*.jsonl', s3://bucket/shards/part-*.txt
+    a quoted glob    'corpus/*.jsonl', s3://bucket/shards/part-*.txt, 'hf://datasets/ORG/NAME/data/*.parquet'
     python-docs      the built-in corpus: the Python language reference that every CPython install
                      carries as text (`pydoc_data.topics`, about 0.47 MB), so the default job needs
                      no network and no downloads
 
-Files ending in .gz, .bz2, .xz (or .zst, with zstandard installed) are decompressed as they are read.
-A text file is one document; a .jsonl file holds one document per line, in the field
-`data.text_field`. Listing the sources reads no content: their sizes and versions (mtime, or the
-ETag on object stores) tell prepared data whether it is still current.
+Files ending in .gz, .bz2, .xz or .zst are decompressed as they are read. A text file is one
+document; a .jsonl file holds one document per line and a .parquet file one per row, in the field
+(column) `data.text_field`. Listing the sources reads no content: their sizes and versions (mtime,
+or the ETag or blob id on object stores and the Hub) tell prepared data whether it is still current.
+An hf:// URL is read through huggingface_hub (HF_TOKEN for private data); with HF_HUB_OFFLINE=1, from
+its local cache.
 
-Documents are read in pieces of about `piece_bytes`. A text document larger than that is cut
+Documents are numbered across the corpus, records (JSONL lines, Parquet rows) alike, so the same
+documents get the same number, and so the same split, in whichever container they are stored.
+
+Documents are read in pieces of about `piece_bytes` (a Parquet file: a batch of rows). A text document larger than that is cut
 where a line break stands between two characters that are not whitespace ("x\\nY"): tokenizers
 split words there anyway, so the pieces encode to the same tokens as the whole document. A line
 with no such place within 4 pieces is cut at any line break, or else anywhere (a minified
@@ -33,6 +38,7 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import BinaryIO, Callable, Iterator, Sequence
 
+from mingpt.data.formats import ZstdReader, explain_hub_error, from_hub_cache, parquet_batches, parquet_documents
 from mingpt.errors import DataError, MinGPTError
 from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 
@@ -50,21 +56,29 @@ class Source:
     version: str  # changes when the content does: mtime locally, the ETag on object stores
 
     @property
+    def format(self) -> str:
+        """How it holds documents: "text" (it is one), "jsonl" (one per line), "parquet" (one per row)."""
+        name = self.url.lower()
+        if name.endswith(".parquet"):
+            return "parquet"
+        for suffix in COMPRESSED:
+            name = name.removesuffix(suffix)
+        return "jsonl" if name.endswith(".jsonl") else "text"
+
+    @property
+    def records(self) -> bool:
+        """Whether it holds records (documents numbered across the corpus), not one text document."""
+        return self.format != "text"
+
+    @property
     def seekable(self) -> bool:
-        """Read as it is stored (not compressed, not built in): a piece can be read from its offset."""
-        return self.url != BUILTIN_CORPUS and not self.url.lower().endswith(COMPRESSED)
+        """Lines of text as stored (not compressed, not Parquet, not built in): a piece can be read from its offset."""
+        return self.url != BUILTIN_CORPUS and self.format != "parquet" and not self.url.lower().endswith(COMPRESSED)
 
     @property
     def local_plain(self) -> bool:
         """A seekable local file: any process on this machine can read a piece of it."""
         return self.seekable and self.url.startswith("/")
-
-    @property
-    def jsonl(self) -> bool:
-        name = self.url.lower()
-        for suffix in COMPRESSED:
-            name = name.removesuffix(suffix)
-        return name.endswith(".jsonl")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "url": redact(self.url)}
@@ -86,6 +100,7 @@ def _expand(entry: str) -> list[Source]:
     if entry == BUILTIN_CORPUS:
         text = builtin_bytes()
         return [Source(BUILTIN_CORPUS, len(text), hashlib.sha256(text).hexdigest()[:16])]
+    url, entry = entry, from_hub_cache(entry)
     try:
         fs, path = open_fs(entry)
     except MinGPTError as e:  # an unknown protocol, or its package is missing
@@ -109,6 +124,9 @@ def _expand(entry: str) -> list[Source]:
         raise DataError(f"corpus {redact(entry)} does not exist; give a file, folder or glob of UTF-8 text or "
                         f"JSONL, or {BUILTIN_CORPUS!r} for the built-in corpus") from None
     except Exception as e:  # storage clients raise many types (OSError, botocore, aiohttp): explain any
+        hub = explain_hub_error(e, url) if url.startswith("hf://") else None
+        if hub:
+            raise DataError(hub) from None
         reason = explain_storage_error(e, local=is_local(fs), setting="data.corpus")
         raise DataError(f"cannot list the corpus {redact(entry)} (data.corpus, or --corpus of mingpt-prepare): "
                         f"{reason}") from None
@@ -176,7 +194,7 @@ def _hidden(path: str, root: str) -> bool:
 
 
 def _version(info: dict) -> str:
-    for key in ("ETag", "etag", "mtime", "LastModified", "last_modified"):
+    for key in ("ETag", "etag", "blob_id", "mtime", "LastModified", "last_modified"):
         if info.get(key) is not None:
             return str(info[key]).strip('"')
     return ""
@@ -187,12 +205,11 @@ def open_source(source: Source) -> BinaryIO:
     if source.url == BUILTIN_CORPUS:
         return io.BytesIO(builtin_bytes())
     import fsspec
-    from fsspec.utils import infer_compression
 
-    if source.url.lower().endswith(".zst") and infer_compression(source.url) is None:
-        raise DataError(f"{redact(source.url)} is zstandard-compressed: pip install zstandard, or decompress it")
+    zstd = source.url.lower().endswith(".zst")  # fsspec's zstd reader ends a truncated file in silence
     try:
-        return fsspec.open(source.url, "rb", compression="infer").open()
+        f = fsspec.open(source.url, "rb", compression=None if zstd or source.format == "parquet" else "infer").open()
+        return ZstdReader(f) if zstd else f
     except FileNotFoundError:
         raise DataError(f"corpus file {redact(source.url)} disappeared while being read; run again") from None
     except (ValueError, ImportError) as e:  # e.g. .zst without zstandard
@@ -205,13 +222,17 @@ def open_source(source: Source) -> BinaryIO:
 
 @dataclass(frozen=True)
 class Piece:
-    """Consecutive bytes of one source: part of one text document, or whole lines of a JSONL file."""
+    """Consecutive documents of one source: part of one text document, whole lines of a JSONL file, or
+    rows of a Parquet file."""
 
     source: int  # index into the list of sources
-    offset: int  # of `data` in the (decompressed) source
+    offset: int  # of `data` in the (decompressed) source; for Parquet, the row of its first document
     data: bytes  # empty where the receiver reads the bytes from the file itself (see `lean`)
     size: int  # len(data) as read
     last: bool  # the source's last piece: a text document ends here
+    records: int = 0  # how many records (documents numbered across the corpus) it holds
+    first: int = 0  # the number of its first record
+    ends: bytes = b""  # for Parquet: where each document ends in `data` (int64)
 
     def lean(self) -> "Piece":
         """This piece without its bytes: for a process that reads them from the same local file."""
@@ -226,37 +247,54 @@ class Piece:
             return replace(self, data=f.read(self.size))
 
 
-def read_pieces(sources: Sequence[Source], digests: dict[int, str] | None = None) -> Iterator[Piece]:
+def read_pieces(sources: Sequence[Source], text_field: str, digests: dict[int, str] | None = None) -> Iterator[Piece]:
     """Every source in order, in pieces of about PIECE_BYTES cut at safe places (see the module
-    docstring). Where `digests` is given, it receives each source's sha256 as it is finished."""
+    docstring), their records numbered across the corpus. Where `digests` is given, it receives each
+    source's sha256 (of its documents as read) as it is finished."""
+    records = 0
     for index, source in enumerate(sources):
         hasher = hashlib.sha256()
-        for piece in _pieces(index, source):
+        for piece in _pieces(index, source, text_field):
             hasher.update(piece.data)
-            yield piece
+            hasher.update(piece.ends)
+            yield replace(piece, first=records)
+            records += piece.records
         if digests is not None:
             digests[index] = hasher.hexdigest()
 
 
-def _pieces(index: int, source: Source) -> Iterator[Piece]:
-    """All of `source` (number `index` of the corpus), read through, in pieces cut at safe places."""
-    offset = 0
+def _pieces(index: int, source: Source, text_field: str, chosen: Callable[[int], bool] | None = None) \
+        -> Iterator[Piece]:
+    """All of `source` (number `index` of the corpus), read through, in pieces cut at safe places; of a
+    Parquet file, only the row groups g where `chosen(g)`, if given."""
     with open_source(source) as f:
-        for data, last in _cut(_read_blocks(f, source, PIECE_BYTES), source.jsonl, PIECE_BYTES):
-            yield Piece(index, offset, data, len(data), last)
+        if source.format == "parquet":
+            for row, data, ends in parquet_batches(f, redact(source.url), text_field, PIECE_BYTES, chosen):
+                yield Piece(index, row, data, len(data), False, len(ends) // 8, ends=ends)
+            return
+        offset = 0
+        for data, last in _cut(_read_blocks(f, source, PIECE_BYTES), source.records, PIECE_BYTES):
+            records = sum(1 for line in data.split(b"\n") if line.strip()) if source.records else 0
+            yield Piece(index, offset, data, len(data), last, records)
             offset += len(data)
 
 
-def sample_pieces(sources: Sequence[Source], chosen: Callable[[int, int], bool]) -> Iterator[Piece]:
-    """The pieces numbered n of source s where `chosen(s, n)`, each about PIECE_BYTES of whole lines.
+def sample_pieces(sources: Sequence[Source], text_field: str, chosen: Callable[[int, int], bool]) -> Iterator[Piece]:
+    """The pieces numbered n of source s where `chosen(s, n)`, each about PIECE_BYTES of whole lines
+    (of a Parquet file, the row groups n).
 
     A file stored uncompressed is read only where a piece is chosen (a seek, or a ranged GET on an
-    object store), so sampling a large corpus reads about the sample, not the corpus. A compressed
-    file cannot seek: it is read through, and its cut pieces are chosen the same way."""
+    object store), so sampling a large corpus reads about the sample, not the corpus. Parquet reads
+    only the chosen row groups' text column. A compressed file cannot seek: it is read through, and
+    its cut pieces are chosen the same way."""
     piece_bytes = PIECE_BYTES
     for index, source in enumerate(sources):
+        if source.format == "parquet":
+            yield from _pieces(index, source, text_field, lambda group: chosen(index, group))
+            continue
         if not source.seekable:
-            yield from (piece for number, piece in enumerate(_pieces(index, source)) if chosen(index, number))
+            yield from (piece for number, piece in enumerate(_pieces(index, source, text_field))
+                        if chosen(index, number))
             continue
         for number in range(-(-source.size // piece_bytes)):
             if chosen(index, number):
@@ -288,21 +326,21 @@ def _read_blocks(f: BinaryIO, source: Source, size: int) -> Iterator[bytes]:
     while True:
         try:
             block = f.read(size)
-        except Exception as e:  # a truncated or damaged .gz (OSError, EOFError, zlib.error), a dropped connection
+        except Exception as e:  # a truncated or damaged .gz or .zst (OSError, EOFError, ZstdError), a lost connection
             raise DataError(f"cannot read {redact(source.url)}: {type(e).__name__}: {e}; if it is compressed, check "
-                            "that it decompresses (e.g. gzip -t)") from None
+                            "that it decompresses (gzip -t, zstd -t)") from None
         if not block:
             return
         yield block
 
 
-def _cut(blocks: Iterator[bytes], jsonl: bool, piece_bytes: int) -> Iterator[tuple[bytes, bool]]:
+def _cut(blocks: Iterator[bytes], by_line: bool, piece_bytes: int) -> Iterator[tuple[bytes, bool]]:
     """Re-cut `blocks` into pieces of at least `piece_bytes`, each ending at a safe place."""
     pending = b""
     for block in blocks:
         pending += block
         while len(pending) >= piece_bytes:
-            end = _safe_end(pending, piece_bytes, jsonl)
+            end = _safe_end(pending, piece_bytes, by_line)
             if end is None:
                 break  # read on: the next block may hold a safe place
             yield pending[:end], False
@@ -310,9 +348,9 @@ def _cut(blocks: Iterator[bytes], jsonl: bool, piece_bytes: int) -> Iterator[tup
     yield pending, True
 
 
-def _safe_end(data: bytes, start: int, jsonl: bool) -> int | None:
+def _safe_end(data: bytes, start: int, by_line: bool) -> int | None:
     """The end of the first piece of `data`: just after a line break at or beyond `start`."""
-    if jsonl:
+    if by_line:
         at = data.find(b"\n", start - 1)
         return at + 1 if at >= 0 else None
     at = start - 1
@@ -334,13 +372,16 @@ def _safe_end(data: bytes, start: int, jsonl: bool) -> int | None:
     return end
 
 
-def documents(piece: Piece, jsonl: bool, text_field: str, name: str) -> Iterator[tuple[int, str]]:
-    """The texts in `piece`, each with the byte offset in its source where it starts: one text for a
-    piece of a text document, one per record (line) for JSONL."""
-    if not jsonl:
-        yield piece.offset, _decode(piece.data, name, piece.offset)
+def documents(piece: Piece, form: str, text_field: str, name: str) -> Iterator[tuple[int, str]]:
+    """The texts in `piece` of a source of format `form`, each with its record number (see `read_pieces`):
+    one text for a piece of a text document (numbered -1), one per record for JSONL and Parquet."""
+    if form == "text":
+        yield -1, _decode(piece.data, name, piece.offset)
         return
-    start = 0
+    if form == "parquet":
+        yield from enumerate(parquet_documents(piece.data, piece.ends), start=piece.first)
+        return
+    start, number = 0, piece.first
     for line in piece.data.split(b"\n"):
         offset, start = piece.offset + start, start + len(line) + 1
         if not line.strip():
@@ -355,7 +396,8 @@ def documents(piece: Piece, jsonl: bool, text_field: str, name: str) -> Iterator
             fields = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
             raise DataError(f"{where} has no text field {text_field!r}; set data.text_field (--text-field) to the "
                             f"field holding the text (this record has: {fields})")
-        yield offset, text
+        yield number, text
+        number += 1
 
 
 def _decode(data: bytes, name: str, offset: int) -> str:

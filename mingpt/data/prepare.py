@@ -11,8 +11,8 @@ merges from a sample of about `bpe_sample_bytes`, drawn across the corpus.
 
 Validation split. One text document (a single file, or the built-in corpus): its last
 `val_fraction` of tokens. Several documents: whole documents, drawn in a fixed seeded order; of
-text files, the last `val_fraction` of them (at least one); of JSONL records, each record with a
-seeded hash below `val_fraction`.
+text files, the last `val_fraction` of them (at least one); of records (JSONL lines, Parquet rows),
+each record whose number across the corpus has a seeded hash below `val_fraction`.
 
 Whether a folder is current is decided from the listing of the sources (paths, sizes, mtimes or
 ETags) and the settings, so a start or restart never reads the corpus. `prepare` builds a new
@@ -73,9 +73,10 @@ class PrepareConfig:
     """What to prepare and how: the settings that `mingpt-prepare` and the trainer's `data` group share."""
 
     # A file, a folder, a quoted glob, or a list of these; local paths or fsspec URLs (s3://...);
-    # .gz/.bz2/.xz/.zst read as such, .jsonl as one document per line; or the built-in python-docs.
+    # .gz/.bz2/.xz/.zst read as such, .jsonl as one document per line, .parquet one per row; hf://datasets/...
+    # (Hugging Face Hub); or the built-in python-docs.
     corpus: Any = BUILTIN_CORPUS
-    text_field: str = "text"  # the field of each JSONL record that holds its text
+    text_field: str = "text"  # the field of each JSONL record, or the Parquet column, that holds the text
     # char, bpe, a tiktoken encoding name (gpt2, cl100k_base, ...), or a folder with a slash in its name
     # (./gpt2) holding a Hugging Face tokenizer or a mingpt snapshot's.
     tokenizer: str = "char"
@@ -97,7 +98,7 @@ class PrepareConfig:
             "tokenizer": self.tokenizer,
             "requested_vocab_size": self.vocab_size if bpe else None,
             "bpe_sample_bytes": self.bpe_sample_bytes if bpe else None,
-            "text_field": self.text_field if any(source.jsonl for source in sources) else None,
+            "text_field": self.text_field if any(source.records for source in sources) else None,
             "val_fraction": self.val_fraction,
         }
 
@@ -235,11 +236,11 @@ class _Job:
         self.config, self.sources = config, sources
         self.num_workers = config.num_workers or _cpu_count()
         self.listed_bytes = sum(source.size for source in sources)
-        self.tail_split = len(sources) == 1 and not sources[0].jsonl  # one document
+        self.tail_split = len(sources) == 1 and not sources[0].records  # one document
         self.context = {
             "names": [redact(source.url) for source in sources],
             "paths": [source.url if source.local_plain else None for source in sources],
-            "jsonl": [source.jsonl for source in sources],
+            "formats": [source.format for source in sources],
             "text_field": config.text_field,
             "val_fraction": config.val_fraction,
             "val_sources": [] if self.tail_split else _val_files(sources, config.val_fraction),
@@ -314,7 +315,8 @@ class _Job:
         whole corpus (from its start, when compressed files make the total larger than listed)."""
         budget = self.config.bpe_sample_bytes
         share = min(1.0, budget / max(self.listed_bytes, 1))
-        chosen = sample_pieces(self.sources, lambda source, number: _unit_hash(SPLIT_SEED, "bpe", source, number) < share)
+        chosen = sample_pieces(self.sources, self.config.text_field,
+                               lambda source, number: _unit_hash(SPLIT_SEED, "bpe", source, number) < share)
         taken = 0
         # Read here, not in workers: decoding costs less than sending the texts back, and rustbpe uses every core.
         with Progress("training bpe on a sample", min(budget, self.listed_bytes)) as progress, \
@@ -367,7 +369,7 @@ class _Job:
         """The corpus in pieces after the first `skip` (which are read for `digests` only), sent lean where
         workers can read the bytes themselves: a local file that is not compressed (so that its bytes do
         not go through a pipe, which costs more than reading)."""
-        for number, piece in enumerate(read_pieces(self.sources, digests)):
+        for number, piece in enumerate(read_pieces(self.sources, self.config.text_field, digests)):
             if number >= skip:
                 yield piece.lean() if self.sources[piece.source].local_plain else piece
 
@@ -473,8 +475,8 @@ def _init_worker(context: dict) -> None:
 
 def _documents(piece: Piece) -> Iterator[tuple[int, str]]:
     piece = piece.filled(_worker["paths"][piece.source])
-    jsonl = _worker["jsonl"][piece.source]
-    return documents(piece, jsonl, _worker["text_field"], _worker["names"][piece.source])
+    form = _worker["formats"][piece.source]
+    return documents(piece, form, _worker["text_field"], _worker["names"][piece.source])
 
 
 def _chars(piece: Piece) -> set[str]:
@@ -489,22 +491,22 @@ def _texts(piece: Piece) -> list[str]:
 
 
 def _encode(piece: Piece) -> tuple[dict[str, tuple[Path, int]], bool]:
-    """Write the tokens of `piece` by split, each document (a JSONL record, the end of a text file) ended
+    """Write the tokens of `piece` by split, each document (a record, the end of a text file) ended
     by end-of-text, to part files (cheaper than sending them back through a pipe); return each split's
     part file and token count, and whether the piece held any text that is not whitespace."""
     tok: Tokenizer = _worker["tok"]
     eot = [] if tok.eot_id is None else [tok.eot_id]
-    jsonl = _worker["jsonl"][piece.source]
+    records = _worker["formats"][piece.source] != "text"
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     has_text = False
-    for offset, text in _documents(piece):
+    for number, text in _documents(piece):
         has_text = has_text or not text.isspace() and bool(text)
-        if jsonl:
-            split = "val" if _unit_hash(SPLIT_SEED, piece.source, offset) < _worker["val_fraction"] else "train"
+        if records:  # by the record's number across the corpus: the same split whatever the container
+            split = "val" if _unit_hash(SPLIT_SEED, "record", number) < _worker["val_fraction"] else "train"
         else:
             split = "val" if piece.source in _worker["val_sources"] else "train"
         parts[split].append(tok.encode_array(text))
-        if jsonl or piece.last:
+        if records or piece.last:
             parts[split].append(np.asarray(eot, dtype=np.int64))
     written = {}
     for split, arrays in parts.items():
@@ -531,8 +533,8 @@ def _unit_hash(*key) -> float:
 
 def _val_files(sources: Sequence[Source], val_fraction: float) -> list[int]:
     """The text files (one document each) of the validation split: the last `val_fraction` of them in
-    a seeded order, at least one where there are two or more and no JSONL records to draw from."""
-    text_files = [i for i, source in enumerate(sources) if not source.jsonl]
+    a seeded order, at least one where there are two or more and no records to draw from."""
+    text_files = [i for i, source in enumerate(sources) if not source.records]
     count = round(val_fraction * len(text_files))
     if val_fraction > 0 and count == 0 and len(text_files) >= 2 and len(text_files) == len(sources):
         count = 1
@@ -743,7 +745,7 @@ def verify(directory: str | os.PathLike) -> list[str]:
     digests: dict[int, str] = {}
     present = [s for s in recorded if s.url in listed]
     with Progress("verifying", sum(s.size for s in present)) as progress:
-        for piece in read_pieces(present, digests=digests):
+        for piece in read_pieces(present, meta.get("text_field") or "text", digests=digests):
             progress.update(len(piece.data))
     expected = dict(zip((s.url for s in recorded), meta["source_sha256"]))
     for i, source in enumerate(present):

@@ -1,0 +1,194 @@
+"""How stored corpus files become documents, beyond plain and compressed text: zstd streams, Parquet
+row groups, and Hugging Face Hub URLs read from the local cache when HF_HUB_OFFLINE is set.
+
+The readers are the field's libraries (zstandard, pyarrow, huggingface_hub); what is here is only
+what they leave to the caller: a truncated zstd file raises instead of ending early, a Parquet file
+is read a batch of rows at a time (memory stays bounded whatever its row groups' size) and its text
+column comes out as one buffer of UTF-8 with the documents' ends, and every failure names the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import BinaryIO, Callable, Iterator
+
+import numpy as np
+
+from mingpt.errors import DataError
+from mingpt.storage import redact
+
+ZSTD_READ = 1 << 16  # compressed bytes per step: a block decompresses to at most its frame's ratio times this
+
+
+class ZstdReader(io.RawIOBase):
+    """The decompressed content of a zstd stream of one or more frames. EOFError where the stream ends
+    inside a frame: zstandard's own stream reader ends there in silence, which would drop a truncated
+    file's tail without a word."""
+
+    def __init__(self, raw: BinaryIO):
+        import zstandard
+
+        self.raw, self.new_frame = raw, zstandard.ZstdDecompressor().decompressobj
+        self.frame, self.pending, self.at, self.started = self.new_frame(), b"", 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.at >= len(self.pending):
+            block = self.raw.read(ZSTD_READ)
+            if not block:
+                if self.started and not self.frame.eof:
+                    raise EOFError("the zstd stream ends inside a frame: the file is truncated")
+                return 0
+            self.pending, self.at = self._decompress(block), 0
+        count = min(len(buffer), len(self.pending) - self.at)
+        buffer[:count] = self.pending[self.at : self.at + count]
+        self.at += count
+        return count
+
+    def _decompress(self, block: bytes) -> bytes:
+        out = []
+        while block:  # a block may end one frame and start the next
+            if self.frame.eof:
+                self.frame = self.new_frame()
+            out.append(self.frame.decompress(block))
+            self.started = True
+            block = self.frame.unused_data if self.frame.eof else b""
+        return b"".join(out)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+# -- Parquet -------------------------------------------------------------------------------------
+
+
+def parquet_batches(f: BinaryIO, name: str, text_field: str, piece_bytes: int,
+                    chosen: Callable[[int], bool] | None = None) -> Iterator[tuple[int, bytes, bytes]]:
+    """The text column of the Parquet file `f`, in batches of about `piece_bytes` of text: (the row of
+    the batch's first document, the documents' UTF-8 bytes one after another, their ends as int64 bytes).
+    Only the text column is read; with `chosen`, only the row groups g where chosen(g)."""
+    import pyarrow.parquet as pq
+
+    try:  # a read buffer: a column chunk is read a buffer at a time, not whole
+        parquet = pq.ParquetFile(f, buffer_size=piece_bytes, pre_buffer=False)
+    except Exception as e:  # ArrowInvalid for a truncated file (no footer), OSError
+        raise DataError(f"{name} is not a readable Parquet file ({_reason(e)}); check that it was copied whole") \
+            from None
+    columns = parquet.schema_arrow.names
+    if text_field not in columns:
+        raise DataError(f"{name} has no column {text_field!r}; set data.text_field (--text-field) to the column "
+                        f"holding the text (its columns: {', '.join(columns)})")
+    _check_text_type(parquet.schema_arrow.field(text_field).type, name, text_field)
+    row = 0
+    for group in range(parquet.num_row_groups):
+        rows = parquet.metadata.row_group(group).num_rows
+        if chosen is None or chosen(group):
+            try:
+                batches = parquet.iter_batches(_batch_rows(parquet, group, text_field, piece_bytes),
+                                               row_groups=[group], columns=[text_field], use_threads=False)
+                for batch in batches:
+                    yield row, *_texts(batch.column(0), name, text_field, row)
+                    row += batch.num_rows
+            except DataError:
+                raise
+            except Exception as e:  # a damaged page: ArrowInvalid, OSError from the decompressor
+                raise DataError(f"cannot read {name}, row group {group}: {_reason(e)}; the file is damaged, copy "
+                                "it again") from None
+        else:
+            row += rows
+
+
+def _batch_rows(parquet, group: int, text_field: str, piece_bytes: int) -> int:
+    """Rows that hold about `piece_bytes` of text in row group `group`, from its metadata."""
+    meta = parquet.metadata.row_group(group)
+    size = next((meta.column(i).total_uncompressed_size for i in range(meta.num_columns)
+                 if meta.column(i).path_in_schema == text_field), 0)
+    return max(1, min(meta.num_rows, piece_bytes * meta.num_rows // max(size, 1)))
+
+
+def _check_text_type(kind, name: str, text_field: str) -> None:
+    import pyarrow as pa
+
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise DataError(f"{name}: column {text_field!r} holds {kind}, not text; set data.text_field (--text-field) "
+                        "to a column of strings")
+
+
+def _texts(column, name: str, text_field: str, first_row: int) -> tuple[bytes, bytes]:
+    """The UTF-8 bytes of a column of strings one after another, and where each ends (int64 bytes)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if column.null_count:
+        row = first_row + pc.index(column.is_null(), True).as_py()
+        raise DataError(f"{name}, row {row}: {text_field!r} is null, not text; fill or drop that row")
+    column = column.cast(pa.large_string())  # one layout to read: int64 offsets into one data buffer
+    _, offsets, values = column.buffers()
+    ends = np.frombuffer(offsets, dtype=np.int64, count=len(column) + 1, offset=column.offset * 8)
+    start, end = int(ends[0]), int(ends[-1])
+    data = values.slice(start, end - start).to_pybytes() if end > start else b""
+    return data, (ends[1:] - start).tobytes()
+
+
+def parquet_documents(data: bytes, ends: bytes) -> Iterator[str]:
+    """The documents of a batch from `parquet_batches`."""
+    start = 0
+    for end in np.frombuffer(ends, dtype=np.int64).tolist():
+        yield data[start:end].decode("utf-8")  # Arrow checked the UTF-8 when it read the column
+        start = end
+
+
+def _reason(e: BaseException) -> str:
+    """The error's type and first sentence (Arrow's messages go on with guesses)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {redact(first.split('. ')[0].rstrip('.'))}"
+
+
+# -- Hugging Face Hub ----------------------------------------------------------------------------
+
+HUB_URL = re.compile(r"^hf://(?P<kind>datasets|spaces)/(?P<repo>[^/@]+/[^/@]+)(@(?P<revision>[^/]+))?(/(?P<path>.*))?$")
+
+
+def from_hub_cache(url: str) -> str:
+    """For an hf:// URL while HF_HUB_OFFLINE is set: the same files in the local Hugging Face cache (a local
+    path or glob), as huggingface_hub reads models and datasets offline; otherwise `url` itself."""
+    if not url.startswith("hf://") or not _offline():
+        return url
+    from huggingface_hub import snapshot_download
+
+    found = HUB_URL.match(url)
+    if not found:
+        raise DataError(f"{redact(url)} is not a Hub dataset URL; write hf://datasets/ORG/NAME/PATH-OR-GLOB")
+    repo, path = found["repo"], found["path"] or ""
+    try:
+        folder = snapshot_download(repo, repo_type=found["kind"].removesuffix("s"), revision=found["revision"],
+                                   local_files_only=True)
+    except Exception:  # LocalEntryNotFoundError: nothing of this repository (or revision) in the cache
+        raise DataError(f"{redact(url)}: HF_HUB_OFFLINE is set and the Hugging Face cache holds nothing of {repo}; "
+                        f"download it first (hf download {repo} --repo-type dataset --include '{path or '*'}') or "
+                        "unset HF_HUB_OFFLINE") from None
+    return os.path.join(folder, path) if path else folder
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def explain_hub_error(e: BaseException, url: str) -> str | None:
+    """One line for a failure to reach or read an hf:// URL, or None where it is not the Hub's."""
+    name = type(e).__name__
+    if name == "OfflineModeIsEnabled":
+        return f"{redact(url)}: HF_HUB_OFFLINE is set; unset it to reach the Hub, or download the files first"
+    if name in ("RepositoryNotFoundError", "GatedRepoError", "HfHubHTTPError") or "401" in str(e):
+        return (f"the Hub refused {redact(url)} ({name}); check the dataset's name, and for a private or gated one "
+                "that HF_TOKEN holds a token with access to it")
+    if name in ("ConnectError", "ConnectTimeout", "ReadTimeout", "ConnectionError") or isinstance(e, ConnectionError):
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        return (f"cannot reach the Hugging Face Hub at {redact(endpoint)} for {redact(url)} ({name}); check the "
+                "network, or download the files where there is one and set HF_HUB_OFFLINE=1")
+    return None

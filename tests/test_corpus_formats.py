@@ -1,0 +1,191 @@
+"""Corpora as people get them: Parquet shards, zstd-compressed JSONL, Hugging Face Hub URLs."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import _registry as fsspec_registry
+
+from mingpt.data import corpus
+from mingpt.data.prepare import PrepareConfig, prepare, verify
+from mingpt.data.prepared import read_meta
+from mingpt.errors import DataError
+from test_prepare import make_documents, prepared_documents
+
+PREPARE = str(Path(sys.executable).parent / "mingpt-prepare")
+SHARDS = 3
+
+
+def shard(docs: list[str], k: int) -> list[str]:
+    return docs[k * len(docs) // SHARDS : (k + 1) * len(docs) // SHARDS]
+
+
+def write_parquet(folder: Path, docs: list[str]) -> None:
+    """Three shards as the Hub's datasets have them: other columns beside the text, several row groups,
+    the text as string in one shard and as large_string in another."""
+    folder.mkdir(parents=True)
+    for k in range(SHARDS):
+        texts = shard(docs, k)
+        table = pa.table({"id": [f"doc-{k}-{i}" for i in range(len(texts))],
+                          "text": pa.array(texts, pa.large_string() if k == 1 else pa.string()),
+                          "score": [i / 7 for i in range(len(texts))]})
+        pq.write_table(table, folder / f"part-{k:05d}.parquet", row_group_size=7, compression="zstd" if k else "snappy")
+
+
+def write_jsonl(folder: Path, docs: list[str], compress: bool) -> None:
+    folder.mkdir(parents=True)
+    for k in range(SHARDS):
+        lines = "".join(json.dumps({"url": f"u{i}", "text": doc}) + "\n" for i, doc in enumerate(shard(docs, k)))
+        data = zstandard.ZstdCompressor().compress(lines.encode()) if compress else lines.encode()
+        (folder / f"part-{k:05d}.jsonl{'.zst' if compress else ''}").write_bytes(data)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 2 KB: many Parquet batches per row group, JSONL files cut into many pieces."""
+    monkeypatch.setattr(corpus, "PIECE_BYTES", 2048)
+
+
+@pytest.fixture
+def three_containers(tmp_path) -> tuple[list[str], dict[str, Path]]:
+    docs = make_documents(60)
+    folders = {"parquet": tmp_path / "parquet", "jsonl.zst": tmp_path / "zst", "jsonl": tmp_path / "jsonl"}
+    write_parquet(folders["parquet"], docs)
+    write_jsonl(folders["jsonl.zst"], docs, compress=True)
+    write_jsonl(folders["jsonl"], docs, compress=False)
+    return docs, folders
+
+
+def test_the_same_documents_give_the_same_tokens_in_parquet_zstd_jsonl_and_plain_jsonl(
+        tmp_path, small_pieces, three_containers):
+    docs, folders = three_containers
+    (folders["jsonl"].parent / "one.jsonl").write_text(
+        "".join(json.dumps({"text": doc}) + "\n" for doc in docs))  # the same documents, unsharded
+    prepared = {}
+    for name, source in {**folders, "one file": folders["jsonl"].parent / "one.jsonl"}.items():
+        prepared[name] = prepare(PrepareConfig(corpus=str(source), prepared_dir=tmp_path / f"prep-{name}",
+                                               val_fraction=0.2, num_workers=2))
+    for name, out in prepared.items():
+        for file in ("train.bin", "val.bin", "tokenizer.json"):
+            assert (out / file).read_bytes() == (prepared["jsonl"] / file).read_bytes(), (name, file)
+    found = prepared_documents(prepared["parquet"])
+    assert sorted(found["train"] + found["val"]) == sorted(docs) and found["val"]
+    assert read_meta(prepared["parquet"])["text_field"] == "text"
+    assert verify(prepared["parquet"]) == [] and verify(prepared["jsonl.zst"]) == []
+
+
+def test_bpe_samples_parquet_row_groups_and_the_text_field_is_a_column(tmp_path, small_pieces):
+    docs = make_documents(30)
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    pq.write_table(pa.table({"content": docs, "n": list(range(30))}), folder / "a.parquet", row_group_size=5)
+    out = prepare(PrepareConfig(corpus=str(folder / "*.parquet"), text_field="content", tokenizer="bpe",
+                                vocab_size=300, bpe_sample_bytes=8000, prepared_dir=tmp_path / "prep"))
+    found = prepared_documents(out)
+    assert sorted(found["train"] + found["val"]) == sorted(docs)
+
+
+def expect_error(tmp_path, corpus_url: str, message: str, env: dict | None = None, *extra: str) -> None:
+    """mingpt-prepare fails with exit 2 and one line that matches `message`, and leaves no folder."""
+    out = tmp_path / "out"
+    result = subprocess.run([PREPARE, "--corpus", corpus_url, "--out", str(out), *extra], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, **(env or {})})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert message in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_a_missing_column_a_damaged_file_and_a_null_are_one_line_each(tmp_path, three_containers):
+    _, folders = three_containers
+    expect_error(tmp_path, str(folders["parquet"]), "has no column 'content'; set data.text_field (--text-field) "
+                 "to the column holding the text (its columns: id, text, score)", None, "--text-field", "content")
+    whole = (folders["parquet"] / "part-00002.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(whole[: len(whole) // 2])
+    expect_error(tmp_path, str(tmp_path / "cut.parquet"), "cut.parquet is not a readable Parquet file")
+    damaged = bytearray(whole)
+    damaged[200:400] = bytes(200)  # inside the first row group's pages
+    (tmp_path / "damaged.parquet").write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match=r"cannot read .*damaged.parquet, row group 0: .*copy it again"):
+        prepare(PrepareConfig(corpus=str(tmp_path / "damaged.parquet"), prepared_dir=tmp_path / "p"))
+    whole = (folders["jsonl.zst"] / "part-00000.jsonl.zst").read_bytes()
+    (tmp_path / "cut.jsonl.zst").write_bytes(whole[: len(whole) // 2])  # zstandard alone would end it silently
+    with pytest.raises(DataError, match=r"cut.jsonl.zst: EOFError: the zstd stream ends inside a frame"):
+        prepare(PrepareConfig(corpus=str(tmp_path / "cut.jsonl.zst"), prepared_dir=tmp_path / "p"))
+    pq.write_table(pa.table({"text": ["a", "b", None, "c"]}), tmp_path / "null.parquet")
+    with pytest.raises(DataError, match=r"null.parquet, row 2: 'text' is null, not text"):
+        prepare(PrepareConfig(corpus=str(tmp_path / "null.parquet"), prepared_dir=tmp_path / "p"))
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "numbers.parquet")
+    with pytest.raises(DataError, match=r"column 'text' holds int64, not text"):
+        prepare(PrepareConfig(corpus=str(tmp_path / "numbers.parquet"), prepared_dir=tmp_path / "p"))
+    assert not (tmp_path / "p").exists()
+
+
+class HubStandIn(DirFileSystem):
+    """hf:// served from a local folder, for the fsspec path that huggingface_hub's HfFileSystem takes."""
+
+    protocol = "hf"
+    cachable = False
+    root = ""
+
+    def __init__(self, **options):
+        super().__init__(path=self.root, fs=LocalFileSystem())
+
+
+def test_an_hf_url_is_read_through_fsspec_and_prepared_like_a_local_copy(tmp_path, monkeypatch, small_pieces,
+                                                                         three_containers):
+    _, folders = three_containers
+    dataset = tmp_path / "hub" / "datasets" / "org" / "web" / "data"
+    shutil.copytree(folders["parquet"], dataset)
+    monkeypatch.setattr(HubStandIn, "root", str(tmp_path / "hub"))
+    monkeypatch.setitem(fsspec_registry, "hf", HubStandIn)
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # the tests' default
+    url = "hf://datasets/org/web/data/*.parquet"
+    out = prepare(PrepareConfig(corpus=url, prepared_dir=tmp_path / "from-hub", val_fraction=0.2, num_workers=2))
+    local = prepare(PrepareConfig(corpus=str(folders["parquet"]), prepared_dir=tmp_path / "local", val_fraction=0.2))
+    assert (out / "train.bin").read_bytes() == (local / "train.bin").read_bytes()
+    assert [s["url"] for s in read_meta(out)["sources"]] == [f"hf://datasets/org/web/data/part-{k:05d}.parquet"
+                                                             for k in range(SHARDS)]
+
+
+def hub_cache(root: Path, repo: str, files: dict[str, bytes]) -> None:
+    """The layout huggingface_hub's cache has after a download: blobs, a snapshot of links, refs/main."""
+    folder = root / f"datasets--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    for path, data in files.items():
+        blob = folder / "blobs" / f"blob{len(data)}{abs(hash(path))}"
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = folder / "snapshots" / commit / path
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+
+
+@pytest.mark.multiproc
+def test_offline_an_hf_url_reads_the_hub_cache_and_says_what_it_lacks(tmp_path, three_containers, closed_port):
+    _, folders = three_containers
+    hub_cache(tmp_path / "cache", "org/web", {f"data/{p.name}": p.read_bytes() for p in folders["parquet"].iterdir()})
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    result = subprocess.run([PREPARE, "--corpus", "hf://datasets/org/web/data/*.parquet", "--out",
+                             str(tmp_path / "offline"), "--val-fraction", "0.2"],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, **offline})
+    assert result.returncode == 0, result.stderr
+    local = prepare(PrepareConfig(corpus=str(folders["parquet"]), prepared_dir=tmp_path / "local", val_fraction=0.2))
+    assert (tmp_path / "offline" / "train.bin").read_bytes() == (local / "train.bin").read_bytes()
+
+    expect_error(tmp_path, "hf://datasets/org/other/*.parquet", "HF_HUB_OFFLINE is set and the Hugging Face cache "
+                 "holds nothing of org/other; download it first", offline)
+    expect_error(tmp_path, "hf://datasets/org/web/*.parquet", "cannot reach the Hugging Face Hub at "
+                 f"http://127.0.0.1:{closed_port}", {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port}",
+                                                      "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"})
