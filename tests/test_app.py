@@ -88,6 +88,18 @@ def test_a_typo_in_a_setting_is_one_line_with_the_closest_match_and_exit_2(tmp_p
     assert "+" not in result.stderr.split("error: ", 1)[1] and sorted(tmp_path.iterdir()) == []
 
 
+def test_the_gpt2_fineweb_edu_recipe_is_gpt2_124m_with_half_a_million_tokens_a_step_and_stays_overridable():
+    cfg = config("recipe=gpt2-fineweb-edu", "trainer.max_steps=100", "data.corpus=/copy/*.parquet")
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (12, 12, 768)
+    assert cfg.model.build(50257, cfg.data.block_size).block_size == 1024 and cfg.data.tokenizer == "gpt2"
+    assert cfg.trainer.global_batch_size * cfg.data.block_size == 524_288
+    assert (cfg.trainer.lr, cfg.trainer.warmup_steps, cfg.trainer.weight_decay) == (6e-4, 700, 0.1)
+    assert cfg.trainer.max_steps == 100 and cfg.data.corpus == "/copy/*.parquet"  # given after the recipe
+    assert abs(config("recipe=gpt2-fineweb-edu").trainer.max_steps * 524_288 - 10e9) < 524_288  # decay to 10B tokens
+    with pytest.raises(ConfigError, match=r"recipe=gpt2-fineweb is no recipe option \(did you mean gpt2-fineweb-edu"):
+        config("recipe=gpt2-fineweb")
+
+
 @pytest.mark.multiproc
 def test_a_value_of_the_wrong_type_is_hydras_error_without_a_traceback(tmp_path):
     result = app(tmp_path, "trainer.max_steps=abc")

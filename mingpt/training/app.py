@@ -33,7 +33,8 @@ def check_overrides(conf_dir: Path, args: list[str]) -> None:
     """ConfigError, in one line with the closest match, for a setting or a group option that does not
     exist, or a setting deleted (`~key`): Hydra's own errors for these take seven lines and advise `+key`.
     What Hydra's parser cannot read, Hydra's flags, and `hydra.*` are left to Hydra."""
-    options = {"model": sorted(PRESETS), "data": sorted(path.stem for path in (Path(conf_dir) / "data").glob("*.yaml"))}
+    options = {"model": sorted(PRESETS), **{group: sorted(path.stem for path in (Path(conf_dir) / group).glob("*.yaml"))
+                                             for group in ("data", "recipe")}}
     parser = OverridesParser.create()
     for arg in args:
         if arg.startswith("-") or not ("=" in arg or arg.startswith("~")):
