@@ -5,7 +5,6 @@ as main.py does, and the trainer raises the error that main.py prints as one lin
 itself runs once per kind of outcome: a bad value (exit 2), a value of the wrong type (Hydra's
 exit 1), multirun, and Ctrl-C."""
 
-import importlib.util
 import json
 import re
 import signal
@@ -84,7 +83,7 @@ def test_a_typo_in_a_setting_is_one_line_with_the_closest_match_and_exit_2(tmp_p
     result = app(tmp_path, "trainer.max_step=30")
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert result.stderr.splitlines() == ["error: unknown setting trainer.max_step (did you mean trainer.max_steps?): "
-                                          "`python train/main.py --cfg job` lists every setting"]
+                                          "`mingpt-train --cfg job` lists every setting"]
     assert "+" not in result.stderr.split("error: ", 1)[1] and sorted(tmp_path.iterdir()) == []
 
 
@@ -210,10 +209,8 @@ def test_ctrl_c_finishes_the_step_and_snapshots(tmp_path, procs):
 
 
 def test_multirun_is_refused(capsys):
-    spec = importlib.util.spec_from_file_location("mingpt_train_app", MAIN)  # without running it
-    app_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(app_module)
-    refuse = app_module.refuse_multirun  # what the command runs before Hydra starts
+    from mingpt.cli.train import refuse_multirun as refuse  # what the command runs before Hydra starts
+
     for flag in ["-m", "--multirun", "hydra.mode=MULTIRUN"]:
         with pytest.raises(SystemExit) as stopped:
             refuse([flag, "seed=1,2"])

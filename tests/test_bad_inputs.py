@@ -255,7 +255,7 @@ def test_mingpt_torchrun_refuses_a_bad_override_before_any_agent_or_data_work(tm
     assert torchrun.main(["--standalone", "--nproc-per-node=1", MAIN, "+trainer.max_step=5"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == ["error: unknown setting trainer.max_step (did you mean trainer.max_steps?): "
-                                "`python train/main.py --cfg job` lists every setting"]
+                                "`mingpt-train --cfg job` lists every setting"]
     assert list(tmp_path.iterdir()) == []
 
 

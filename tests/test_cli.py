@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch import env
+from launch import REPO, env
 from mingpt.cli import prepare, sample
 
 PREPARE = [sys.executable, "-m", "mingpt.cli.prepare"]
@@ -169,3 +169,36 @@ def test_mingpt_torchrun_help_says_first_what_it_adds_to_torchrun(capsys):
     assert done.value.code == 0
     assert out.startswith("mingpt-torchrun: torch's torchrun") and out.index("watchdog") < out.index("usage:")
     assert torchrun._asks_for_help(["--nproc-per-node=2", "train/main.py", "--help"]) is False  # the script's
+
+
+def test_the_commands_answer_help_without_importing_torch():
+    """torch takes over a second to import: the commands import it once their flags are read."""
+    commands = ["export", "plot", "prepare", "rendezvous", "sample", "snapshot"]
+    code = (f"import sys; [__import__('mingpt.cli.' + c) for c in {commands!r}]; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.multiproc
+def test_a_non_editable_install_trains_with_mingpt_train_from_another_folder(tmp_path):
+    """`pip install .` (a wheel, not editable), then `mingpt-train` in a folder without the checkout: the
+    Hydra configs of train/conf come with the package."""
+    pip = [sys.executable, "-m", "pip", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(REPO)],
+                   check=True, timeout=300, capture_output=True)
+    [wheel] = (tmp_path / "wheel").glob("*.whl")
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300,
+                   capture_output=True)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    installed = {**env(), "PYTHONPATH": str(site)}  # the installed copy first, before the editable checkout
+    where = subprocess.run([sys.executable, "-c", "import mingpt.training.app as a; print(a.CONF_DIR)"], cwd=work,
+                           env=installed, capture_output=True, text=True, check=True)
+    assert where.stdout.strip().startswith(str(site))
+    result = subprocess.run([str(site / "bin" / "mingpt-train"), "model=gpt-nano", "data.block_size=32",
+                             "trainer.max_steps=2", "trainer.eval_every=0"], cwd=work, env=installed,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: step 2" in result.stderr and (work / "snapshots" / "run").is_dir()

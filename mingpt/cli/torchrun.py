@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.utils import (
 from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError
 from mingpt.training import agent
-from mingpt.training.app import compose_config
+from mingpt.training.app import CONF_DIR, compose_config
 from mingpt.training.distributed import one_line
 from mingpt.training.launcher import NCCL_WATCH, STORE_SHARING, merge_rendezvous_conf
 from mingpt.training.preparation import prepare_data
@@ -83,10 +83,12 @@ def _asks_for_help(argv: list[str]) -> bool:
 def prepare_before_joining(args: argparse.Namespace) -> None:
     """Prepare (or reuse) the data the job's overrides describe, on this node, before its agent enters the
     rendezvous: a node joining a running job would otherwise make every other node wait while its workers
-    tokenize, and past trainer.dist_timeout_s end the job. Only for a mingpt application (a `conf/` folder
-    beside the script); a mistake in the overrides is one line here, before any agent starts."""
+    tokenize, and past trainer.dist_timeout_s end the job. Only for a mingpt application (mingpt-train, or a
+    script with a `conf/` folder beside it); a mistake in the overrides is one line here, before any agent starts."""
     conf = Path(args.training_script).resolve().parent / "conf"
-    if args.no_python or args.module or not (conf / "config.yaml").is_file():
+    if Path(args.training_script).name == "mingpt-train":
+        conf = CONF_DIR
+    elif args.no_python or args.module or not (conf / "config.yaml").is_file():
         return
     cfg = compose_config(conf, args.training_script_args)
     started = time.monotonic()

@@ -21,6 +21,10 @@ from mingpt.model import PRESETS
 from mingpt.training.config import Config, ModelConfig, check_known, from_hydra, validate
 
 
+# The application's Hydra configs: train/conf, which mingpt/conf links to (and an installed package carries).
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
 def register() -> None:
     """Put the schema and the model presets into Hydra's ConfigStore (again is harmless)."""
     store = ConfigStore.instance()

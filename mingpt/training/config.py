@@ -142,7 +142,7 @@ def check_known(data: dict) -> None:
     if unknown:
         key, close = unknown[0]
         hint = f" (did you mean {close}?)" if close else ""
-        raise ConfigError(f"unknown setting {key}{hint}: `python train/main.py --cfg job` lists every setting")
+        raise ConfigError(f"unknown setting {key}{hint}: `mingpt-train --cfg job` lists every setting")
 
 
 def unknown_keys(data: dict, schema: type, prefix: str = "") -> list[tuple[str, str | None]]:

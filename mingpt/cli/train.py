@@ -1,0 +1,92 @@
+"""`mingpt-train`: the training application, the same that `python train/main.py` runs.
+
+    mingpt-train                                                 # one process
+    mingpt-torchrun --standalone --nproc-per-node=2 $(which mingpt-train)   # one node
+    mingpt-train model=gpt-mini trainer.max_steps=2000            # any key of mingpt.training.config.Config
+
+Its Hydra configs are train/conf (installed with the package as mingpt/conf). See docs/launching.md for
+multinode and SLURM launching. Hydra's multirun (-m) is refused: one job per command.
+"""
+
+import logging
+import os
+import signal
+import sys
+import hydra
+from omegaconf import DictConfig
+
+from mingpt.cli import configure_logging
+from mingpt.errors import MinGPTError, PeerLeft
+from mingpt.training import app
+from mingpt.training.app import CONF_DIR, register
+from mingpt.training.config import Config, from_hydra, validate
+from mingpt.training.distributed import first_on_its_node, leads_this_generation
+from mingpt.training.trainer import train
+
+register()  # the schema and the model presets (mingpt.training.app)
+log = logging.getLogger("mingpt")
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def run(raw: DictConfig) -> None:
+    # The leader logs the job's progress, the first process of every other node its data preparation;
+    # the rest, and other libraries (botocore's credential notes), report warnings and errors only.
+    configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    if leads_this_generation():
+        log.setLevel(logging.INFO)
+    elif first_on_its_node():
+        logging.getLogger("mingpt.data").setLevel(logging.INFO)  # every node's log shows its own data preparation
+    try:
+        cfg: Config = from_hydra(raw)
+        validate(cfg)
+        train(cfg)
+    except PeerLeft as e:  # not this process's failure: mingpt-torchrun's agent restarts it for free
+        log.warning("%s", e)
+        exit_now(e.exit_code)
+    except MinGPTError as e:
+        log.error("%s", e)  # redacted by the handler's filter (configure_logging), as every record is
+        exit_now(2)
+    except Exception:  # a bug or another library's error: its traceback (redacted too), not Hydra's report
+        log.exception("unexpected error")
+        exit_now(1)
+
+
+def exit_now(code: int) -> None:
+    """Exit with `code` once the logs are out. os._exit, not sys.exit: a background snapshot upload may
+    still be inside a C++ call, and interpreter teardown under it aborts the process (SIGABRT)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def refuse_multirun(args: list[str]) -> None:
+    """Exit 2 on Hydra's -m/--multirun: its sweep would run the jobs one after another in this process
+    (the first one's process group and snapshot folder in the way of the next) and write ./multirun/.
+    Checked before Hydra starts, so nothing is written."""
+    for arg in args:
+        if arg in ("-m", "--multirun") or arg.replace(" ", "").lower() == "hydra.mode=multirun":
+            print(f"error: {arg} (Hydra multirun) is not supported: run one command per setting instead, e.g. "
+                  "`python train/main.py seed=2 snapshot.dir=snapshots/seed2`", file=sys.stderr)
+            sys.exit(2)
+
+
+def check_overrides(args: list[str]) -> None:
+    """Exit 2 with one line for a setting or option that does not exist (a typo, say), before Hydra starts."""
+    try:
+        app.check_overrides(CONF_DIR, args)
+    except MinGPTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    refuse_multirun(sys.argv[1:])
+    check_overrides(sys.argv[1:])
+    try:
+        run()
+    except KeyboardInterrupt as e:  # SIGTERM before training, or a second Ctrl-C cutting the first one's stop short
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"interrupted ({signal.Signals(signum).name}): the last snapshot may not have been written; run the "
+              "same command to resume from the newest committed snapshot", file=sys.stderr)
+        exit_now(128 + signum)  # 130, 143: as shells report a process that the signal ended
