@@ -27,8 +27,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import torch
-
 from mingpt.errors import MinGPTError
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.rundir import RunDir
@@ -90,6 +88,8 @@ class Snapshot:
 
     def load_tensors(self, filename: str, map_location: Any = "cpu") -> Any:
         """A verified `.pt` payload, loaded without unpickling (`weights_only=True`)."""
+        import torch  # here, not at the top: the commands that list snapshots start without it
+
         data = self.read(filename)
         try:
             return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
@@ -336,6 +336,8 @@ class SnapshotStore:
         """Write each payload file (bytes as they are, anything else by torch.save) into the folder of
         `step`; their manifest entries. Streamed: serialised, hashed and written in one pass, never whole
         in memory. Created exclusively: a writer that lost the run while it was frozen cannot overwrite these."""
+        import torch
+
         entries = {}
         for filename, content in payload.items():
             self._fence()

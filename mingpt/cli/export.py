@@ -4,7 +4,6 @@ from __future__ import annotations
 
 
 from mingpt.cli import command_parser, run_command, summary
-from mingpt.interop.hf import export
 from mingpt.storage import redact
 
 
@@ -15,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def command() -> None:
+        from mingpt.interop.hf import export  # torch: imported once the flags are read, so that --help is quick
+
         names = export(args.snapshot, args.out)
         print(f"wrote {', '.join(names)} to {redact(args.out)}")
 

@@ -7,8 +7,6 @@ import signal
 import socket
 import sys
 
-from torch.distributed import TCPStore
-
 from mingpt.cli import command_parser, configure_logging, summary
 
 log = logging.getLogger("mingpt")
@@ -30,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait below: either stops us in order
+
+    from torch.distributed import TCPStore  # imported once the flags are read, so that --help is quick
 
     try:  # a server listens on every interface, whatever host name it is given
         store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False, multi_tenant=True)

@@ -17,21 +17,23 @@ import math
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
-
-from mingpt.checkpoint.load import open_model
 from mingpt.checkpoint.store import SnapshotError
 from mingpt.cli import command_parser, configure_logging, run_command, summary
 from mingpt.errors import ConfigError
-from mingpt.model import GPT
-from mingpt.tokenizers import Tokenizer
-from mingpt.training.config import MAX_SEED
+
+if TYPE_CHECKING:  # torch and the model are imported once the flags are read, so that --help is quick
+    import torch
+
+    from mingpt.model import GPT
+    from mingpt.tokenizers import Tokenizer
 
 
 def check_args(args: argparse.Namespace) -> None:
     """ConfigError naming the first flag whose value makes no sense, before anything is loaded."""
+    from mingpt.training.config import MAX_SEED
+
     checks = [
         ("--max-new-tokens", args.max_new_tokens >= 0, "an integer >= 0 (0 prints the prompt alone)"),
         ("--num-samples", args.num_samples >= 1, "a positive integer"),
@@ -47,7 +49,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def pick_device(name: str) -> torch.device:
-    """The torch device `--device` names; ConfigError when it is unknown or absent on this machine."""
+    """The torch device `--device` names (auto: a GPU where there is one); ConfigError when it is unknown or
+    absent on this machine."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -71,13 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None, help="makes the output reproducible")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: cuda where there is a GPU")
     args = parser.parse_args(argv)
     configure_logging(logging.WARNING, "%(levelname)s %(message)s")
     return run_command(lambda: sample(args))
 
 
 def sample(args: argparse.Namespace) -> None:
+    import torch
+
+    from mingpt.checkpoint.load import open_model
+
     check_args(args)
     device = pick_device(args.device)
     snapshot, model, tokenizer = open_model(args.snapshot, device)
@@ -108,6 +119,8 @@ def ctrl_c_flag() -> Iterator[threading.Event]:
 def write_samples(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor, args: argparse.Namespace) -> None:
     """Stream `args.num_samples` continuations of `prompt` to stdout, as UTF-8 text. A continuation ends
     early where the model ends its document (the end-of-text token), as documents end in training."""
+    import torch
+
     generator = torch.Generator(device=prompt.device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
     with ctrl_c_flag() as ctrl_c:

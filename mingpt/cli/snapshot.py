@@ -10,7 +10,6 @@ import logging
 import sys
 
 from mingpt.checkpoint.lease import RunLease, describe
-from mingpt.checkpoint.load import snapshot_store
 from mingpt.checkpoint.store import Snapshot, SnapshotError, step_of
 from mingpt.cli import command_parser, configure_logging, run_command, summary
 from mingpt.errors import MinGPTError
@@ -28,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def show(url: str, verify: bool) -> int:
     """Print the table; the exit status."""
+    from mingpt.checkpoint.load import snapshot_store  # torch: imported once the flags are read (a quick --help)
+
     try:
         store = snapshot_store(url)
         listing = store.scan()

@@ -17,13 +17,15 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from mingpt.errors import DataError
 from mingpt.tokenizers import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:  # torch is imported where a batch is made: preparing data and its commands need none of it
+    import torch
 
 FORMAT = "mingpt-prepared"
 FORMAT_VERSION = 3  # 3: the files' sha256 and the fingerprint (a folder of an older version is prepared again)
@@ -131,6 +133,8 @@ class TokenBlocks:
                 f"{self.path} holds token id {rows.max()}, beyond the tokenizer's vocabulary of {self.vocab_size}; "
                 f"the token file and tokenizer do not belong together: prepare the data again"
             )
+        import torch
+
         rows = torch.from_numpy(rows)
         return rows[:, :-1], rows[:, 1:]
 
