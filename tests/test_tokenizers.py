@@ -179,5 +179,7 @@ def test_char_decode_of_an_out_of_range_id():
         CharTokenizer(list("ab")).decode([0, 5])
 
 
-def test_encode_array_dtype():
-    assert train_tokenizer("bpe", TEXT, vocab_size=300).encode_array("to be").dtype == np.int64
+def test_encode_array_is_encode_as_integers():
+    tok = train_tokenizer("bpe", TEXT, vocab_size=300)
+    ids = tok.encode_array("to be <|endoftext|>")  # special tokens are text here too
+    assert np.issubdtype(ids.dtype, np.integer) and ids.tolist() == tok.encode("to be <|endoftext|>")

@@ -37,7 +37,7 @@ class Tokenizer(ABC):
         return self.decode(ids).encode("utf-8")
 
     def encode_array(self, text: str) -> np.ndarray:
-        """`encode` for a whole corpus, as an int64 array."""
+        """`encode` for a whole corpus, as an array of integers."""
         return np.asarray(self.encode(text), dtype=np.int64)
 
     @abstractmethod

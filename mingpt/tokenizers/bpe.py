@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Iterable, Sequence
 
+import numpy as np
 import tiktoken
 
 from mingpt.errors import TokenizerError
@@ -34,6 +35,10 @@ class _TiktokenBacked(Tokenizer):
     def encode(self, text: str) -> list[int]:
         # Special tokens are plain text here: a corpus saying "<|endoftext|>" is not a control signal.
         return self.encoding.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        # Straight into an array (uint32), without a Python list between; special tokens are text here too.
+        return self.encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
