@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from mingpt.data import corpus as corpus_module
+from mingpt.data import prepare as prepare_module
 from mingpt.data.corpus import builtin_bytes
 from mingpt.data.prepared import PreparedData, TokenBlocks
-from mingpt.data.prepare import PrepareConfig, default_out_dir, prepare
+from mingpt.data.prepare import PrepareConfig, default_out_dir, prepare, verify
 from mingpt.data.prepared import read_meta
 from mingpt.errors import DataError
 
@@ -231,3 +233,76 @@ def test_prepare_command_line(tmp_path, corpus_file, capsys):
     assert main(["--corpus", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "q")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert json.loads((tmp_path / "p" / "meta.json").read_text())["tokenizer"] == "bpe"
+
+
+def test_another_vocab_size_or_text_field_over_an_existing_folder_prepares_anew(tmp_path):
+    lines = "".join(json.dumps({"text": f"the {i} quick words {i * 7}", "body": f"other text {i}"}) + "\n"
+                    for i in range(300))
+    (tmp_path / "c.jsonl").write_text(lines)
+    settings = dict(corpus=str(tmp_path / "c.jsonl"), tokenizer="bpe", prepared_dir=tmp_path / "prep")
+    out = prepare(PrepareConfig(**settings, vocab_size=300))
+    assert PreparedData(out).vocab_size == 300
+    prepare(PrepareConfig(**settings, vocab_size=400))
+    assert PreparedData(out).vocab_size == 400 and read_meta(out)["requested_vocab_size"] == 400
+    prepare(PrepareConfig(**settings, vocab_size=400, text_field="body"))
+    data = PreparedData(out)
+    assert "other text" in data.tokenizer.decode(np.fromfile(out / "train.bin", dtype=np.uint16).tolist())
+
+
+def stopped_preparation(tmp_path: Path, corpus: Path, monkeypatch, after: int = 3) -> PrepareConfig:
+    """A preparation of `corpus` stopped (as by Ctrl-C) after `after` pieces: its scratch folder is left."""
+    monkeypatch.setattr(corpus_module, "PIECE_BYTES", 2048)
+    config = PrepareConfig(corpus=str(corpus), prepared_dir=tmp_path / "prep", num_workers=1)
+    save, calls = prepare_module._Tokenized.save, []
+
+    def save_then_stop(self, folder):
+        save(self, folder)
+        calls.append(1)
+        if len(calls) == after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module._Tokenized, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(config)
+    monkeypatch.setattr(prepare_module._Tokenized, "save", save)
+    assert len(list(tmp_path.glob(".prep.tmp-*/progress.json"))) == 1
+    return config
+
+
+@pytest.mark.parametrize("tamper", ["garbage", "raised counts", "raised pieces", "corpus replaced as by cp -p"])
+def test_a_resumed_preparation_checks_what_it_keeps_or_starts_over(tmp_path, monkeypatch, caplog, tamper):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"Line {i}: some words, then more of them.\n" for i in range(2000)))
+    config = stopped_preparation(tmp_path, corpus, monkeypatch)
+    [progress] = tmp_path.glob(".prep.tmp-*/progress.json")
+    record = json.loads(progress.read_text())
+    if tamper == "garbage":
+        progress.write_text('{"meta": 1, "pieces": "x"')
+    elif tamper in ("raised counts", "raised pieces"):
+        key = "sizes" if tamper == "raised counts" else "pieces"
+        record[key] = {s: n + 2 for s, n in record["sizes"].items()} if key == "sizes" else record["pieces"] + 2
+        progress.write_text(json.dumps(record))
+    else:  # other text of the same size, with the old mtime: only reading it can tell
+        stat = corpus.stat()
+        corpus.write_text(corpus.read_text().replace("Line 1:", "LINE 1:"))
+        os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        out = prepare(config)
+    resumed = "going on with a preparation that was stopped" in caplog.text
+    assert resumed == (tamper == "corpus replaced as by cp -p")  # found only on reading the pieces done again
+    assert ("the corpus changed since the preparation was stopped; starting over" in caplog.text) == resumed
+    fresh = prepare(PrepareConfig(corpus=str(corpus), prepared_dir=tmp_path / "fresh", num_workers=1))
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
+    assert verify(out) == []
+
+
+def test_an_untouched_stopped_preparation_goes_on_and_ends_as_if_never_stopped(tmp_path, monkeypatch, caplog):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"Line {i}: some words, then more of them.\n" for i in range(2000)))
+    config = stopped_preparation(tmp_path, corpus, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        out = prepare(config)
+    assert "going on with a preparation that was stopped" in caplog.text and "starting over" not in caplog.text
+    fresh = prepare(PrepareConfig(corpus=str(corpus), prepared_dir=tmp_path / "fresh", num_workers=1))
+    assert (out / "train.bin").read_bytes() == (fresh / "train.bin").read_bytes()

@@ -249,14 +249,16 @@ class Piece:
 
 def read_pieces(sources: Sequence[Source], text_field: str, digests: dict[int, str] | None = None) -> Iterator[Piece]:
     """Every source in order, in pieces of about PIECE_BYTES cut at safe places (see the module
-    docstring), their records numbered across the corpus. Where `digests` is given, it receives each
-    source's sha256 (of its documents as read) as it is finished."""
+    docstring), their records numbered across the corpus. Where `digests` is given, it holds each
+    source's sha256 (of its documents as read), up to the piece last yielded while it is being read."""
     records = 0
     for index, source in enumerate(sources):
         hasher = hashlib.sha256()
         for piece in _pieces(index, source, text_field):
             hasher.update(piece.data)
             hasher.update(piece.ends)
+            if digests is not None:
+                digests[index] = hasher.hexdigest()
             yield replace(piece, first=records)
             records += piece.records
         if digests is not None:

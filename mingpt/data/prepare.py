@@ -40,7 +40,7 @@ import uuid
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -266,7 +266,11 @@ class _Job:
                 tok = self.make_tokenizer()
                 tok.save(str(tmp / TOKENIZER_FILE))
             dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-            counts, digests, read = self.tokenize(tok, dtype, tmp, resume[1] if resume else _Tokenized.start(meta))
+            try:
+                counts, digests, read = self.tokenize(tok, dtype, tmp, resume[1] if resume else _Tokenized.start(meta))
+            except _CorpusChanged:  # the tokens kept, and maybe the tokenizer, came from other text
+                log.info("the corpus changed since the preparation was stopped; starting over")
+                return self.build(out, meta)
             meta = {
                 "format": FORMAT, "version": FORMAT_VERSION, **meta,
                 "source_sha256": [digests[i] for i in range(len(self.sources))],
@@ -342,11 +346,11 @@ class _Job:
                          done.read / 1e6)
             with Progress("tokenizing", self.listed_bytes) as progress, self.workers(tok, dtype, folder) as pool:
                 progress.update(done.read)
-                for piece, (written, has_text) in pool.map(_encode, self.pieces(digests, skip=done.pieces)):
+                read_so_far: collections.deque = collections.deque()
+                for piece, (written, has_text) in pool.map(_encode, self.pieces(digests, done, read_so_far)):
                     for split, (part, count) in written.items():
-                        _append(files[split], part)
-                        done.counts[split] += count
-                    done.add(piece.size, has_text, {split: f.tell() for split, f in files.items()})
+                        done.append(split, files[split], part, count)
+                    done.add(piece.size, has_text, read_so_far.popleft())
                     for f in files.values():
                         f.flush()  # before the progress that counts these tokens
                     done.save(folder)
@@ -365,13 +369,30 @@ class _Job:
         return DataError(f"the corpus ({', '.join(self.context['names'])}) is empty or only whitespace; give text "
                          "with some content")
 
-    def pieces(self, digests: dict[int, str] | None = None, skip: int = 0) -> Iterator[Piece]:
-        """The corpus in pieces after the first `skip` (which are read for `digests` only), sent lean where
-        workers can read the bytes themselves: a local file that is not compressed (so that its bytes do
-        not go through a pipe, which costs more than reading)."""
+    def pieces(self, digests: dict[int, str] | None = None, done: "_Tokenized | None" = None,
+               read_so_far: collections.deque | None = None) -> Iterator[Piece]:
+        """The corpus in pieces after those `done` has (which are read for `digests` only, and must read as
+        they did: else _CorpusChanged), sent lean where workers can read the bytes themselves: a local file
+        that is not compressed (so that its bytes do not go through a pipe, which costs more than reading).
+        `read_so_far` receives, for each piece sent, the digest of the corpus up to its end."""
+        digests = {} if digests is None else digests
+        skip = done.pieces if done else 0
+        finished, current, number = hashlib.sha256(), None, -1  # the digests of the sources read through
         for number, piece in enumerate(read_pieces(self.sources, self.config.text_field, digests)):
+            if piece.source != current:
+                if current is not None:
+                    finished.update(digests[current].encode())
+                current = piece.source
+            so_far = finished.copy()
+            so_far.update(digests[current].encode())  # the running digest of the source being read
+            if number + 1 == skip and so_far.hexdigest() != done.corpus_sha256:
+                raise _CorpusChanged
             if number >= skip:
+                if read_so_far is not None:
+                    read_so_far.append(so_far.hexdigest())
                 yield piece.lean() if self.sources[piece.source].local_plain else piece
+        if number + 1 < skip:
+            raise _CorpusChanged
 
     @contextmanager
     def workers(self, tok: Tokenizer | None = None, dtype=None, folder: Path | None = None, count: int = 0):
@@ -518,13 +539,6 @@ def _encode(piece: Piece) -> tuple[dict[str, tuple[Path, int]], bool]:
     return written, has_text
 
 
-def _append(out, part: Path) -> None:
-    """Append the part file `part` to the open file `out`, and delete it."""
-    with open(part, "rb") as f:
-        shutil.copyfileobj(f, out, 1 << 20)
-    part.unlink()
-
-
 def _unit_hash(*key) -> float:
     """A number in [0, 1) from `key`, the same on every machine and Python (unlike hash())."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
@@ -625,43 +639,103 @@ def _take_leftover(out: Path, meta: dict) -> tuple[Path, "_Tokenized"] | None:
     return best
 
 
+class _CorpusChanged(Exception):
+    """A resumed preparation read the corpus pieces it had done, and they read differently now."""
+
+
 @dataclass
 class _Tokenized:
     """How far tokenizing got (saved as PROGRESS_FILE in the scratch folder after every piece): the pieces
-    done, the bytes of each token file that hold their tokens, and what `meta` they were prepared for."""
+    done, the bytes of each token file that hold their tokens, and what `meta` they were prepared for.
+
+    A resume trusts none of it unchecked: the file is sealed by a hash of its fields, the token files'
+    kept bytes must hash as recorded, and the corpus's pieces done must read as they did (`_Job.pieces`)."""
 
     meta: dict
-    pieces: int
-    read: int
-    any_text: bool
-    sizes: dict
-    counts: dict
+    pieces: int = 0
+    read: int = 0
+    any_text: bool = False
+    sizes: dict = field(default_factory=lambda: {"train": 0, "val": 0})  # bytes of each token file kept
+    counts: dict = field(default_factory=lambda: {"train": 0, "val": 0})  # tokens in them
+    tokens_sha256: dict = field(default_factory=dict)  # of those bytes
+    corpus_sha256: str = ""  # of the corpus read up to the end of the pieces done
+    hashers: dict = field(default_factory=lambda: {"train": hashlib.sha256(), "val": hashlib.sha256()}, repr=False)
 
     @classmethod
     def start(cls, meta: dict) -> "_Tokenized":
-        return cls(json.loads(json.dumps(meta)), 0, 0, False, {"train": 0, "val": 0}, {"train": 0, "val": 0})
+        return cls(json.loads(json.dumps(meta)))
 
-    def add(self, size: int, has_text: bool, sizes: dict) -> None:
-        self.pieces, self.read, self.any_text, self.sizes = self.pieces + 1, self.read + size, \
-            self.any_text or has_text, sizes
+    def append(self, split: str, out, part: Path, count: int) -> None:
+        """Append the part file `part` of `count` tokens to the open token file `out`, and delete it."""
+        data = part.read_bytes()
+        out.write(data)
+        self.hashers[split].update(data)
+        self.sizes[split] += len(data)
+        self.counts[split] += count
+        part.unlink()
+
+    def add(self, size: int, has_text: bool, corpus_sha256: str) -> None:
+        """Count one more piece done, whose end the corpus has read to with digest `corpus_sha256`."""
+        self.pieces, self.read, self.any_text = self.pieces + 1, self.read + size, self.any_text or has_text
+        self.corpus_sha256 = corpus_sha256
+        self.tokens_sha256 = {split: hasher.hexdigest() for split, hasher in self.hashers.items()}
+
+    def fields(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "hashers"}
 
     def save(self, folder: Path) -> None:
+        record = self.fields()
+        record["seal"] = _seal(record)
         tmp = folder / f".{PROGRESS_FILE}.tmp"
-        tmp.write_text(json.dumps(self.__dict__))
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, folder / PROGRESS_FILE)
 
     @classmethod
     def load(cls, folder: Path, meta: dict) -> "_Tokenized | None":
-        """The progress saved in `folder`, if it is for `meta` and its token files hold what it counts."""
+        """The progress saved in `folder`, if it is sealed, for `meta`, and its token files begin with the
+        bytes it counts; else None (the preparation starts over)."""
         try:
-            done = cls(**json.loads((folder / PROGRESS_FILE).read_text()))
-            held = {split: (folder / f"{split}.bin").stat().st_size for split in done.sizes}
+            record = json.loads((folder / PROGRESS_FILE).read_bytes()[:PROGRESS_LIMIT])
+            if not isinstance(record, dict) or record.pop("seal", None) != _seal(record):
+                return None
+            done = cls(**record)
         except (OSError, ValueError, TypeError):
             return None
-        if done.meta != json.loads(json.dumps(meta)) or any(held[s] < done.sizes[s] for s in held) \
-                or not (folder / TOKENIZER_FILE).is_file():
+        numbers = [done.pieces, done.read, *done.sizes.values(), *done.counts.values()]
+        if done.meta != json.loads(json.dumps(meta)) or not (folder / TOKENIZER_FILE).is_file() \
+                or set(done.sizes) != {"train", "val"} or set(done.counts) != {"train", "val"} \
+                or not all(isinstance(n, int) and n >= 0 for n in numbers):
             return None
+        for split in ("train", "val"):
+            if not _begins_with(folder / f"{split}.bin", done.sizes.get(split), done.tokens_sha256.get(split),
+                                done.hashers[split]):
+                return None
         return done
+
+
+PROGRESS_LIMIT = 1 << 20  # bytes of a progress file read at most: it holds a few numbers and the settings
+
+
+def _seal(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _begins_with(path: Path, size, digest, hasher) -> bool:
+    """Whether the file `path` holds at least `size` bytes whose sha256 is `digest`; `hasher` has read them."""
+    if not isinstance(size, int) or size < 0 or not isinstance(digest, str):
+        return False
+    try:
+        with open(path, "rb") as f:
+            left = size
+            while left:
+                block = f.read(min(left, 1 << 20))
+                if not block:
+                    return False
+                hasher.update(block)
+                left -= len(block)
+    except OSError:
+        return False
+    return hasher.hexdigest() == digest
 
 
 def _sha256_or_none(path: Path) -> str | None:
@@ -702,16 +776,16 @@ def check_replaceable(out: Path) -> None:
         )
 
 
-def _publish(tmp: Path, out: Path, wanted: dict) -> None:
-    """Move the finished folder `tmp` to `out`, replacing stale data but never a concurrent twin,
-    nor a folder that is not prepared data."""
+def _publish(tmp: Path, out: Path, meta: dict) -> None:
+    """Move the finished folder `tmp` (described by `meta`) to `out`, replacing stale data but never a
+    concurrent twin, nor a folder that is not prepared data."""
     for _ in range(3):
         try:
             tmp.rename(out)
             return
         except OSError:  # `out` exists and is not empty
-            if _matches(out, {key: wanted[key] for key in ("sources", "tokenizer", "val_fraction")}):
-                return  # another process prepared the same data first; theirs is as good
+            if _matches(out, {"fingerprint": meta["fingerprint"]}):
+                return  # another process prepared the very same tokens first; theirs are as good
             check_replaceable(out)  # again: files may have appeared since `prepare` checked
             stale = _scratch(out, "stale")
             try:
