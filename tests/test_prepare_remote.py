@@ -179,3 +179,30 @@ def test_an_untrusted_claim_or_description_is_bounded_and_typed(tmp_path, s3, co
     (local / "meta.json").write_text(json.dumps({**meta, "dtype": "garbage"}))
     with pytest.raises(DataError, match="its dtype is 'garbage', not one of uint16, uint32"):
         PreparedData(local)
+
+
+def test_a_node_with_read_only_credentials_copies_what_another_published(tmp_path, s3, shared, monkeypatch):
+    first = prepare(shared(tmp_path / "node-a"))
+    s3.requests.clear()
+    for method in ("PUT", "POST", "DELETE"):  # as a role that may read the bucket, and nothing more
+        s3.add(method, ".", "error", count=float("inf"), status=403, code="AccessDenied")
+    refuse_to_tokenize(monkeypatch)
+    second = prepare(shared(tmp_path / "node-b"))
+    assert (second / "train.bin").read_bytes() == (first / "train.bin").read_bytes()
+    assert not [r for r in s3.requests if r[0] != "GET" and r[0] != "HEAD"]
+
+
+def test_a_published_folder_of_an_older_format_is_prepared_again_and_replaced(tmp_path, s3, shared, caplog):
+    prepare(shared(tmp_path / "node-a"))
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    key = "prepared/corpus-char/meta.json"
+    meta = json.loads(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    put(s3, key, json.dumps({**meta, "version": meta["version"] - 1}).encode())
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        out = prepare(shared(tmp_path / "node-b"))
+    assert "preparing" in caplog.text and "published" in caplog.text
+    republished = json.loads(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    assert republished["version"] == meta["version"] and PreparedData(out).fingerprint == meta["fingerprint"]
+    put(s3, key, json.dumps({**meta, "version": meta["version"] + 1}).encode())  # a newer one is not ours to replace
+    with pytest.raises(DataError, match="newer"):
+        prepare(shared(tmp_path / "node-c"))

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from mingpt.claim import Beat, ended_here, holder as holder_record, pids
-from mingpt.data.prepared import META_FILE, TOKEN_FILES, file_sha256, parse_meta
+from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
 from mingpt.storage import create_exclusive, explain_storage_error, open_fs, redact, replace_atomically
 
@@ -40,6 +40,7 @@ CLAIM_FILE = "claim.json"
 BEAT_S = 5.0  # how often the preparing node advances its claim's beat
 CLAIM_TIMEOUT_S = 120.0  # a claim unchanged this long, on the waiter's clock, is a dead node's
 MAX_CLAIM_BYTES = 64 * 1024
+MAX_META_BYTES = 64 << 20  # a description lists the sources: large for a corpus of many files, never this
 POLL_S = 1.0  # how often a waiting node looks again
 CHUNK_BYTES = 16 << 20  # one ranged read
 PARALLEL_READS = 16  # ranged reads in flight: memory stays under PARALLEL_READS * CHUNK_BYTES
@@ -56,14 +57,25 @@ class RemoteFolder:
         return f"{self.path.rstrip('/')}/{name}"
 
     def meta(self) -> dict | None:
-        """The published description, or None where nothing (complete) is published yet."""
+        """The published description; None where nothing (complete) is published yet, or what is published
+        is of an older format version (prepared again and replaced, as a stale local folder is). DataError
+        for the description of a newer version, which is not this version's to replace."""
         try:
-            text = self.fs.cat_file(self._join(META_FILE)).decode("utf-8", "replace")
+            text = self.fs.cat_file(self._join(META_FILE), start=0, end=MAX_META_BYTES).decode("utf-8", "replace")
         except FileNotFoundError:
             return None
         except Exception as e:
             raise self._error(e, "read") from None
-        return parse_meta(text, f"{redact(self.url)}/{META_FILE}", redact(self.url))
+        try:
+            return parse_meta(text, f"{redact(self.url)}/{META_FILE}", redact(self.url))
+        except DataError as e:
+            version = _version(text)
+            if version is None or version > FORMAT_VERSION:
+                raise DataError(f"{e} (it is of version {version}, newer than this mingpt-elastic's "
+                                f"{FORMAT_VERSION}: upgrade it)" if version else str(e)) from None
+            log.info("%s/%s is of the older format version %d; preparing it again", redact(self.url), META_FILE,
+                     version)
+            return None
 
     # -- the claim -------------------------------------------------------------------------------
 
@@ -248,6 +260,16 @@ def _ranged_copy(fs, path: str, target: Path) -> int:
             pool.shutdown(wait=True, cancel_futures=True)
         os.fsync(fd)
     return size
+
+
+def _version(text: str) -> int | None:
+    """The format version a description of ours says it is, or None where it is not one of ours."""
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        return None
+    version = meta.get("version") if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 def _describe(holder: dict) -> str:
