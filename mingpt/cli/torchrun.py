@@ -40,7 +40,7 @@ mingpt-torchrun: torch's torchrun (the same options, below), plus what an elasti
 """
 C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv-endpoint names none
 log = logging.getLogger(__name__)
-CHECK = "check with `nc -zv {host} {port}` from this node (README: Multinode troubleshooting)"
+CHECK = "check with `nc -zv {host} {port}` from this node (docs/launching.md: Multinode troubleshooting)"
 
 
 def main(argv: list[str] | None = None) -> int:
