@@ -34,7 +34,7 @@ README_LIMIT = 12_000  # bytes: a README a newcomer reads in ten minutes
 
 # The two commands at the top of the README; .ci/run runs the second one verbatim.
 INSTALL_AND_TRAIN = "pip install torch==2.13.0 && pip install -e . && python train/main.py"
-TEST_COMMAND = 'pip install torch==2.13.0 uv && uv pip install -p python -e ".[test]" && python -m pytest -q'
+TEST_COMMAND = 'pip install torch==2.13.0 uv && uv pip install -p python --compile-bytecode -e ".[test]" && python -m pytest -q'
 
 NOT_RUN = re.compile(r"<!--\s*not run:\s*\S.*-->")
 FENCE = re.compile(r"^(`{3,}|~{3,})\s*([\w+-]*)\s*$")
