@@ -57,6 +57,11 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
 
+    def least_parameters(self) -> int:
+        """A lower bound of the parameter count, from the shape alone (nothing is allocated): the token
+        embedding and each layer's attention and MLP matrices."""
+        return self.vocab_size * self.n_embd + self.n_layer * 12 * self.n_embd**2
+
     @classmethod
     def from_preset(cls, name: str, vocab_size: int, block_size: int, **overrides) -> "GPTConfig":
         """The config of a named size (see PRESETS), e.g. `GPTConfig.from_preset("gpt-mini", 65, 256)`."""

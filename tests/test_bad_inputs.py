@@ -281,3 +281,24 @@ def test_special_files_in_a_model_or_tokenizer_folder_are_one_line_never_read(tm
     with pytest.raises(MinGPTError) as refused:
         open_pretrained(str(tmp_path), 32) if name == "config.json" else load_tokenizer_folder(str(tmp_path) + "/")
     assert one_line(str(refused.value)).startswith(f"{path} is not a regular file")
+
+
+def test_a_manifest_whose_model_config_outgrows_its_weights_is_refused_before_allocating(tmp_path, char_run, capsys,
+                                                                                       caplog):
+    """A hand-edited model_config of a trillion parameters: refused from the manifest's byte counts, never
+    allocated; the run folder falls back to the snapshot before it."""
+    import shutil
+
+    from mingpt.cli import sample
+
+    run = tmp_path / "run"
+    shutil.copytree(char_run, run)
+    manifest_path = run / "step-000000040" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model_config"].update(n_layer=10_000, n_embd=4096, n_head=32)
+    manifest_path.write_text(json.dumps(manifest))
+    assert sample.main([str(run), "--max-new-tokens", "5", "--seed", "1"]) == 0
+    assert "(step 20)" in capsys.readouterr().err
+    assert "step-000000040 is damaged (the manifest's model_config describes at least 2,013," in caplog.text
+    assert sample.main([str(run / "step-000000040"), "--max-new-tokens", "5"]) == 2
+    assert "more than its weights'" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from launch import SMALL, manifests, metrics, output, standalone, train_here, wait_for, worker
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
-from mingpt.checkpoint.load import open_model
+from mingpt.checkpoint.load import open_model, snapshot_store
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.sharded import write_shards
 from mingpt.checkpoint.store import SnapshotError, SnapshotStore
@@ -184,6 +184,22 @@ def test_a_planted_index_is_refused_and_never_runs_even_with_a_manifest_to_match
     with pytest.raises(SnapshotError, match=r"refusing to read state/.metadata .* index of shards \(it names (io|builtins)\.open\)"):
         open_model(str(folder), torch.device("cpu"))
     assert not marker.exists()
+
+
+def test_a_cut_index_with_a_manifest_to_match_is_skipped_like_any_damaged_snapshot(tmp_path, caplog):
+    """DCP's index cut short, its checksum rewritten to match: verifying the snapshot reads the index, so a
+    resume, mingpt-sample and mingpt-snapshot fall back to the snapshot before it, with no DCP traceback."""
+    url = str(tmp_path / "snaps")
+    store = SnapshotStore(url)
+    for step in (20, 30):
+        save_sharded(store, step)
+    index = (tmp_path / "snaps" / "step-000000030" / "state" / ".metadata").read_bytes()
+    plant_index(tmp_path / "snaps" / "step-000000030", index[: len(index) // 2])
+    assert snapshot_store(url).latest().step == 20  # a resume's choice
+    assert open_model(url, torch.device("cpu"))[0].step == 20  # mingpt-sample's
+    assert "refusing to read state/.metadata" in caplog.text and "falling back" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert snapshot_command.main(["verify", url]) == 1
 
 
 def plant_index(folder, planted: bytes) -> None:

@@ -27,15 +27,33 @@ def snapshot_problem(manifest: dict) -> str | None:
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
         return "the manifest has no samples_seen count"
     try:
-        GPTConfig(**manifest.get("model_config"))
+        config = GPTConfig(**manifest.get("model_config"))
     except (TypeError, ValueError) as e:  # not a dict, unknown or missing keys, bad values
         return f"the manifest's model_config is unusable ({e})"
+    weights = sum(entry["bytes"] for name, entry in files.items() if name == "model.pt" or name.startswith(STATE_DIR))
+    if 2 * config.least_parameters() > weights:  # checked before a model of that shape is allocated
+        return (f"the manifest's model_config describes at least {config.least_parameters():,} parameters, more "
+                f"than its weights' {weights:,} bytes hold")
+    return None
+
+
+def index_problem(snapshot: Snapshot) -> str | None:
+    """Why a sharded snapshot's index of shards (DCP's .metadata) cannot be read, or None: checked as the
+    snapshot is verified, so that a damaged index is skipped, like any damaged snapshot, before DCP reads it."""
+    if not snapshot.sharded:
+        return None
+    from mingpt.checkpoint.sharded import read_index  # DCP: imported for a sharded snapshot only
+
+    try:
+        read_index(snapshot)
+    except SnapshotError as e:
+        return str(e)
     return None
 
 
 def snapshot_store(url: str, **options) -> SnapshotStore:
     """The store of the snapshots of a model's run at `url`."""
-    return SnapshotStore(url, expects=snapshot_problem, **options)
+    return SnapshotStore(url, expects=snapshot_problem, reads_back=index_problem, **options)
 
 
 def model_files(snapshot: Snapshot) -> list[str]:

@@ -105,15 +105,11 @@ class ShardReader(FsspecReader):
         self.refused: SnapshotError | None = None  # why the index was refused (DCP rewords what it catches)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        with self.fs.create_stream(f"{STATE_DIR}/{METADATA}", "rb") as f:
-            try:
-                metadata = _IndexUnpickler(f).load()
-            except Exception as e:
-                metadata = f"({e})"
-        if not isinstance(metadata, Metadata):
-            self.refused = SnapshotError(f"refusing to read {STATE_DIR}/{METADATA} of snapshot "
-                                         f"{self.fs.snapshot.url}: it is not DCP's index of shards {metadata}")
-            raise self.refused
+        try:
+            metadata = read_index(self.fs.snapshot)
+        except SnapshotError as e:
+            self.refused = e
+            raise
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -131,6 +127,21 @@ _INDEX_CLASSES = {
     ("torch.serialization", "_get_layout"),
     *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)),
 }
+
+
+def read_index(snapshot: Snapshot) -> Metadata:
+    """The snapshot's index of shards, checked against its sha256 and unpickled with DCP's classes alone;
+    SnapshotError when it is not one (damaged, cut short, or a pickle of anything else)."""
+    try:
+        metadata = _IndexUnpickler(io.BytesIO(snapshot.read(f"{STATE_DIR}/{METADATA}"))).load()
+    except SnapshotError:
+        raise
+    except Exception as e:  # EOFError of one cut short, UnpicklingError of a foreign class, ...
+        metadata = f"({e or type(e).__name__})"
+    if not isinstance(metadata, Metadata):
+        raise SnapshotError(f"refusing to read {STATE_DIR}/{METADATA} of snapshot {snapshot.url}: it is not DCP's "
+                            f"index of shards {metadata if isinstance(metadata, str) else ''}".rstrip())
+    return metadata
 
 
 class _IndexUnpickler(pickle.Unpickler):
@@ -175,6 +186,7 @@ def read_shards(snapshot: Snapshot, state: dict[str, Any], alone: bool = False) 
     """Fill `state` (tensors or DTensors, keyed as saved) in place from `snapshot`'s shards: a collective
     of the default process group, or (`alone`) read by this process without one."""
     alone = alone or not torch.distributed.is_initialized()
+    read_index(snapshot)  # a bad index is refused here in one line, not inside DCP (which logs tracebacks)
     reader = ShardReader(snapshot)
     try:
         with warnings.catch_warnings():  # DCP warns that it reads alone: as asked

@@ -114,6 +114,10 @@ class Snapshot:
                 raise
             if keep and not shard:
                 self._verified[filename] = data
+        problem = self.store.reads_back(self)
+        if problem:
+            self.store._good.discard(self._key)
+            raise SnapshotError(f"snapshot {self.url} is damaged: {problem}")
         if files is None:
             self.store._good.add(self._key)
 
@@ -182,7 +186,8 @@ class SnapshotStore:
     """The snapshots of one run, under `url` (a local path or fsspec URL)."""
 
     def __init__(self, run: RunDir | str, keep: int = 3, storage_options: dict | None = None,
-                 expects: Callable[[dict], str | None] = lambda manifest: None):
+                 expects: Callable[[dict], str | None] = lambda manifest: None,
+                 reads_back: Callable[["Snapshot"], str | None] = lambda snapshot: None):
         if isinstance(run, str):
             try:
                 run = RunDir(run, storage_options)
@@ -190,6 +195,7 @@ class SnapshotStore:
                 raise SnapshotError(f"{e}; fix snapshot.dir") from None
         self.run, self.keep = run, keep
         self.expects = expects  # why a manifest's files and info do not make a snapshot its user can read
+        self.reads_back = reads_back  # why files that match their checksums still cannot be read (a bad index)
         self.fs, self.path, self.url, self.local = run.fs, run.path, run.url, run.local
         self.lease: RunLease | None = None  # set by `claim`; saving then checks it still holds the run
         self._claimed_after = -1  # the newest step committed when this process claimed the run
