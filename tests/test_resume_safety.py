@@ -100,7 +100,7 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
     make(init_scale=37.0).run(trainer_module.StopFlag())
     assert "scaler.pt" in store.latest().manifest["files"]
     resumed = make(init_scale=65536.0)
-    resumed.resume()
+    resumed.resume(trainer_module.StopFlag())
     assert resumed.replica.state.step == 3 and resumed.replica.scaler.get_scale() == 37.0
 
 

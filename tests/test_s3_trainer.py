@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import s3_keys
+from conftest import TEXT, s3_keys
 from launch import MAIN, SMALL, kill_node, latest_step, output, standalone, train_here, wait_for
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.errors import MinGPTError
@@ -166,3 +166,27 @@ def test_sample_from_an_s3_snapshot(tmp_path, s3):
     assert SECRET_KEY.encode() not in store.fs.cat_file(f"{store.path}/step-000000020/manifest.json")
     records = [json.loads(line) for line in store.fs.cat_file(f"{store.path}/metrics.jsonl").splitlines()]
     assert [r["step"] for r in records if "train_loss" in r] == [5, 10, 15, 20]  # appended in batches on S3
+
+
+@pytest.mark.multiproc
+def test_sigterm_during_a_slow_init_from_download_stops_within_a_second(tmp_path, procs, s3, char_run):
+    """model.init_from names a snapshot in S3 whose weights come slowly (the GET held): SIGTERM ends the job
+    at once, with 143 and one line, not once the download is done."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    for path in (char_run / "step-000000040").rglob("*"):
+        if path.is_file():
+            client.put_object(Bucket=s3.bucket, Key=f"pretrained/{path.relative_to(char_run)}", Body=path.read_bytes())
+    held = s3.add("GET", r"/pretrained/step-000000040/model\.pt$", "hold", count=float("inf"))
+    (tmp_path / "corpus.txt").write_text(TEXT)  # in the vocabulary of the run's tokenizer
+    job = procs.start([sys.executable, MAIN, *SMALL, f"model.init_from=s3://{s3.bucket}/pretrained/step-000000040",
+                       f"data.corpus={tmp_path / 'corpus.txt'}",
+                       f"snapshot.dir={tmp_path / 'snap'}", f"data.prepared_dir={tmp_path / 'prepared'}"], "job")
+    wait_for(held.holding.is_set, 120, "the download of model.pt", [job])
+    job.send_signal(signal.SIGTERM)
+    try:
+        assert job.wait(timeout=3) == 143, output(job)[-3000:]
+    finally:
+        held.released.set()
+    assert "interrupted (SIGTERM)" in output(job) and "Traceback" not in output(job)

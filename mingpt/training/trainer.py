@@ -73,6 +73,18 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    @contextmanager
+    def at_once(self) -> Iterator[None]:
+        """Within, SIGTERM and Ctrl-C stop at once (Stopped), as they do before training: for a long wait
+        before the first step (model.init_from's weights downloading), which has no step to finish."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, raise_stopped)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
+
     def _handle(self, signum, frame) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
@@ -188,14 +200,16 @@ class Trainer:
     def model(self) -> GPT:
         return self.replica.model
 
-    def resume(self) -> None:
+    def resume(self, stop: StopFlag) -> None:
         """Load the newest state: in a node's memory tier, or else the newest verified snapshot; the same
         in every process. Or start a new run."""
         snapshot = self.checkpointer.latest()
         memory = self.checkpointer.load_newer_from_memory(snapshot)
         if snapshot is None and memory is None:
             if self.pretrained:  # a new run: its weights, a fresh optimizer, step 0
-                self.model.load_state_dict(self.pretrained.load())
+                with stop.at_once():  # a download may take minutes
+                    weights = self.pretrained.load()
+                self.model.load_state_dict(weights)
                 _log(self.world, "initialised from model.init_from=%s", redact(self.pretrained.url))
             return
         if self.pretrained:
@@ -222,7 +236,7 @@ class Trainer:
 
     def run(self, stop: StopFlag) -> TrainResult:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
-        self.resume()
+        self.resume(stop)
         state = self.replica.state
         if state.step >= t.max_steps:
             _log(world, "the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
