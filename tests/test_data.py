@@ -306,3 +306,14 @@ def test_an_untouched_stopped_preparation_goes_on_and_ends_as_if_never_stopped(t
     assert "going on with a preparation that was stopped" in caplog.text and "starting over" not in caplog.text
     fresh = prepare(PrepareConfig(corpus=str(corpus), prepared_dir=tmp_path / "fresh", num_workers=1))
     assert (out / "train.bin").read_bytes() == (fresh / "train.bin").read_bytes()
+
+
+def test_a_loop_of_links_or_a_file_at_or_above_the_folder_is_one_line(tmp_path, corpus_file):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for out, why in ((tmp_path / "loop", "Too many levels of symbolic links"),
+                     (tmp_path / "loop" / "x", "Too many levels of symbolic links"),
+                     (corpus_file / "x", "Not a directory")):
+        with pytest.raises(DataError, match=rf"cannot use {out} as the prepared-data folder: {why}; choose another"):
+            prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=out))
+    with pytest.raises(DataError, match="Too many levels of symbolic links"):  # a shared prepared_dir's local copy
+        prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir="s3://bucket/x", local_copy=str(tmp_path / "loop")))

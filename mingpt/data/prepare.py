@@ -757,8 +757,13 @@ def check_replaceable(out: Path) -> None:
     """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace).
 
     Anything else may be a user's files: preparing there would delete them."""
-    if not out.exists():
+    try:
+        os.stat(out)
+    except FileNotFoundError:
         return
+    except OSError as e:  # ELOOP: a loop of symbolic links at it or above it; ENOTDIR: a file above it
+        raise DataError(f"cannot use {out} as the prepared-data folder: {e.strerror}; choose another folder "
+                        "(mingpt-prepare --out, data.prepared_dir or data.local_copy)") from None
     if not out.is_dir():
         raise DataError(f"the prepared-data folder {out} is a file; choose an empty or new folder "
                         "(mingpt-prepare --out, or data.prepared_dir for training)")

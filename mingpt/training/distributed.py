@@ -260,12 +260,15 @@ def _max_nodes_of_agent() -> int:
         args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return 1
-    nnodes = os.environ.get("PET_NNODES", "1")  # torchrun also reads its options from PET_* variables
+    return max_nodes(args, os.environ.get("PET_NNODES", "1"))  # torchrun also reads options from PET_* variables
+
+
+def max_nodes(args: list[str], nnodes: str = "1") -> int:
+    """The most nodes torchrun's command line `args` allows (its --nnodes, else `nnodes`); 1 where unreadable."""
     for arg, following in zip(args, args[1:] + [""]):
-        if arg == "--nnodes":
-            nnodes = following
-        elif arg.startswith("--nnodes="):
-            nnodes = arg.split("=", 1)[1]
+        name, equals, value = arg.partition("=")
+        if len(name) > len("--n") and "--nnodes".startswith(name):  # torchrun's argparse takes --nnode, --nn too
+            nnodes = value if equals else following
     try:
         return int(nnodes.split(":")[-1])
     except ValueError:
