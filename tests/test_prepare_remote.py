@@ -4,6 +4,7 @@ copied by every other node with ranged reads, each file checked before it is use
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -206,3 +207,17 @@ def test_a_published_folder_of_an_older_format_is_prepared_again_and_replaced(tm
     put(s3, key, json.dumps({**meta, "version": meta["version"] + 1}).encode())  # a newer one is not ours to replace
     with pytest.raises(DataError, match="newer"):
         prepare(shared(tmp_path / "node-c"))
+
+
+def test_a_frozen_preparer_on_this_machine_is_named_not_taken_over(tmp_path, s3, shared, monkeypatch, procs):
+    """Its claim stops beating, but the process runs (SIGSTOP) and holds this machine's lock: taking its claim
+    over would wait on that lock for good. One line names it instead."""
+    monkeypatch.setattr(remote, "CLAIM_TIMEOUT_S", 1.0)
+    frozen = procs.start([sys.executable, "-c", "import time; time.sleep(120)"], "frozen")
+    os.kill(frozen.pid, signal.SIGSTOP)
+    put(s3, "prepared/corpus-char/claim.json", json.dumps({**claim.holder([frozen.pid]), "beat": 3}).encode())
+    started = time.monotonic()
+    with pytest.raises(DataError, match=rf"process {frozen.pid} on this machine claimed s3://.* resume it \(kill -CONT\)"):
+        prepare(shared(tmp_path / "node-b"))
+    assert time.monotonic() - started < 30
+    assert "prepared/corpus-char/claim.json" in s3_keys(s3, "prepared/")  # still its

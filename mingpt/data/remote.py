@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mingpt.claim import Beat, ended_here, holder as holder_record, pids
+from mingpt.claim import Beat, ended_here, holder as holder_record, pids, same_machine
 from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
 from mingpt.storage import create_exclusive, explain_storage_error, open_fs, redact, replace_atomically
@@ -119,6 +119,10 @@ class RemoteFolder:
             if now != watched:
                 watched, since = now, time.monotonic()
             elif ended_here(now) or time.monotonic() - since >= CLAIM_TIMEOUT_S:
+                if same_machine(now) and not ended_here(now):  # it holds this machine's lock: taking over would hang
+                    raise DataError(f"process {pids(now)} on this machine claimed {redact(self.url)} and has not "
+                                    f"advanced its claim for {CLAIM_TIMEOUT_S:.0f} s, but runs (stopped or hung?): "
+                                    "resume it (kill -CONT) or end it, then run again")
                 log.warning("the node that claimed %s (%s) stopped; preparing it here instead", redact(self.url),
                             _describe(now))
                 self._remove_claim(now)
