@@ -154,13 +154,26 @@ def test_a_collective_cut_by_a_peer_is_told_from_a_failure_of_this_process():
     assert not lost_a_peer(MemoryError())
 
 
-def test_a_store_that_does_not_answer_leaves_the_workers_training(caplog):
-    class Silent(Handler):
-        def num_nodes_waiting(self):
-            raise dist.DistStoreError("wait timeout after 60000ms")
+def test_a_store_that_does_not_answer_leaves_the_workers_training_and_is_said_once(caplog, monkeypatch):
+    class Flaky(Handler):
+        answers, asked = False, 0
 
-    assert Rendezvous(Silent()).num_nodes_waiting() == 0
-    assert "the rendezvous store did not answer (DistStoreError: wait timeout after 60000ms)" in caplog.text
+        def num_nodes_waiting(self):
+            self.asked += 1
+            if not self.answers:
+                raise dist.DistStoreError("wait timeout after 60000ms")
+            return 1
+
+    monkeypatch.setattr(agent_module, "STORE_RETRY_S", 0.2)
+    handler = Flaky()
+    rdzv = Rendezvous(handler)
+    assert [rdzv.num_nodes_waiting() for _ in range(50)] == [0] * 50  # as often as torch's monitor asks
+    assert handler.asked == 1  # the rest within STORE_RETRY_S of the first: not asked again
+    assert caplog.text.count("the rendezvous store does not answer (DistStoreError: wait timeout after "
+                             "60000ms); training goes on") == 1
+    handler.answers = True
+    time.sleep(0.25)
+    assert rdzv.num_nodes_waiting() == 1 and "the rendezvous store answers again" in caplog.text
 
 
 def test_installed_the_agent_replaces_torchs_and_its_rendezvous_polls_four_times_a_second(monkeypatch):

@@ -12,8 +12,8 @@ import signal
 import pytest
 
 from launch import (
-    BIN, RDZV_CONF, REPO, SMALL, free_port, manifests, output, plain_torchrun, port_listens, rendezvous, run,
-    slow_corpus, torchrun, wait_for,
+    BIN, RDZV_CONF, REPO, SMALL, free_port, latest_step, manifests, output, plain_torchrun, port_listens, rendezvous,
+    run, slow_corpus, torchrun, wait_for,
 )
 from mingpt.data.prepare import PrepareConfig, prepare
 from mingpt.training import distributed
@@ -118,6 +118,24 @@ def test_a_node_that_comes_after_the_job_finished_says_so_and_exits_0(tmp_path, 
     late = run(procs, node, _job(tmp_path, 4), "late", timeout=120)
     assert "mingpt-torchrun: job done-job has finished (its rendezvous is closed)" in late
     assert "starting its workers" not in late and "Traceback" not in late
+
+
+@pytest.mark.multiproc
+def test_workers_train_on_when_the_rendezvous_store_stops_and_the_agent_says_so_once(tmp_path, procs):
+    """The store holds no training state: the running workers go on to the end without it (a restart or a
+    change of membership would need it back), and the agent says once that it does not answer."""
+    port = free_port()
+    store = rendezvous(procs, port)
+    node = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=storeless", f"--rdzv-conf={RDZV_CONF},is_host=false")
+    job = procs.start(node + _job(tmp_path, 80) + ["snapshot.every=10"], "job")
+    wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first snapshot", [job])
+    store.terminate()
+    store.wait(timeout=30)
+    stopped_at = latest_step(tmp_path / "snap")
+    assert job.wait(timeout=180) == 0, output(job)[-3000:]
+    assert latest_step(tmp_path / "snap") == 80 > stopped_at + 10
+    assert output(job).count("the rendezvous store does not answer") == 1
 
 
 def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, procs):

@@ -81,12 +81,17 @@ def install() -> None:
     dynamic_rendezvous._delay = quick_delay
 
 
+STORE_RETRY_S = 5.0  # how often a rendezvous store that stopped answering is asked again
+
+
 class Rendezvous:
     """torch's rendezvous handler, which only a finished job closes, and which can say who is in the round."""
 
     def __init__(self, handler: RendezvousHandler):
         self.handler = handler
         self.finished = False  # this node's workers all ended well: the job is done
+        self.silent_since: float | None = None  # when the store stopped answering (monotonic), while it does not
+        self.asked = 0.0
 
     def __getattr__(self, name: str):  # the rest is torch's handler's
         return getattr(self.handler, name)
@@ -101,12 +106,24 @@ class Rendezvous:
 
     def num_nodes_waiting(self) -> int:
         """torch's agent asks this of its healthy workers' round every monitor interval; a store that does
-        not answer in time ended the agent. The workers train on meanwhile: ask again next time."""
-        try:
-            return self.handler.num_nodes_waiting()
-        except Exception as e:
-            log.warning("mingpt-torchrun: the rendezvous store did not answer (%s); training goes on", one_line(e))
+        not answer in time ended the agent. The workers train on meanwhile (they need the store again at the
+        next restart or change of membership): said once, and asked again every STORE_RETRY_S meanwhile."""
+        now = time.monotonic()
+        if self.silent_since is not None and now - self.asked < STORE_RETRY_S:
             return 0
+        self.asked = now
+        try:
+            waiting = self.handler.num_nodes_waiting()
+        except Exception as e:
+            if self.silent_since is None:
+                self.silent_since = now
+                log.warning("mingpt-torchrun: the rendezvous store does not answer (%s); training goes on, but a "
+                            "restart or a change of membership needs it back", one_line(e))
+            return 0
+        if self.silent_since is not None:
+            log.warning("mingpt-torchrun: the rendezvous store answers again (after %.0f s)", now - self.silent_since)
+            self.silent_since = None
+        return waiting
 
     def members(self) -> set[str] | None:
         """The nodes of the current round ("host_pid_n"), as the store has them (at most a second old, and
