@@ -288,6 +288,19 @@ def test_snapshot_command_lists_and_verifies(store_url, capsys):
     assert "verified" in rows["step-000000030"] and "verified" in rows["step-000000010"]
     assert "damaged" in rows["step-000000020"] and "model.pt" in rows["step-000000020"]
     assert "debris" in rows["step-000000040"]
+    # One snapshot's folder: that snapshot alone, and its exit status.
+    assert snapshot.main(["verify", f"{store_url}/step-000000030"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step-")] == \
+        ["step-000000030"]
+    assert snapshot.main(["verify", f"{store_url}/step-000000020/"]) == 1
+
+
+def test_snapshot_command_refuses_what_is_no_folder_with_exit_2(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("not snapshots")
+    assert snapshot.main(["verify", str(tmp_path / "a-file")]) == 2
+    assert "a-file is a file; give a run folder" in capsys.readouterr().err
+    assert snapshot.main(["list", str(tmp_path / "nothing")]) == 2
+    assert "nothing does not exist" in capsys.readouterr().err
 
 
 # -- manifests that cannot be trusted --------------------------------------------------------------

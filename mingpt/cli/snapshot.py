@@ -7,10 +7,11 @@ the folder cannot be read.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 from mingpt.checkpoint.lease import RunLease, describe
-from mingpt.checkpoint.store import Snapshot, SnapshotError, step_of
+from mingpt.checkpoint.store import Listing, Snapshot, SnapshotError, SnapshotStore, step_of
 from mingpt.cli import command_parser, configure_logging, run_command, summary
 from mingpt.errors import MinGPTError
 from mingpt.storage import explain_storage_error, redact
@@ -19,7 +20,7 @@ from mingpt.storage import explain_storage_error, redact
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser("mingpt-snapshot", summary(__doc__))
     parser.add_argument("command", choices=["list", "verify"], help="list reads manifests; verify also checks every file")
-    parser.add_argument("url", help="a snapshot folder: local path or s3://bucket/prefix")
+    parser.add_argument("url", help="a run folder (snapshot.dir) or one of its snapshots: a local path or s3://...")
     args = parser.parse_args(argv)
     configure_logging(logging.ERROR, "%(levelname)s %(message)s")
     return run_command(lambda: show(args.url, verify=args.command == "verify"))
@@ -27,11 +28,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def show(url: str, verify: bool) -> int:
     """Print the table; the exit status."""
-    from mingpt.checkpoint.load import snapshot_store  # torch: imported once the flags are read (a quick --help)
-
     try:
-        store = snapshot_store(url)
+        store, only = _store_of(url)
         listing = store.scan()
+        if only:  # one snapshot's folder: that snapshot alone
+            listing = Listing([s for s in listing.committed if s.name == only],
+                              [entry for entry in listing.damaged if entry[0] == only],
+                              [name for name in listing.debris if name == only])
         holder = describe(RunLease(store.run, 0, job="-").current())
     except MinGPTError:
         raise
@@ -49,6 +52,22 @@ def show(url: str, verify: bool) -> int:
     if not listing.committed:
         print(f"no committed snapshot in {store.url}", file=sys.stderr)
     return 1 if not listing.committed or any(row[4].startswith("damaged") for row in rows) else 0
+
+
+def _store_of(url: str) -> tuple[SnapshotStore, str | None]:
+    """The store of the run folder `url`, or of the run whose snapshot folder `url` is (and that snapshot's
+    name); MinGPTError where `url` is no folder."""
+    from mingpt.checkpoint.load import snapshot_store  # torch: imported once the flags are read (a quick --help)
+
+    store = snapshot_store(url)
+    if not store.fs.exists(store.path):
+        raise MinGPTError(f"{redact(url)} does not exist; give a run folder (snapshot.dir) or one of its snapshots")
+    if not store.fs.isdir(store.path):
+        raise MinGPTError(f"{redact(url)} is a file; give a run folder (snapshot.dir) or one of its snapshots")
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if parent and re.fullmatch(r"step-\d{9}", name):
+        return snapshot_store(parent), name
+    return store, None
 
 
 def _state(snapshot: Snapshot, verify: bool) -> str:
