@@ -117,3 +117,18 @@ def test_each_processs_own_time_is_read_and_drawn_below(tmp_path):
     assert data.own_ms == {"a pid 1": {20: 21.0, 40: 21.0}, "b pid 2": {20: 21.0, 40: 46.0}}
     plot.draw(data, "run", str(tmp_path / "loss.png"), plot.pyplot())
     assert (tmp_path / "loss.png").read_bytes().startswith(PNG)
+
+
+def test_steps_are_whole_numbers_close_marks_share_a_label_and_the_output_folder_is_made(tmp_path, capsys):
+    short = plot.curves([progress(1, 1.0), progress(2, 2.0), progress(3, 3.0)])
+    fig = plot.figure(short, "run", plot.pyplot())
+    ticks = fig.axes[0].get_xticks()
+    assert len(ticks) and all(float(tick).is_integer() for tick in ticks)  # 1, 2, 3: never 1.5
+    # Five restarts within 10 of 1000 steps, then one far away: two labels, the first standing for five.
+    marks = [plot.Mark(step, "restart", "restart") for step in (500, 502, 504, 506, 508, 900)]
+    data = plot.Curves(train_loss={10 * i: 3.0 for i in range(1, 101)}, marks=marks)
+    texts = [t.get_text().strip() for t in plot.figure(data, "run", plot.pyplot()).axes[0].texts]
+    assert texts == ["restart (+4 more)", "restart"]
+    run = write_metrics(tmp_path / "run", [progress(10 * i, float(i)) for i in range(1, 101)])
+    assert plot_command.main([str(run), "-o", str(tmp_path / "new" / "folder" / "loss.png")]) == 0
+    assert (tmp_path / "new" / "folder" / "loss.png").read_bytes().startswith(PNG)

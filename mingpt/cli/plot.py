@@ -38,6 +38,7 @@ def plot(run: str, output: str) -> None:
         raise MinGPTError(f"{redact(run)}/metrics.jsonl holds no losses yet")
     last = max([*data.train_loss, *data.val_loss])
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         draw(data, f"{redact(run.rstrip('/'))}: step {last}", output, plt)
     except OSError as e:
         raise MinGPTError(f"cannot write {output}: {e}") from None

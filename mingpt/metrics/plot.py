@@ -134,6 +134,9 @@ def _timed(a: dict, b: dict) -> bool:
     return all(isinstance(x, (int, float)) for x in numbers) and b["tokens_per_s"] > 0
 
 
+LABEL_GAP = 0.025  # of the steps drawn: a label's width, at the picture's size and font
+
+
 def pyplot():
     """matplotlib.pyplot, drawing to files only (no display needed); ImportError if not installed."""
     import matplotlib
@@ -147,6 +150,18 @@ def pyplot():
 def draw(data: Curves, title: str, out: str, plt) -> None:
     """Write the picture to `out` (PNG, or any format matplotlib knows by the name's ending) with `plt`,
     matplotlib.pyplot."""
+    fig = figure(data, title, plt)
+    try:
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def figure(data: Curves, title: str, plt):
+    """The picture: losses and tokens/s against step, restarts and world-size changes marked, and each
+    process's own time below where it was measured."""
+    from matplotlib.ticker import MaxNLocator
+
     if data.own_ms:
         fig, (loss_axis, process_axis) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
                                                       gridspec_kw={"height_ratios": [3, 1.3]})
@@ -165,15 +180,8 @@ def draw(data: Curves, title: str, out: str, plt) -> None:
         if points:
             steps = sorted(points)
             loss_axis.plot(steps, [points[s] for s in steps], style, lw=1.2, ms=3, label=name)
-    at_step: dict[int, list] = {}  # a restart and a world-size change at one step share a line and a label
-    for mark in data.marks:
-        at_step.setdefault(mark.step, []).append(mark)
-    for step, marks in at_step.items():
-        restart = any(mark.kind == "restart" for mark in marks)
-        color = "tab:red" if restart else "tab:purple"
-        loss_axis.axvline(step, color=color, ls="--" if restart else ":", lw=1)
-        loss_axis.annotate(" " + ", ".join(mark.text for mark in marks), (step, 0.98), rotation=90, va="top",
-                           xycoords=("data", "axes fraction"), fontsize=7, color=color)
+    _draw_marks(loss_axis, data)
+    loss_axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: never 2.5
     if not data.own_ms:
         loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("loss")
@@ -185,8 +193,31 @@ def draw(data: Curves, title: str, out: str, plt) -> None:
         lines, labels = lines + more_lines, labels + more_labels
     loss_axis.legend(lines, labels, loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def _draw_marks(axis, data: Curves) -> None:
+    """A line at each mark; a label at the first of marks closer together than LABEL_GAP of the steps drawn
+    (labels written closer would overlap), saying how many more it stands for."""
+    at_step: dict[int, list] = {}  # a restart and a world-size change at one step share a line and a label
+    for mark in data.marks:
+        at_step.setdefault(mark.step, []).append(mark)
+    drawn = [*data.train_loss, *data.val_loss, *at_step] or [0]
+    gap = LABEL_GAP * max(max(drawn) - min(drawn), 1)
+    steps = sorted(at_step)
+    for step in steps:
+        restart = any(mark.kind == "restart" for mark in at_step[step])
+        axis.axvline(step, color="tab:red" if restart else "tab:purple", ls="--" if restart else ":", lw=1)
+    labelled = None
+    for step in steps:
+        if labelled is not None and step - labelled < gap:
+            continue
+        labelled = step
+        near = sum(1 for other in steps if step < other < step + gap)
+        text = ", ".join(mark.text for mark in at_step[step]) + (f" (+{near} more)" if near else "")
+        restart = any(mark.kind == "restart" for mark in at_step[step])
+        axis.annotate(" " + text, (step, 0.98), rotation=90, va="top", xycoords=("data", "axes fraction"),
+                      fontsize=7, color="tab:red" if restart else "tab:purple")
 
 
 def _draw_processes(axis, own_ms: dict[str, dict[int, float]]) -> None:
