@@ -8,7 +8,6 @@ initialised as GPT-2 was.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
@@ -16,63 +15,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from mingpt.errors import ConfigError
-
-# Layer, head and width of the named model sizes (minGPT's table).
-PRESETS: dict[str, tuple[int, int, int]] = {
-    "gpt-nano": (3, 3, 48),
-    "gpt-micro": (4, 4, 128),
-    "gpt-mini": (6, 6, 192),
-    "gopher-44m": (8, 16, 512),
-    "openai-gpt": (12, 12, 768),
-    "gpt2": (12, 12, 768),
-    "gpt2-medium": (24, 16, 1024),
-    "gpt2-large": (36, 20, 1280),
-    "gpt2-xl": (48, 25, 1600),
-}
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """The shape of a GPT. `vocab_size` and `block_size` come from the data."""
-
-    vocab_size: int
-    block_size: int
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False  # biases in Linear and LayerNorm; without them is a little faster and no worse
-    tie_weights: bool = True  # share the token embedding with the output projection
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"model.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"choose n_embd as a multiple of n_head (e.g. {self.n_head * max(1, round(self.n_embd / self.n_head))})"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-
-    def least_parameters(self) -> int:
-        """A lower bound of the parameter count, from the shape alone (nothing is allocated): the token
-        embedding and each layer's attention and MLP matrices."""
-        return self.vocab_size * self.n_embd + self.n_layer * 12 * self.n_embd**2
-
-    @classmethod
-    def from_preset(cls, name: str, vocab_size: int, block_size: int, **overrides) -> "GPTConfig":
-        """The config of a named size (see PRESETS), e.g. `GPTConfig.from_preset("gpt-mini", 65, 256)`."""
-        if name not in PRESETS:
-            raise ConfigError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
-        n_layer, n_head, n_embd = PRESETS[name]
-        sizes = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-        return cls(vocab_size=vocab_size, block_size=block_size, **{**sizes, **overrides})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from mingpt.shape import PRESETS, GPTConfig  # noqa: F401  (the model's shape, importable from here too)
 
 
 class KVCache:

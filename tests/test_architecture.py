@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mingpt"
 LAYERS = [
     {"mingpt.errors"},
     {"mingpt.storage", "mingpt.claim"},
-    {"mingpt.rundir"},
+    {"mingpt.rundir", "mingpt.shape"},
     {"mingpt.model", "mingpt.tokenizers"},
     {"mingpt.checkpoint", "mingpt.data", "mingpt.metrics"},
     {"mingpt.interop"},

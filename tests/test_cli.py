@@ -173,11 +173,17 @@ def test_mingpt_torchrun_help_says_first_what_it_adds_to_torchrun(capsys):
 
 def test_the_commands_answer_help_without_importing_torch():
     """torch takes over a second to import: the commands import it once their flags are read."""
-    commands = ["export", "plot", "prepare", "rendezvous", "sample", "snapshot"]
+    commands = ["export", "plot", "prepare", "rendezvous", "sample", "snapshot", "train"]
     code = (f"import sys; [__import__('mingpt.cli.' + c) for c in {commands!r}]; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]"
+    # mingpt-train's --help is Hydra's: it composes the configuration, which needs no torch either.
+    code = ("import sys; sys.argv = ['mingpt-train', '--help']; from mingpt.cli import train\n"
+            "try:\n    train.main()\nexcept SystemExit:\n    pass\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "recipe: gpt2-fineweb-edu" in result.stdout and result.stdout.strip().endswith("no torch")
 
 
 @pytest.mark.multiproc

@@ -20,8 +20,6 @@ from mingpt.errors import MinGPTError, PeerLeft
 from mingpt.training import app
 from mingpt.training.app import CONF_DIR, register
 from mingpt.training.config import Config, from_hydra, validate
-from mingpt.training.distributed import first_on_its_node, leads_this_generation
-from mingpt.training.trainer import train
 
 register()  # the schema and the model presets (mingpt.training.app)
 log = logging.getLogger("mingpt")
@@ -31,6 +29,10 @@ log = logging.getLogger("mingpt")
 def run(raw: DictConfig) -> None:
     # The leader logs the job's progress, the first process of every other node its data preparation;
     # the rest, and other libraries (botocore's credential notes), report warnings and errors only.
+    # torch and the trainer: imported once Hydra has read the command line, so that --help is quick.
+    from mingpt.training.distributed import first_on_its_node, leads_this_generation
+    from mingpt.training.trainer import train
+
     configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     if leads_this_generation():
         log.setLevel(logging.INFO)

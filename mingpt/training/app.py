@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.errors import ConfigError
-from mingpt.model import PRESETS
+from mingpt.shape import PRESETS
 from mingpt.training.config import Config, ModelConfig, check_known, from_hydra, validate
 
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from mingpt.data.prepare import PrepareConfig
 from mingpt.errors import ConfigError
 from mingpt.metrics.loggers import check_loggers
-from mingpt.model import PRESETS, GPTConfig
+from mingpt.shape import PRESETS, GPTConfig
 from mingpt.storage import redact
 
 
