@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -189,3 +190,38 @@ def test_offline_an_hf_url_reads_the_hub_cache_and_says_what_it_lacks(tmp_path, 
     expect_error(tmp_path, "hf://datasets/org/web/*.parquet", "cannot reach the Hugging Face Hub at "
                  f"http://127.0.0.1:{closed_port}", {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port}",
                                                       "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"})
+
+
+def test_files_of_a_hub_cache_are_versioned_by_their_blob_not_their_download_time(tmp_path, three_containers):
+    """Two machines that downloaded the same dataset at different times list the same corpus, so that one
+    publishes the prepared data and the other copies it."""
+    _, folders = three_containers
+    hub_cache(tmp_path / "cache", "org/web", {f"data/{p.name}": p.read_bytes() for p in folders["parquet"].iterdir()})
+    [snapshot] = (tmp_path / "cache" / "datasets--org--web" / "snapshots").iterdir()
+    listed = corpus.list_sources(str(snapshot / "data"))
+    assert [s.version for s in listed] == [os.path.basename(os.path.realpath(s.url)) for s in listed]
+    for blob in (tmp_path / "cache" / "datasets--org--web" / "blobs").iterdir():
+        os.utime(blob, (1_000_000, 1_000_000))  # downloaded at another time
+    assert corpus.list_sources(str(snapshot / "data")) == listed
+
+
+@pytest.mark.s3
+def test_parquet_and_zstd_shards_in_s3_prepare_as_local_ones_and_publish_once(tmp_path, s3, small_pieces,
+                                                                            three_containers):
+    import boto3
+
+    _, folders = three_containers
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    for name in ("parquet", "jsonl.zst"):
+        for path in folders[name].iterdir():
+            client.put_object(Bucket=s3.bucket, Key=f"corpus/{path.name}", Body=path.read_bytes())
+    local = prepare(PrepareConfig(corpus=str(folders["parquet"]), prepared_dir=tmp_path / "local", val_fraction=0.2))
+    for pattern in ("*.parquet", "*.jsonl.zst"):
+        shared = PrepareConfig(corpus=f"s3://{s3.bucket}/corpus/{pattern}", val_fraction=0.2,
+                               prepared_dir=f"s3://{s3.bucket}/prepared/{pattern[2:]}")
+        first = prepare(replace(shared, local_copy=str(tmp_path / f"node-a-{pattern[2:]}")))
+        second = prepare(replace(shared, local_copy=str(tmp_path / f"node-b-{pattern[2:]}")))  # copies
+        for out in (first, second):
+            assert (out / "train.bin").read_bytes() == (local / "train.bin").read_bytes(), (pattern, out)
+        assert all(source["version"] for source in read_meta(first)["sources"])  # ETags
+        assert read_meta(second)["created"] == read_meta(first)["created"]  # a copy of what the first published

@@ -165,11 +165,17 @@ def _local_tree(fs, folder: str, above: dict | None = None) -> dict[str, dict]:
 
 
 def _followed(fs, path: str, info: dict) -> dict:
-    """The info of what the local symbolic link `path` points to (its own where it is not a link)."""
+    """The info of what the local symbolic link `path` points to (its own where it is not a link). A link into
+    a Hugging Face cache's blobs/ folder is versioned by the blob's name, its hash: the same on every machine
+    that downloaded the same file, whenever it did (an mtime is not)."""
     if not info.get("islink"):
         return info
     try:
-        return fs.info(path)  # a path, not a directory entry: fsspec follows the link
+        target = os.path.realpath(path)
+        followed = fs.info(path)  # a path, not a directory entry: fsspec follows the link
+        if os.path.basename(os.path.dirname(target)) == "blobs":
+            followed = {**followed, "blob_id": os.path.basename(target)}
+        return followed
     except OSError as e:
         if e.errno not in (errno.ENOENT, errno.ELOOP):
             raise
