@@ -16,14 +16,15 @@ or the ETag or blob id on object stores and the Hub) tell prepared data whether 
 An hf:// URL is read through huggingface_hub (HF_TOKEN for private data); with HF_HUB_OFFLINE=1, from
 its local cache.
 
-Documents are numbered across the corpus, records (JSONL lines, Parquet rows) alike, so the same
-documents get the same number, and so the same split, in whichever container they are stored.
+Records (JSONL lines, Parquet rows) are numbered across the whole corpus, so the same documents get
+the same numbers, and so the same split, in whichever container and shards they are stored.
 
-Documents are read in pieces of about `piece_bytes` (a Parquet file: a batch of rows). A text document larger than that is cut
-where a line break stands between two characters that are not whitespace ("x\\nY"): tokenizers
-split words there anyway, so the pieces encode to the same tokens as the whole document. A line
-with no such place within 4 pieces is cut at any line break, or else anywhere (a minified
-megabyte-long line); only there can tokens differ from encoding the document whole.
+Documents are read in pieces of about `piece_bytes` (of a Parquet file: a batch of rows). A text
+document larger than that is cut where a line break stands between two characters that are not
+whitespace ("x\\nY"): tokenizers split words there anyway, so the pieces encode to the same tokens
+as the whole document. A line with no such place within 4 pieces is cut at any line break, or else
+anywhere (a minified megabyte-long line); only there can tokens differ from encoding the document
+whole.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Source:
 
     url: str  # a local absolute path, a URL with its protocol, or BUILTIN_CORPUS
     size: int  # bytes as stored (compressed, where it is)
-    version: str  # changes when the content does: mtime locally, the ETag on object stores
+    version: str  # changes when the content does: mtime locally, the ETag on object stores, the blob id on the Hub
 
     @property
     def format(self) -> str:

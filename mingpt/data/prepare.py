@@ -270,6 +270,7 @@ class _Job:
                 counts, digests, read = self.tokenize(tok, dtype, tmp, resume[1] if resume else _Tokenized.start(meta))
             except _CorpusChanged:  # the tokens kept, and maybe the tokenizer, came from other text
                 log.info("the corpus changed since the preparation was stopped; starting over")
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing of it is kept, however the new start ends
                 return self.build(out, meta)
             meta = {
                 "format": FORMAT, "version": FORMAT_VERSION, **meta,
