@@ -1,7 +1,8 @@
 """`mingpt-snapshot list|verify URL`: each snapshot's step, time, size and state, and who holds the run.
+URL is a run folder (snapshot.dir) or one of its snapshots.
 
 Exit status: 0 when every snapshot is fine, 1 when one is damaged or none is committed, 2 when
-the folder cannot be read.
+there is no such folder or it cannot be read.
 """
 
 from __future__ import annotations
