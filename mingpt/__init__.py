@@ -9,7 +9,7 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _WHERE = {
-    "GPT": "mingpt.model", "GPTConfig": "mingpt.model", "PRESETS": "mingpt.model",
+    "GPT": "mingpt.model", "GPTConfig": "mingpt.shape", "PRESETS": "mingpt.shape",
     "Tokenizer": "mingpt.tokenizers", "train_tokenizer": "mingpt.tokenizers", "load_tokenizer": "mingpt.tokenizers",
     "prepare": "mingpt.data.prepare", "PrepareConfig": "mingpt.data.prepare",
     "PreparedData": "mingpt.data.prepared", "TokenBlocks": "mingpt.data.prepared",
