@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from mingpt.checkpoint.store import MANIFEST, STATE_DIR, Snapshot, SnapshotError, SnapshotStore
+from mingpt.checkpoint.store import INDEX, MANIFEST, STATE_DIR, Snapshot, SnapshotError, SnapshotStore
 from mingpt.errors import MinGPTError
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import explain_storage_error, redact
@@ -21,7 +21,7 @@ from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 def snapshot_problem(manifest: dict) -> str | None:
     """Why a committed manifest does not describe a model's snapshot, in a few words; None when it does."""
     files = manifest["files"]
-    if "tokenizer.json" not in files or ("model.pt" in files) == (f"{STATE_DIR}/.metadata" in files):
+    if "tokenizer.json" not in files or ("model.pt" in files) == (INDEX in files):
         return f"the manifest does not list tokenizer.json and either model.pt or {STATE_DIR}/"
     samples = manifest.get("samples_seen")
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
@@ -30,7 +30,8 @@ def snapshot_problem(manifest: dict) -> str | None:
         config = GPTConfig(**manifest.get("model_config"))
     except (TypeError, ValueError) as e:  # not a dict, unknown or missing keys, bad values
         return f"the manifest's model_config is unusable ({e})"
-    weights = sum(entry["bytes"] for name, entry in files.items() if name == "model.pt" or name.startswith(STATE_DIR))
+    weights = sum(entry["bytes"] for name, entry in files.items()
+                  if name == "model.pt" or name.startswith(f"{STATE_DIR}/"))
     if 2 * config.least_parameters() > weights:  # checked before a model of that shape is allocated
         return (f"the manifest's model_config describes at least {config.least_parameters():,} parameters, more "
                 f"than its weights' {weights:,} bytes hold")

@@ -32,11 +32,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from mingpt.checkpoint.store import STATE_DIR, HashingWriter, Snapshot, SnapshotError
+from mingpt.checkpoint.store import INDEX, STATE_DIR, HashingWriter, Snapshot, SnapshotError
 from mingpt.errors import MinGPTError
 from mingpt.storage import open_exclusive
-
-METADATA = ".metadata"  # DCP's name for its index
 
 
 class _ExclusiveHashedFiles(FileSystem):
@@ -95,24 +93,19 @@ class _VerifiedFiles(FileSystem):
 
 
 class ShardReader(FsspecReader):
-    """DCP's reader of a sharded snapshot, which reads only files whose checksum matches the manifest,
-    and unpickles DCP's index with nothing but DCP's own classes."""
+    """DCP's reader of a sharded snapshot, which reads only files whose checksum matches the manifest, and
+    hands DCP the index that `read_index` read (unpickled with nothing but DCP's own classes)."""
 
-    def __init__(self, snapshot: Snapshot):
+    def __init__(self, snapshot: Snapshot, index: Metadata):
         super().__init__(STATE_DIR)
         self.fs = _VerifiedFiles(snapshot)
         self.path = STATE_DIR
-        self.refused: SnapshotError | None = None  # why the index was refused (DCP rewords what it catches)
+        self.index = index
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        try:
-            metadata = read_index(self.fs.snapshot)
-        except SnapshotError as e:
-            self.refused = e
-            raise
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        self.index.storage_meta = self.index.storage_meta or StorageMeta()
+        self.index.storage_meta.load_id = self.load_id
+        return self.index
 
 
 # What DCP's index names: its metadata classes, torch.Size, dtypes, and layouts (by a lookup that only reads
@@ -133,13 +126,13 @@ def read_index(snapshot: Snapshot) -> Metadata:
     """The snapshot's index of shards, checked against its sha256 and unpickled with DCP's classes alone;
     SnapshotError when it is not one (damaged, cut short, or a pickle of anything else)."""
     try:
-        metadata = _IndexUnpickler(io.BytesIO(snapshot.read(f"{STATE_DIR}/{METADATA}"))).load()
+        metadata = _IndexUnpickler(io.BytesIO(snapshot.read(INDEX))).load()
     except SnapshotError:
         raise
     except Exception as e:  # EOFError of one cut short, UnpicklingError of a foreign class, ...
         metadata = f"({e or type(e).__name__})"
     if not isinstance(metadata, Metadata):
-        raise SnapshotError(f"refusing to read {STATE_DIR}/{METADATA} of snapshot {snapshot.url}: it is not DCP's "
+        raise SnapshotError(f"refusing to read {INDEX} of snapshot {snapshot.url}: it is not DCP's "
                             f"index of shards {metadata if isinstance(metadata, str) else ''}".rstrip())
     return metadata
 
@@ -186,14 +179,14 @@ def read_shards(snapshot: Snapshot, state: dict[str, Any], alone: bool = False) 
     """Fill `state` (tensors or DTensors, keyed as saved) in place from `snapshot`'s shards: a collective
     of the default process group, or (`alone`) read by this process without one."""
     alone = alone or not torch.distributed.is_initialized()
-    read_index(snapshot)  # a bad index is refused here in one line, not inside DCP (which logs tracebacks)
-    reader = ShardReader(snapshot)
+    # The index is read here, once: a bad one is refused in one line, not inside DCP (which logs tracebacks).
+    reader = ShardReader(snapshot, read_index(snapshot))
     try:
         with warnings.catch_warnings():  # DCP warns that it reads alone: as asked
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, storage_reader=reader, planner=_PlainDataPlanner(), no_dist=alone)
     except CheckpointException as e:
-        raise reader.refused or _first_failure(e, f"could not read snapshot {snapshot.url}") from None
+        raise _first_failure(e, f"could not read snapshot {snapshot.url}") from None
 
 
 def read_model(snapshot: Snapshot, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ FORMAT = "mingpt-snapshot"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE_DIR = "state"  # a sharded snapshot's shards, and DCP's index of them
+INDEX = f"{STATE_DIR}/.metadata"  # DCP's index: every process of a sharded job reads it whole
 # What a file in a snapshot may be called: a name, or a name in one folder; never `..`, never absolute.
 # A manifest naming anything else (`../../etc/passwd`) is damaged.
 _FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_.][A-Za-z0-9_.-]*)?$")
@@ -78,7 +79,7 @@ class Snapshot:
     @property
     def sharded(self) -> bool:
         """Written by every process of an fsdp job (state/), not by one (model.pt, optimizer.pt)."""
-        return f"{STATE_DIR}/.metadata" in self.manifest["files"]
+        return INDEX in self.manifest["files"]
 
     def read(self, filename: str) -> bytes:
         """The bytes of one payload file, after checking its size and sha256 against the manifest."""
@@ -104,9 +105,9 @@ class Snapshot:
 
         With `keep`, the checked bytes are kept for the next `read` of each file, so verifying and
         then loading reads the storage once; `forget` drops what will not be read. Shards are never
-        kept: the process that verifies them all reads only its own share."""
+        kept: the process that verifies them all reads only its own share (but all of DCP's index)."""
         for filename in files or self.manifest["files"]:
-            shard = filename.startswith(f"{STATE_DIR}/")
+            shard = filename.startswith(f"{STATE_DIR}/") and filename != INDEX
             try:
                 data = self._check(filename, keep and not shard)
             except SnapshotError:
