@@ -386,11 +386,12 @@ class _Job:
                 current = piece.source
             so_far = finished.copy()
             so_far.update(digests[current].encode())  # the running digest of the source being read
-            if number + 1 == skip and so_far.hexdigest() != done.corpus_sha256:
+            mark = so_far.hexdigest()
+            if number + 1 == skip and mark != done.corpus_sha256:
                 raise _CorpusChanged
             if number >= skip:
                 if read_so_far is not None:
-                    read_so_far.append(so_far.hexdigest())
+                    read_so_far.append(mark)
                 yield piece.lean() if self.sources[piece.source].local_plain else piece
         if number + 1 < skip:
             raise _CorpusChanged

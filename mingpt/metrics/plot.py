@@ -205,9 +205,10 @@ def _draw_marks(axis, data: Curves) -> None:
     drawn = [*data.train_loss, *data.val_loss, *at_step] or [0]
     gap = LABEL_GAP * max(max(drawn) - min(drawn), 1)
     steps = sorted(at_step)
+    color = {step: "tab:red" if any(mark.kind == "restart" for mark in at_step[step]) else "tab:purple"
+             for step in steps}
     for step in steps:
-        restart = any(mark.kind == "restart" for mark in at_step[step])
-        axis.axvline(step, color="tab:red" if restart else "tab:purple", ls="--" if restart else ":", lw=1)
+        axis.axvline(step, color=color[step], ls="--" if color[step] == "tab:red" else ":", lw=1)
     labelled = None
     for step in steps:
         if labelled is not None and step - labelled < gap:
@@ -215,9 +216,8 @@ def _draw_marks(axis, data: Curves) -> None:
         labelled = step
         near = sum(1 for other in steps if step < other < step + gap)
         text = ", ".join(mark.text for mark in at_step[step]) + (f" (+{near} more)" if near else "")
-        restart = any(mark.kind == "restart" for mark in at_step[step])
         axis.annotate(" " + text, (step, 0.98), rotation=90, va="top", xycoords=("data", "axes fraction"),
-                      fontsize=7, color="tab:red" if restart else "tab:purple")
+                      fontsize=7, color=color[step])
 
 
 def _draw_processes(axis, own_ms: dict[str, dict[int, float]]) -> None:
