@@ -1,24 +1,27 @@
 """mingpt-torchrun's agent under churn: which endings of a generation are membership changes, the bounded
-wait for ranks, and a rendezvous that only a finished job closes. Unit tests over torch's own classes and a
-real TCPStore; the whole behaviour, with real agents and workers, is in test_trainer.py (nodes dying,
-joining and leaving under --max-restarts=0) and test_elastic_launch.py (a node that comes too late)."""
+wait for ranks, and a rendezvous that only a finished job closes. Unit tests of a real agent, over torch's
+rendezvous handler and a real TCPStore, with torch's own steps (monitoring, assigning ranks) replaced where
+a test needs their outcome; the whole behaviour, with real agents and workers, is in test_trainer.py (nodes
+dying, joining and leaving under --max-restarts=0) and test_elastic_launch.py (a node that comes too late)."""
 
 import socket
-import threading
 import time
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
+from mingpt.torch_internals import ElasticAgent
 from mingpt.training import agent as agent_module
 from mingpt.training.agent import Agent, Rendezvous
 from mingpt.training.distributed import lost_a_peer
 from mingpt.training.launcher import PEER_LOST, PEER_STOPPED
+from mingpt.training.progress import PROGRESS_DIR
 
 
 class Handler:
@@ -35,27 +38,36 @@ class Handler:
         return "job"
 
 
-class Members(Rendezvous):
-    def __init__(self, members):
-        super().__init__(Handler())
-        self.current = members
-
-    def members(self):
-        return self.current
-
-
 HOST = socket.gethostname()
 
 
-def bare_agent(members=None, restarts=0) -> Agent:
-    """An Agent without torch's start-up (no rendezvous, no workers): its policy alone."""
-    agent = object.__new__(Agent)
-    agent.rdzv = Members(members)
-    agent._members, agent._cause, agent._noticed, agent._remaining_restarts = set(members or ()), None, 0.0, restarts
-    agent._hung, agent._free_hangs = set(), 3
-    agent.watchdog = SimpleNamespace(check=lambda pids: [], finding="hung: host pid 1000 (stopped)")
-    agent._pcontext = SimpleNamespace(pids=lambda: {0: 1000, 1: 1001})
-    return agent
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield dist.PrefixStore("round/", server)
+
+
+@pytest.fixture
+def make_agent(store, tmp_path, monkeypatch):
+    """A real Agent of a job of at most two nodes, on torch's dynamic rendezvous over `store`, whose round's
+    members a test sets (`agent.rdzv.current`; None: the store does not answer); no workers started."""
+    monkeypatch.setenv(PROGRESS_DIR, "")  # the agent sets it for its workers
+    made = []
+
+    def make(members=None, restarts=0) -> Agent:
+        handler = DynamicRendezvousHandler.from_backend("job", store, C10dRendezvousBackend(store, "job"), 1, 2)
+        spec = WorkerSpec(role="default", local_world_size=2, rdzv_handler=handler, entrypoint="true",
+                          max_restarts=restarts)
+        agent = Agent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+        agent.rdzv.current = members
+        monkeypatch.setattr(agent.rdzv, "members", lambda: agent.rdzv.current)
+        agent._members = set(members or ())  # the round its workers run in, as rendezvous() leaves it
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.watchdog.close()
 
 
 def failed(*codes) -> RunResult:
@@ -70,78 +82,96 @@ def failed(*codes) -> RunResult:
     ((PEER_LOST, 1), False, f"failed: {HOST} pid 1000 (exit 76); {HOST} pid 1001 (exit 1)"),
     ((-9,), False, f"failed: {HOST} pid 1000 (SIGKILL)"),
 ])
-def test_workers_ended_by_another_node_use_up_no_restart(monkeypatch, codes, free, cause):
-    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: failed(*codes))
-    agent = bare_agent()
-    assert agent._monitor_workers(None).state == WorkerState.FAILED  # torch's loop restarts, taking one back
-    assert agent._remaining_restarts == (1 if free else 0)
+def test_workers_ended_by_another_node_use_up_no_restart(monkeypatch, make_agent, codes, free, cause):
+    monkeypatch.setattr(ElasticAgent, "monitor", lambda self, group: failed(*codes))  # torch's view of them
+    agent = make_agent()
+    assert agent.monitor(None).state == WorkerState.FAILED  # torch's loop restarts, taking one back
+    assert agent.restarts_left == (1 if free else 0)
     assert agent._cause == cause
 
 
-def test_a_restart_after_the_watchdog_ended_a_hung_worker_is_free_three_times(monkeypatch):
+def test_a_restart_after_the_watchdog_ended_a_hung_worker_is_free_three_times(monkeypatch, make_agent):
     """torch ends the other workers when one fails: their exits (SIGTERM) come with the hung one's."""
-    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: failed(-9, -15))
-    agent = bare_agent()
+    monkeypatch.setattr(ElasticAgent, "monitor", lambda self, group: failed(-9, -15))
+    agent = make_agent()
     agent._hung = {1000}
+    agent.watchdog.finding = "hung: host pid 1000 (stopped)"
     for left in (2, 1, 0):
-        assert agent._monitor_workers(None).state == WorkerState.FAILED
+        assert agent.monitor(None).state == WorkerState.FAILED
         assert agent._free_hangs == left and agent._cause == "hung: host pid 1000 (stopped)"
         agent._cause = None
-    assert agent._remaining_restarts == 3
-    agent._monitor_workers(None)  # a fourth: a hang that comes back every time is a failure
-    assert agent._remaining_restarts == 3 and agent._cause.startswith("failed: ")
+    assert agent.restarts_left == 3
+    agent.monitor(None)  # a fourth: a hang that comes back every time is a failure
+    assert agent.restarts_left == 3 and agent._cause.startswith("failed: ")
 
 
-def test_a_node_gone_from_the_round_restarts_healthy_workers_for_free(monkeypatch):
-    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: RunResult(WorkerState.HEALTHY))
-    agent = bare_agent({"a_1_0", "b_2_0"})
-    assert agent._monitor_workers(None).state == WorkerState.HEALTHY
+def test_a_node_gone_from_the_round_restarts_healthy_workers_for_free(monkeypatch, make_agent):
+    monkeypatch.setattr(ElasticAgent, "monitor", lambda self, group: RunResult(WorkerState.HEALTHY))
+    agent = make_agent({"a_1_0", "b_2_0"})
+    assert agent.monitor(None).state == WorkerState.HEALTHY
     agent.rdzv.current = {"a_1_0"}  # b's heartbeats stopped: torch took it out of the round
-    assert agent._monitor_workers(None).state == WorkerState.UNHEALTHY
-    assert (agent._remaining_restarts, agent._cause) == (1, "gone from the rendezvous")
+    assert agent.monitor(None).state == WorkerState.UNHEALTHY
+    assert (agent.restarts_left, agent._cause) == (1, "gone from the rendezvous")
     agent.rdzv.current = None  # the members cannot be read: no opinion, no restart
     agent._members = {"a_1_0", "b_2_0"}
-    assert agent._monitor_workers(None).state == WorkerState.HEALTHY
+    assert agent.monitor(None).state == WorkerState.HEALTHY
 
 
-def test_only_a_finished_job_closes_the_rendezvous(monkeypatch):
-    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: RunResult(WorkerState.SUCCEEDED))
+def test_only_a_finished_job_closes_the_rendezvous(monkeypatch, make_agent):
+    monkeypatch.setattr(ElasticAgent, "monitor", lambda self, group: RunResult(WorkerState.SUCCEEDED))
     left = []
     rendezvous = Rendezvous(Handler())
     monkeypatch.setattr(rendezvous, "leave", lambda: left.append(True))
     assert rendezvous.shutdown() is False and rendezvous.handler.calls == [] and left == [True]
     assert rendezvous.get_run_id() == "job"  # the rest is torch's handler's
-    agent = bare_agent()
+    agent = make_agent()
     agent.rdzv = rendezvous
-    agent._monitor_workers(None)  # every worker ended well: the job is done
+    agent.monitor(None)  # every worker ended well: the job is done
     assert rendezvous.shutdown() is True and rendezvous.handler.calls == ["shutdown"]
-    assert Rendezvous(Handler()).members() is None  # not torch's dynamic handler: nothing to read
 
 
-@pytest.fixture
-def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    yield dist.PrefixStore("round/", server)
+def test_the_members_of_a_round_are_read_from_the_store(store):
+    """A real round of one node, with torch's handler: its member is this node; a store that stops answering
+    gives no opinion (None), which restarts nobody."""
+    handler = DynamicRendezvousHandler.from_backend("solo", store, C10dRendezvousBackend(store, "solo"), 1, 1)
+    rendezvous = Rendezvous(handler)
+    handler.next_rendezvous()
+    try:
+        (member,) = rendezvous.members()
+        assert member.startswith(socket.getfqdn())  # torch's name of this node
+        rendezvous.leave()
+        assert rendezvous.members() == set()
+    finally:
+        handler.shutdown()
 
 
-def test_ranks_are_awaited_while_the_round_lives_and_given_up_once_a_node_is_gone(monkeypatch, store):
+def test_ranks_are_awaited_while_the_round_lives_and_given_up_once_a_node_is_gone(monkeypatch, store, make_agent):
     """The second agent of a round of two waits for the ranks the first one writes: as long as both are
     in the round, up to RANKS_WAIT_S; not a slice longer once the first is gone."""
     monkeypatch.setattr(agent_module, "RANKS_SLICE_S", 0.3)
-    spec = SimpleNamespace(role="default", local_world_size=1)  # what torch's rank assignment reads of it
-    agent = bare_agent({"a_1_0", "b_2_0"})
-    writer = threading.Timer(1.0, lambda: store.set("torchelastic/assigned_ranks/1", "[1, 2, 1, 2]"))
-    writer.start()  # the first agent, slower than a slice
-    workers = agent._assign_worker_ranks(store, 1, 2, spec)
-    assert [(w.global_rank, w.world_size) for w in workers] == [(1, 2)]
+    tries = []
+    torch_assigns = ElasticAgent.assign_ranks
+
+    def assign(*args):
+        tries.append(1)
+        if len(tries) == 3:  # the first agent, slower than two slices, writes the ranks
+            store.set("torchelastic/assigned_ranks/1", "[1, 4, 2, 4]")
+        return torch_assigns(*args)
+
+    monkeypatch.setattr(ElasticAgent, "assign_ranks", assign)
+    agent = make_agent({"a_1_0", "b_2_0"})
+    spec = agent.get_worker_group().spec
+    workers = agent.assign_ranks(store, 1, 2, spec)
+    assert len(tries) == 3  # waited in slices while both nodes were in the round
+    assert [(w.global_rank, w.world_size) for w in workers] == [(1, 4), (2, 4)]
     assert store.timeout == timedelta(seconds=30)  # the store's own timeout, back
 
     store.delete_key("torchelastic/assigned_ranks/1")
     agent.rdzv.current = {"b_2_0"}  # the first agent died before writing the ranks
-    started = time.monotonic()
+    tries.clear()
     with pytest.raises(dist.DistError):
-        agent._assign_worker_ranks(store, 1, 2, spec)
-    assert time.monotonic() - started < 2.0  # one slice, not RANKS_WAIT_S (10 s) nor the store's 30 s
+        agent.assign_ranks(store, 1, 2, spec)
+    assert len(tries) == 1  # one slice, not until RANKS_WAIT_S (10 s) nor the store's 30 s
     assert store.timeout == timedelta(seconds=30)
 
 
@@ -182,8 +212,10 @@ def test_installed_the_agent_replaces_torchs_and_its_rendezvous_polls_four_times
 
     monkeypatch.setattr(api, "LocalElasticAgent", api.LocalElasticAgent)  # restored after the test
     monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)  # what torch's delay sleeps in
     agent_module.install()
     assert api.LocalElasticAgent is Agent
-    started = time.monotonic()
     dynamic_rendezvous._delay(seconds=1)  # what a waiting agent sleeps between two looks at the round
-    assert time.monotonic() - started < 0.5
+    dynamic_rendezvous._delay(seconds=(0, 0.3))  # a random pause in a range: torch's own
+    assert slept[0] == agent_module.POLL_S and 0 <= slept[1] <= 0.3

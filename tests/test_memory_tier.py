@@ -119,6 +119,7 @@ def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp
     from launch import config
     from mingpt.model import GPT, GPTConfig
     from mingpt.training.distributed import World
+    from mingpt.training.parallel import Topology
     from mingpt.training.recovery import MemoryCopies
     from mingpt.training.state import Replica, TrainState
 
@@ -128,8 +129,8 @@ def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp
     def copies(seed: int) -> MemoryCopies:
         torch.manual_seed(seed)
         model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=8))
-        made = MemoryCopies(cfg.snapshot, world, "run", Replica(model, torch.optim.AdamW(model.parameters()), None,
-                                                                 TrainState()))
+        made = MemoryCopies(cfg.snapshot, Topology(world, "ddp"), "run",
+                            Replica(model, torch.optim.AdamW(model.parameters()), None, TrainState()))
         made.tier.job = "job-1"  # a plain process is a job of its own: be the same job
         return made
 

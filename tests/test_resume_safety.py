@@ -81,6 +81,8 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
     from mingpt.data.prepared import PreparedData
     from mingpt.data.prepare import PrepareConfig, prepare
     from mingpt.training.distributed import World
+    from mingpt.training.resume import resume
+    from mingpt.training.stopflag import StopFlag
     from mingpt.checkpoint.store import SnapshotStore
 
     cfg = Config()
@@ -97,10 +99,10 @@ def test_the_fp16_loss_scale_is_saved_and_restored(tmp_path, corpus_file, monkey
         monkeypatch.setattr(trainer_module, "autocast_for", lambda precision, device: (nullcontext(), scaler))
         return trainer_module.Trainer(cfg, world, store, data, cfg.model.build(data.vocab_size, 16))
 
-    make(init_scale=37.0).run(trainer_module.StopFlag())
+    make(init_scale=37.0).run(StopFlag())
     assert "scaler.pt" in store.latest().manifest["files"]
     resumed = make(init_scale=65536.0)
-    resumed.resume(trainer_module.StopFlag())
+    resume(resumed.checkpointer, resumed.replica, world, None, StopFlag())
     assert resumed.replica.state.step == 3 and resumed.replica.scaler.get_scale() == 37.0
 
 

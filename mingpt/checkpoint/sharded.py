@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -35,6 +34,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from mingpt.checkpoint.store import INDEX, STATE_DIR, HashingWriter, Snapshot, SnapshotError
 from mingpt.errors import MinGPTError
 from mingpt.storage import open_exclusive
+from mingpt.torch_internals import DCP_INDEX_CLASSES, dcp_fsspec_classes
+
+FileSystem, FsspecReader, FsspecWriter = dcp_fsspec_classes()  # private to DCP
 
 
 class _ExclusiveHashedFiles(FileSystem):
@@ -114,10 +116,9 @@ class ShardReader(FsspecReader):
 _INDEX_CLASSES = {
     *(("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        "BytesStorageMetadata", "ChunkStorageMetadata")),
+    *DCP_INDEX_CLASSES,
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
     *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)),
 }
 

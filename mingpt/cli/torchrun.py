@@ -18,9 +18,9 @@ from pathlib import Path
 from torch.distributed import TCPStore, run
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.utils import (
-    _matches_machine_hostname, _parse_rendezvous_config, parse_rendezvous_endpoint)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from mingpt import torch_internals
 from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError
 from mingpt.training import agent
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
     configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
     logging.getLogger("mingpt").setLevel(logging.INFO)  # this node's own progress and membership, on its own log
-    status = run_command(lambda: check_launch(args)) or run_command(lambda: prepare_before_joining(args))
+    status = run_command(lambda: torch_internals.check(sharded=False)) or run_command(lambda: check_launch(args)) or \
+        run_command(lambda: prepare_before_joining(args))
     if status:
         return status
     os.environ.setdefault(STORE_SHARING, "1")
@@ -123,7 +124,7 @@ def check_rendezvous(args: argparse.Namespace) -> None:
     if "@" in args.rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint takes HOST:PORT, with no user name or password")
     try:
-        conf = _parse_rendezvous_config(args.rdzv_conf)
+        conf = torch_internals.parse_rendezvous_config(args.rdzv_conf)
     except ValueError as e:
         raise ConfigError(f"--rdzv-conf: {str(e).rstrip('.')}; give KEY=VALUE pairs separated by commas") from None
     for key, least in NUMERIC_CONF.items():
@@ -159,7 +160,7 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
     sooner than torchrun would, and ends what would fail anyway in one line instead of two tracebacks."""
     try:
         host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_PORT)
-        params = RendezvousParameters("c10d", endpoint, "check", 1, 1, **_parse_rendezvous_config(rdzv_conf))
+        params = RendezvousParameters("c10d", endpoint, "check", 1, 1, **torch_internals.parse_rendezvous_config(rdzv_conf))
         is_host, wait_s = params.get_as_bool("is_host"), params.get_as_int("read_timeout", 60)
         if wait_s < 1:
             raise ValueError(f"The read timeout must be a positive integer, got {wait_s}.")
@@ -172,7 +173,7 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
         raise ConfigError(f"--rdzv-endpoint={endpoint}: cannot resolve {host!r} ({e.strerror}); give the name or "
                           f"address of the store's host as this node knows it; {check}") from None
     if is_host is None:
-        is_host = _is_this_machine(host)
+        is_host = torch_internals.is_this_machine(host)  # as torch decides who hosts the store
     if is_host:
         return  # this agent hosts the store (or joins one that already listens here), as torch decides it
     deadline = time.monotonic() + wait_s
@@ -215,13 +216,6 @@ def check_store_answers(host: str, port: int, endpoint: str) -> None:
         raise ConfigError(f"--rdzv-endpoint={endpoint}: {host}:{port} accepts connections but does not answer as a "
                           f"rendezvous store {why}: another kind of server may use that port; give the port of "
                           f"mingpt-rendezvous, or of the node that hosts the store")
-
-
-def _is_this_machine(host: str) -> bool:
-    try:
-        return _matches_machine_hostname(host)  # torch's own test, so that both agree on who hosts the store
-    except OSError:  # this machine's own name does not resolve: torch's test fails, so the store is elsewhere
-        return False
 
 
 if __name__ == "__main__":

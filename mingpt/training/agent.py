@@ -1,34 +1,23 @@
 """torch's elastic agent, kept going through churn: what `mingpt-torchrun` runs on every node.
 
 torchrun's LocalElasticAgent restarts its workers when they fail (using up --max-restarts) and when a
-node waits to join (free). Under churn, nodes dying or leaving at any moment, five things ended a job
-that still had a node, or stalled it. Each is changed here, in a subclass of torch's agent and a wrapper of its
-rendezvous handler:
+node waits to join (free). This subclass of it, and a wrapper of its rendezvous handler, keep a job going
+while nodes die, leave and join:
 
-1. Workers that ended because another process left or died (launcher.PEER_STOPPED, PEER_LOST) used up a
-   restart. It is given back, as for any membership change.
-2. A node dying after a round closed, while the agents assigned ranks, left the others waiting a minute
-   for the ranks that node was to write, then exiting. The wait is bounded (RANKS_WAIT_S), and an error
-   in a round sends the agent into the next one.
-3. An agent that failed closed the rendezvous, which ends every other node. Only a finished job closes
-   it now; a node that arrives after that says so and exits 0 (JobFinished).
-4. A peer node dying while this node's workers were in no collective with it (starting, meeting their
-   peers) went unnoticed until trainer.dist_timeout_s. The agent watches the round's members and
-   restarts its workers as soon as one is gone from the rendezvous.
-5. The rendezvous store answering late, while the workers trained, ended the agent. It now waits for
-   the next answer.
-
-And a hung worker is found in seconds, instead of when the collectives time out: the agent watches its
-workers' progress (mingpt.training.watchdog), names a hung one with its stack, and ends it; the restart
-that follows is free, up to FREE_HANG_RESTARTS (a hang that comes back each time is a failure).
-
-And one thing is quicker: an agent waiting in a round polls the store every POLL_S (torch: every second),
-so the agents of a membership change find each other sooner, and a round can close a second after its
-first node arrived (launcher.QUICK_RENDEZVOUS) without leaving a late one out.
+- Workers that ended because another process left or died (launcher.PEER_STOPPED, PEER_LOST) restart
+  without using up --max-restarts, as for any membership change.
+- Rank assignment, where a node may die after its round closed, waits at most RANKS_WAIT_S, and a round
+  that fails sends the agent into the next one.
+- Only a finished job closes the rendezvous; a node that arrives after that exits 0 (JobFinished).
+- A peer node gone from the round restarts this node's workers at once, even when they are in no
+  collective with it (starting, meeting their peers).
+- A rendezvous store that answers late, while the workers train, is waited for.
+- A hung worker is found from its progress marks (mingpt.training.watchdog), named with its stack and
+  ended; the restart that follows is free, up to FREE_HANG_RESTARTS.
+- A waiting agent polls the round every POLL_S, so that the agents of a change find each other sooner.
 
 Each agent also tells its new workers what changed (launcher.MEMBERSHIP); the new leader logs it.
-Reading the round's members and leaving a round use torch's private rendezvous state: `Rendezvous`
-keeps all of that in one place, and does without it where torch's internals differ.
+torch's private names are all in mingpt.torch_internals, checked before the agent starts.
 """
 
 from __future__ import annotations
@@ -43,14 +32,13 @@ from datetime import timedelta
 
 from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousHandler,
                                                   RendezvousTimeoutError)
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action  # private: see `Rendezvous`
 from torch.distributed.launcher import api as launcher_api
 
+from mingpt import torch_internals
+from mingpt.torch_internals import ElasticAgent
 from mingpt.training.distributed import one_line
 from mingpt.training.launcher import MEMBERSHIP, MEMBERSHIP_EXITS
 from mingpt.training.progress import PROGRESS_DIR
@@ -71,14 +59,10 @@ class JobFinished(Exception):
 
 def install() -> None:
     """Make torchrun's launcher (torch.distributed.run) start this module's `Agent` instead of torch's own,
-    and its rendezvous poll every POLL_S."""
+    and its rendezvous poll every POLL_S, once torch is found to have what they rely on."""
+    torch_internals.check()
     launcher_api.LocalElasticAgent = Agent
-    torch_delay = dynamic_rendezvous._delay  # what a waiting agent sleeps in between two looks at the round
-
-    def quick_delay(seconds: float | tuple[float, float]) -> None:
-        torch_delay(min(seconds, POLL_S) if isinstance(seconds, (int, float)) else seconds)
-
-    dynamic_rendezvous._delay = quick_delay
+    torch_internals.poll_rendezvous_every(POLL_S)
 
 
 STORE_RETRY_S = 5.0  # how often a rendezvous store that stopped answering is asked again
@@ -126,34 +110,23 @@ class Rendezvous:
         return waiting
 
     def members(self) -> set[str] | None:
-        """The nodes of the current round ("host_pid_n"), as the store has them (at most a second old, and
-        without nodes whose heartbeats stopped); None where that cannot be read."""
+        """The nodes of the current round ("host_pid_n"), as the store has them (without nodes whose
+        heartbeats stopped); None where the store does not answer."""
         try:
-            holder = self.handler._state_holder
-            with self.handler._heartbeat_lock:
-                holder.sync()
-                return {str(node) for node in holder.state.participants}
-        except Exception as e:  # not torch's dynamic handler, or the store did not answer: no opinion
+            return torch_internals.round_members(self.handler)
+        except (RendezvousError, DistError) as e:  # no opinion
             log.debug("the rendezvous's members could not be read: %s", e)
             return None
 
     def leave(self) -> None:
         """Take this node out of the round (or the wait list) now, rather than when its heartbeats expire."""
         try:
-            def leave_op(ctx, deadline: float) -> _Action:
-                if ctx.node in ctx.state.participants:
-                    return _Action.REMOVE_FROM_PARTICIPANTS
-                if ctx.node in ctx.state.wait_list:
-                    return _Action.REMOVE_FROM_WAIT_LIST
-                return _Action.FINISH
-
-            self.handler._stop_heartbeats()
-            self.handler._op_executor.run(leave_op, time.monotonic() + LEAVE_S)
-        except Exception as e:  # the others notice when the heartbeats expire
+            torch_internals.leave_round(self.handler, LEAVE_S)
+        except (RendezvousError, DistError) as e:  # the others notice when the heartbeats expire
             log.debug("could not leave the rendezvous: %s", e)
 
 
-class Agent(LocalElasticAgent):
+class Agent(ElasticAgent):
     """torch's LocalElasticAgent that survives churn (see the module's description)."""
 
     def __init__(self, spec: WorkerSpec, *args, **kwargs):
@@ -176,44 +149,44 @@ class Agent(LocalElasticAgent):
         finally:
             self.watchdog.close()
 
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        result = super()._monitor_workers(worker_group)
+    def monitor(self, worker_group: WorkerGroup) -> RunResult:
+        result = super().monitor(worker_group)
         if result.state == WorkerState.SUCCEEDED:
             self.rdzv.finished = True
         elif result.state == WorkerState.FAILED:
             codes = sorted({failure.exitcode for failure in result.failures.values()})
             if self._hung & {failure.pid for failure in result.failures.values()} and self._free_hangs > 0:
                 self._free_hangs -= 1  # the watchdog ended one (and torch the others): the hang is the cause
-                self._remaining_restarts += 1
+                self.give_back_a_restart()
                 self._notice(self.watchdog.finding)
             elif set(codes) <= MEMBERSHIP_EXITS.keys():
-                self._remaining_restarts += 1  # torch's loop takes one for this restart: a membership change is free
+                self.give_back_a_restart()  # a membership change is free
                 self._notice(MEMBERSHIP_EXITS[codes[0]])
             else:
                 self._notice("failed: " + "; ".join(_failure(f) for f in sorted(result.failures.values(),
                                                                               key=lambda f: f.local_rank)))
         elif result.state == WorkerState.HEALTHY:
-            self._hung |= set(self.watchdog.check(list(self._pcontext.pids().values())))
+            self._hung |= set(self.watchdog.check(self.worker_pids()))
         if result.state == WorkerState.HEALTHY and self._members:
             gone = self._members - (self.rdzv.members() or self._members)
             if gone:
-                self._remaining_restarts += 1
+                self.give_back_a_restart()
                 self._notice("gone from the rendezvous")
                 log.info("mingpt-torchrun: %s left the rendezvous: restarting this node's workers",
                          ", ".join(_hosts(gone)))
                 return RunResult(state=WorkerState.UNHEALTHY)
         return result
 
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+    def restart(self, worker_group: WorkerGroup) -> None:
         self._notice("a node is waiting to join")  # the one reason torch restarts healthy workers
-        super()._restart_workers(worker_group)
+        super().restart(worker_group)
 
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+    def rendezvous(self, worker_group: WorkerGroup) -> None:
         log.info("mingpt-torchrun: entering the rendezvous of job %s", self.rdzv.get_run_id())
         before = self._members or self.rdzv.members() or set()  # a newcomer: the round it comes to join
         while True:
             try:
-                super()._rendezvous(worker_group)
+                super().rendezvous(worker_group)
                 break
             except RendezvousClosedError:
                 raise JobFinished(f"job {self.rdzv.get_run_id()} has finished (its rendezvous is closed): there is "
@@ -229,17 +202,17 @@ class Agent(LocalElasticAgent):
         log.info("mingpt-torchrun: this node is node %d of %d; starting its workers", worker_group.group_rank,
                  worker_group.group_world_size)
 
-    def _assign_worker_ranks(self, store, group_rank: int, group_world_size: int, spec: WorkerSpec):
+    def assign_ranks(self, store, group_rank: int, group_world_size: int, spec: WorkerSpec):
         # The first agent of the round waits for every agent's description, the others for the ranks it
         # writes. One of them dying made the others wait the store's whole timeout, then exit, which ended
         # the job. Wait in short slices instead, while every node of the round is alive, and at most
-        # RANKS_WAIT_S; then the error sends this agent into the next round (`_rendezvous`).
+        # RANKS_WAIT_S; then the error sends this agent into the next round (`rendezvous`).
         previous, deadline = store.timeout, time.monotonic() + RANKS_WAIT_S
         store.set_timeout(timedelta(seconds=RANKS_SLICE_S))
         try:
             while True:
                 try:
-                    return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+                    return super().assign_ranks(store, group_rank, group_world_size, spec)
                 except DistError:  # torch sets its keys again on each try: the same values
                     members = self.rdzv.members()
                     if time.monotonic() > deadline or (members is not None and len(members) < group_world_size):

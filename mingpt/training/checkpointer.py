@@ -24,7 +24,7 @@ from mingpt.storage import explain_storage_error
 from mingpt.tokenizers import Tokenizer
 from mingpt.training import distributed
 from mingpt.training.config import Config
-from mingpt.training.distributed import World
+from mingpt.training.parallel import Topology
 from mingpt.training.recovery import MemoryCopies
 from mingpt.training.state import Replica, changed_settings, check_compatible, to_cpu
 
@@ -39,11 +39,11 @@ class Checkpointer:
     one (fsdp, hsdp) by every process, each its shard (mingpt.checkpoint.sharded). Either kind loads
     into either kind of replica, at any world size."""
 
-    def __init__(self, cfg: Config, world: World, store: SnapshotStore, tokenizer: Tokenizer, data_fingerprint: str,
-                 replica: Replica):
-        self.cfg, self.world, self.store, self.tokenizer = cfg, world, store, tokenizer
+    def __init__(self, cfg: Config, topology: Topology, store: SnapshotStore, tokenizer: Tokenizer,
+                 data_fingerprint: str, replica: Replica):
+        self.cfg, self.world, self.store, self.tokenizer = cfg, topology.world, store, tokenizer
         self.data_fingerprint = data_fingerprint  # of the prepared tokens: a replaced corpus changes it
-        self.sharded = replica.sharded
+        self.sharded = topology.sharded
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
         if self.sharded:
             # Saves are collectives of their own group: in the writer's thread, beside the training's.
@@ -53,8 +53,8 @@ class Checkpointer:
         # machine never share a tier. A process that torchrun did not start is a job of its own, which no
         # restart continues: there (auto) the memory would never be read.
         wanted = cfg.snapshot.memory == "on" or (cfg.snapshot.memory == "auto" and "TORCHELASTIC_RUN_ID" in os.environ)
-        self.memory = MemoryCopies(cfg.snapshot, world, os.path.abspath(store.run.path) if store.local else store.url,
-                                   replica) if wanted else None
+        self.memory = MemoryCopies(cfg.snapshot, topology, os.path.abspath(store.run.path) if store.local else
+                                   store.url, replica) if wanted else None
 
     @property
     def reached(self) -> int:

@@ -36,6 +36,7 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
+    per_node: int = 1  # processes the launcher started on this node (LOCAL_WORLD_SIZE)
 
     @property
     def distributed(self) -> bool:
@@ -54,6 +55,7 @@ class Launch:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int = 1
 
 
 def check_launch() -> Launch:
@@ -79,7 +81,7 @@ def check_launch() -> Launch:
         port = _env_int("MASTER_PORT", 0, minimum=1)
         if port > 65535:
             raise ConfigError(f"MASTER_PORT={port} is not a TCP port: use one in 1-65535")
-    return Launch(rank=rank, world_size=world_size, local_rank=local_rank)
+    return Launch(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_size)
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -186,7 +188,8 @@ def start(timeout_s: float, meeting: Meeting | None = None) -> World:
         device = torch.device("cpu")
     if launch.world_size > 1:
         _join(meeting or Meeting(launch, timeout_s), device)
-    return World(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank, device=device)
+    return World(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank, device=device,
+                 per_node=launch.local_world_size)
 
 
 def _join(meeting: Meeting, device: torch.device) -> None:
@@ -368,11 +371,6 @@ def first_on_its_node() -> bool:
         return _env_int("LOCAL_RANK", 0, minimum=0) == 0
     except ConfigError:
         return False  # check_launch refuses it
-
-
-def processes_per_node() -> int:
-    """How many processes the launcher started on this node (LOCAL_WORLD_SIZE; 1 where it says nothing)."""
-    return _env_int("LOCAL_WORLD_SIZE", 1, minimum=1)
 
 
 def leads_this_generation() -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -23,11 +24,45 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.errors import ConfigError
 from mingpt.model import GPT
-from mingpt.training.distributed import World, processes_per_node
+from mingpt.training.distributed import World
 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights and gradients, AdamW's two moments
 AUTO_SHARE = 0.5  # auto: ddp while the state takes at most this share of a process's memory
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this generation's processes are and how the replica is spread over them: built once per
+    generation, once the mode is chosen, and passed to whatever needs it."""
+
+    world: World
+    mode: str  # ddp, fsdp or hsdp
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode != "ddp"
+
+    @property
+    def per_node(self) -> int:
+        return self.world.per_node
+
+    @property
+    def piece(self) -> tuple[int, int]:
+        """(index, count) of this process's piece of the state: its place along the sharded dimension (fsdp:
+        all processes; hsdp: its node's), or (0, 1) where it holds all of it."""
+        if self.mode == "fsdp":
+            return self.world.rank, self.world.world_size
+        if self.mode == "hsdp":
+            return self.world.rank % self.per_node, self.per_node
+        return 0, 1
+
+    @property
+    def neighbours(self) -> tuple[int, int]:
+        """The processes of this one's local index on the next and on the previous node (this generation's
+        ranks)."""
+        rank, size = self.world.rank, self.world.world_size
+        return (rank + self.per_node) % size, (rank - self.per_node) % size
 
 
 def choose(wanted: str, params: int, world: World) -> tuple[str, str]:
@@ -46,9 +81,9 @@ def choose(wanted: str, params: int, world: World) -> tuple[str, str]:
             f"trainer.parallelism=ddp keeps every parameter's state in every process: {params / 1e6:.0f}M "
             f"parameters take {fits}. Use trainer.parallelism=fsdp, which shards it over the "
             f"{world.world_size} processes ({_gb(need / world.world_size)} each)")
-    if wanted == "hsdp" and world.world_size % processes_per_node() != 0:
+    if wanted == "hsdp" and world.world_size % world.per_node != 0:
         raise ConfigError(f"trainer.parallelism=hsdp needs the same number of processes on every node; "
-                          f"{world.world_size} processes do not divide into nodes of {processes_per_node()}")
+                          f"{world.world_size} processes do not divide into nodes of {world.per_node}")
     return wanted, "as configured"
 
 
@@ -58,20 +93,21 @@ def memory_per_process(world: World) -> float:
         return torch.cuda.get_device_properties(world.device).total_memory
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    return available / processes_per_node()
+    return available / world.per_node
 
 
-def shard(model: GPT, mode: str, world: World, compute_dtype: torch.dtype) -> None:
-    """Shard `model` in place under fsdp and hsdp, before its optimizer is made (sharding replaces the
-    parameters), each process's shards moved to its device; nothing under ddp."""
-    if mode == "ddp":
+def place(model: GPT, topology: Topology, compute_dtype: torch.dtype) -> None:
+    """Put `model` on this process's device: whole under ddp; under fsdp and hsdp sharded in place, before
+    its optimizer is made (sharding replaces the parameters), each process's shards on its device."""
+    if not topology.sharded:
+        model.to(topology.world.device)
         return
-    if world.device.type == "cpu":
+    if topology.world.device.type == "cpu":
         _return_large_frees_to_the_system()
     # Weights are gathered in the compute precision; gradients are reduced in fp32, as DDP does.
     policy = MixedPrecisionPolicy() if compute_dtype == torch.float32 else \
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    mesh = _mesh(mode, world)
+    mesh = _mesh(topology)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings (tied with lm_head as one), ln_f
@@ -91,9 +127,10 @@ def _return_large_frees_to_the_system() -> None:
         pass
 
 
-def replicate(model: GPT, world: World) -> DDP | None:
+def replicate(model: GPT, topology: Topology) -> DDP | None:
     """The DDP wrapper to train an unsharded `model` through, where there are several processes."""
-    if not world.distributed or is_sharded(model):
+    world = topology.world
+    if not world.distributed or topology.sharded:
         return None
     return DDP(model, device_ids=[world.device] if world.device.type == "cuda" else None)
 
@@ -116,15 +153,11 @@ def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
-
-
-def _mesh(mode: str, world: World) -> DeviceMesh:
-    if mode == "fsdp":
+def _mesh(topology: Topology) -> DeviceMesh:
+    world = topology.world
+    if topology.mode == "fsdp":
         return init_device_mesh(world.device.type, (world.world_size,))
-    per_node = processes_per_node()
-    return init_device_mesh(world.device.type, (world.world_size // per_node, per_node),
+    return init_device_mesh(world.device.type, (world.world_size // topology.per_node, topology.per_node),
                             mesh_dim_names=("replicate", "shard"))
 
 

@@ -20,14 +20,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from mingpt.checkpoint.lease import job_identity
 from mingpt.checkpoint.memory import Held, MemoryTier, assemble
 from mingpt.errors import ConfigError
 from mingpt.training import distributed
 from mingpt.training.config import SnapshotConfig
-from mingpt.training.distributed import World
+from mingpt.training.parallel import Topology
 from mingpt.training.state import Replica
 
 log = logging.getLogger(__name__)
@@ -36,33 +35,22 @@ OVERHEAD = 0.03  # the share of the step time that the copies may take (snapshot
 MEASURED_AT = 4  # the step of a generation at which snapshot.memory_every=0 is chosen, from the copies before
 
 
-def piece_of(model: torch.nn.Module) -> tuple[int, int]:
-    """(index, count) of this process's piece of the state: its place along the sharded dimension of the
-    mesh (fsdp: the only one; hsdp: within the node), or (0, 1) where it holds all of it."""
-    param = next(model.parameters())
-    if not isinstance(param, DTensor):
-        return 0, 1
-    mesh = param.device_mesh
-    return mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
-
-
 class MemoryCopies:
     """This process's part in the memory tiers of a generation. Every process makes one where the memory
     tier is wanted (the same decision everywhere: the copies and their exchange are collective)."""
 
-    def __init__(self, cfg: SnapshotConfig, world: World, run: str, replica: Replica):
-        self.world, self.replica = world, replica
-        self.tier = MemoryTier(run, job_identity(), cfg.memory_dir, piece_of(replica.model))
+    def __init__(self, cfg: SnapshotConfig, topology: Topology, run: str, replica: Replica):
+        self.world, self.replica = topology.world, replica
+        self.tier = MemoryTier(run, job_identity(), cfg.memory_dir, topology.piece)
         if not os.access(cfg.memory_dir, os.W_OK):
             if cfg.memory == "on":
                 raise ConfigError(f"snapshot.memory=on keeps the state in snapshot.memory_dir={cfg.memory_dir}, "
                                   "which this machine lacks or this user cannot write; use snapshot.memory=auto or "
                                   "off, or another snapshot.memory_dir")
             self.tier.turn_off(f"snapshot.memory_dir={cfg.memory_dir} cannot be written")
-        per_node = distributed.processes_per_node()
         # fsdp across nodes: no other node holds this process's shard. Send it to the next node.
-        self.peers = (world.rank + per_node) % world.world_size, (world.rank - per_node) % world.world_size
-        self.group = dist.new_group(backend="gloo") if self.tier.piece[1] > per_node else None
+        self.peers = topology.neighbours
+        self.group = dist.new_group(backend="gloo") if topology.piece[1] > topology.per_node else None
         self.every = cfg.memory_every
         self.generation: int | None = None  # of the run's lease, known to every process
         self.reached = 0  # the furthest step any node recorded before this start (0: unknown)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from mingpt.checkpoint.store import Snapshot, SnapshotError
@@ -39,10 +38,6 @@ class Replica:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None  # fp16 only: the loss scale it found is part of the state
     state: TrainState
-
-    @property
-    def sharded(self) -> bool:
-        return isinstance(self.model, FSDPModule)
 
     def state_dict(self) -> dict:
         """{model, optimizer, scaler}: tensors keyed by parameter name, this process's shards where sharded.

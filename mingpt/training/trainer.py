@@ -22,27 +22,29 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mingpt import torch_internals
 from mingpt.checkpoint.load import snapshot_store
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepared import PreparedData, TokenBlocks
-from mingpt.data.sampler import micro_batches, shard, window_order
+from mingpt.data.sampler import WindowOrder, micro_batches, shard, window_order
 from mingpt.errors import ConfigError, PeerLeft, TrainingError, forget_stops, raise_stopped
 from mingpt.interop.pretrained import Pretrained, open_pretrained
-from mingpt.metrics.loggers import Loggers
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import redact
 from mingpt.training import distributed, parallel
+from mingpt.training.agreement import Outcome, StepAgreement
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
-from mingpt.training.launcher import PEER_STOPPED, membership_change
-from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
+from mingpt.training.launcher import PEER_STOPPED
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
 from mingpt.training.progress import Progress
+from mingpt.training.report import Report, describe_windows
+from mingpt.training.resume import resume
 from mingpt.training.schedule import set_lr
 from mingpt.training.state import Replica, TrainState
-from mingpt.training.stragglers import StepTimes
+from mingpt.training.stopflag import StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -56,45 +58,10 @@ class TrainResult:
     peer_stopped: bool = False  # stopped because a process on another node was asked to, not this one
 
 
-class StopFlag:
-    """Set by SIGTERM (torchrun and SLURM send it before killing) or Ctrl-C: finish the step,
-    snapshot, exit. A second Ctrl-C aborts at once. No collectives here: only a flag."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self) -> "StopFlag":
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    @contextmanager
-    def at_once(self) -> Iterator[None]:
-        """Within, SIGTERM and Ctrl-C stop at once (Stopped), as they do before training: for a long wait
-        before the first step (model.init_from's weights downloading), which has no step to finish."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, raise_stopped)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("%s received: stopping after this step with a snapshot", signal.Signals(signum).name)
-
-
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
     launch = distributed.check_launch()  # first: a launch that is inconsistent or would deadlock fails before any work
+    torch_internals.check(launcher=False)  # DCP's private names, which snapshots rely on
     _check_batch(cfg, launch.world_size)
     distributed.check_store_sharing()
     # SIGTERM (torchrun's at every membership change) before the training loop stops preparation at once,
@@ -159,178 +126,134 @@ def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None
 
 
 class Trainer:
-    """The replica (model, optimizer, TrainState), the loop that advances it, and its components."""
+    """The replica (model, optimizer, TrainState), the loop that advances it, and its components: the
+    checkpointer (resume, snapshots, memory tiers), the step's agreement, the report."""
 
     def __init__(self, cfg: Config, world: World, store: SnapshotStore, data: PreparedData, model_config: GPTConfig,
                  pretrained: Pretrained | None = None):
         t = cfg.trainer
-        self.cfg, self.world, self.data, self.pretrained = cfg, world, data, pretrained
+        self.cfg, self.data, self.pretrained = cfg, data, pretrained
         self.train_blocks = data.split("train", cfg.data.block_size)
         self.val_blocks = data.split("val", cfg.data.block_size)
         torch.manual_seed(cfg.seed)  # the same initial weights in every process
         model = GPT(model_config)  # in host memory: to the device whole (ddp), or shard by shard (fsdp)
         precision, self.precision_reason = choose_precision(t.precision, world.device, model_config.n_embd)
         self.autocast, scaler = autocast_for(precision, world.device)
-        self.parallelism, self.parallelism_reason = parallel.choose(t.parallelism, model.num_params(False), world)
-        if scaler is not None and self.parallelism != "ddp":
+        mode, self.parallelism_reason = parallel.choose(t.parallelism, model.num_params(False), world)
+        if scaler is not None and mode != "ddp":
             raise ConfigError(f"trainer.precision=fp16 works with trainer.parallelism=ddp only (it needs a loss "
-                              f"scaler across shards); use bf16 with {self.parallelism}")
-        parallel.shard(model, self.parallelism, world, compute_dtype(self.autocast))  # moves each shard
-        if not parallel.is_sharded(model):
-            model.to(world.device)
+                              f"scaler across shards); use bf16 with {mode}")
+        self.topology = parallel.Topology(world, mode)
+        parallel.place(model, self.topology, compute_dtype(self.autocast))
         optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                      fused=True)  # one kernel for all parameters: 2.9 -> 1.2 ms on CPU
+                                      fused=True)  # one kernel for all parameters
         self.replica = Replica(model, optimizer, scaler, TrainState())
         self.ddp: DDP | None = None
-        self.checkpointer = Checkpointer(cfg, world, store, data.tokenizer, data.fingerprint, self.replica)
-        self.metrics = Loggers(t.loggers, store.run, cfg.to_dict(), world.is_leader)  # trainer.loggers
-        self.events: list[tuple[str, str]] = []  # (kind, text): what resume found, marked on the dashboards
-        self.steps_lost: int | None = None  # at a resume: steps reached before it and not in the state loaded
-        # What changed in the job's membership before this generation, as mingpt-torchrun's agent saw it.
-        self.change = membership_change() if world.is_leader else None
+        self.checkpointer = Checkpointer(cfg, self.topology, store, data.tokenizer, data.fingerprint, self.replica)
+        self.agreement = StepAgreement(world, self.checkpointer, t.global_batch_size)
+        self.report = Report(cfg, world, store.run, model, compute_dtype(self.autocast))
+        self.progress = Progress(t.hang_timeout_s)  # for the agent's watchdog (mingpt.training.watchdog)
         self.train_loss: float | None = None
         self.val_loss: float | None = None
-        self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
-        self.flops_per_token = flops_per_token(model_config, model.num_params())
-        self.progress = Progress(t.hang_timeout_s)  # for the agent's watchdog (mingpt.training.watchdog)
         self._split = (0.0, 0.0)  # the last step's seconds waiting for data and computing on its own
         self._own_end = 0.0  # when this process's own work in the step ended
+
+    @property
+    def world(self) -> World:
+        return self.topology.world
 
     @property
     def model(self) -> GPT:
         return self.replica.model
 
-    def resume(self, stop: StopFlag) -> None:
-        """Load the newest state: in a node's memory tier, or else the newest verified snapshot; the same
-        in every process. Or start a new run."""
-        snapshot = self.checkpointer.latest()
-        memory = self.checkpointer.load_newer_from_memory(snapshot)
-        if snapshot is None and memory is None:
-            if self.pretrained:  # a new run: its weights, a fresh optimizer, step 0
-                with stop.at_once():  # a download may take minutes
-                    weights = self.pretrained.load()
-                self.model.load_state_dict(weights)
-                _log(self.world, "initialised from model.init_from=%s", redact(self.pretrained.url))
-            return
-        if self.pretrained:
-            _log(self.world, "model.init_from=%s is not read: this run resumes from its own snapshot",
-                 redact(self.pretrained.url))
-        state = self.replica.state
-        if memory is None:
-            self.checkpointer.load(snapshot, self.replica)
-            source, before = snapshot.url, snapshot.manifest.get("world_size")
-        else:
-            durable = f"step {snapshot.manifest['step']}" if snapshot else "none"
-            source = f"the memory tier of {', '.join(memory['hosts'])} (the last snapshot: {durable})"
-            before = memory["world_size"]
-        _log(self.world, "resumed from %s: step %d, %d examples seen, now %d process(es)",
-             source, state.step, state.samples_seen, self.world.world_size)
-        if self.checkpointer.reached:  # known where a memory tier recorded the steps
-            self.steps_lost = max(0, self.checkpointer.reached - state.step)
-            _log(self.world, "steps lost: %d (step %d was reached before the restart)", self.steps_lost,
-                 self.checkpointer.reached)
-        now = self.world.world_size
-        self.events.append(("restart", f"resumed from step {state.step} with {now} process(es)"))
-        if before is not None and before != now:
-            self.events.append(("world_size_change", f"{before} -> {now} processes at step {state.step}"))
-
     def run(self, stop: StopFlag) -> TrainResult:
-        cfg, t, world = self.cfg, self.cfg.trainer, self.world
-        self.resume(stop)
-        state = self.replica.state
+        cfg, t, state = self.cfg, self.cfg.trainer, self.replica.state
+        resumed = resume(self.checkpointer, self.replica, self.world, self.pretrained, stop)
         if state.step >= t.max_steps:
-            _log(world, "the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
-                 state.step, t.max_steps)
+            self.report.say("the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
+                            state.step, t.max_steps)
             return TrainResult(state.step, None, None)
-        self.metrics.start(state.step)
-        for kind, text in self.events:
-            self.metrics.mark(state.step, kind, text)
-        if self.steps_lost is not None:
-            self.metrics.log(state.step, {"steps_lost": self.steps_lost})
-        use_compile, compile_reason = choose_compile(t.compile, world.device)
-        if use_compile:
+        self._wrap_model()
+        self.report.start(state.step, resumed, self._describe())
+        # Window offsets are a function of (seed, position) only: any world size reads the same examples.
+        order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
+        while state.step < t.max_steps:
+            started = time.perf_counter()
+            outcome = self.step(order, stop)
+            last = state.step == t.max_steps or outcome.stops > 0
+            self.report.step(state.step, outcome.loss, self.replica.optimizer.param_groups[0]["lr"], self._split,
+                             time.perf_counter() - started, last)
+            # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
+            if (t.eval_every and state.step % t.eval_every == 0) or (last and not outcome.stops):
+                self.evaluate()
+            if state.step % cfg.snapshot.every == 0 or last:
+                self.save()
+            if outcome.stops:
+                return self._stop(stop, outcome.stops)
+        self.finish()
+        self.report.say("done: step %d, train loss %.4f, val loss %.4f", state.step, self.train_loss, self.val_loss)
+        return TrainResult(state.step, self.train_loss, self.val_loss)
+
+    def step(self, order: WindowOrder, stop: StopFlag) -> Outcome:
+        """One optimizer step over the next global batch, and the agreement on it. A failed step (most often:
+        a peer died mid-collective) is rescued into a snapshot where it can be, then raised."""
+        t, state = self.cfg.trainer, self.replica.state
+        set_lr(self.replica.optimizer, t, state.step)
+        self.progress.mark(state.step, "computing")
+        try:
+            loss_sum = self._step(order.starts(state.samples_seen, t.global_batch_size))
+            state.step += 1
+            state.samples_seen += t.global_batch_size
+            outcome = self.agreement.exchange(loss_sum, stop.requested)
+        except Exception:
+            self.checkpointer.rescue(self.replica, self._snapshot_metrics())
+            raise
+        self.agreement.enforce(outcome)
+        self.checkpointer.after_step()  # into the memory tier
+        self.train_loss = outcome.loss
+        if not math.isfinite(outcome.loss):
+            self.finish()
+            raise TrainingError(f"loss is {outcome.loss} at step {state.step}; lower trainer.lr or raise "
+                                "trainer.warmup_steps, then run again to resume from the last snapshot")
+        return outcome
+
+    def _wrap_model(self) -> None:
+        """torch.compile where chosen, and DDP where the model is replicated."""
+        self.compiled, self.compile_reason = choose_compile(self.cfg.trainer.compile, self.world.device)
+        if self.compiled:
             # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
             # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds.
             self.model.compile()
-        _log(world, "torch.compile %s (%s)", "on" if use_compile else "off", compile_reason)
-        self.ddp = parallel.replicate(self.model, world)
+        self.ddp = parallel.replicate(self.model, self.topology)
         if self.ddp is not None:  # to time this process's own backward pass, for stragglers
             self.ddp.register_comm_hook(None, self._gradients_ready)
-        # Window offsets are a function of (seed, position) only: any world size reads the same examples.
-        order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
-        _log(world, "training %s (%.2fM parameters) on %s: %d examples/step over %d process(es), %s (%s), %s, "
-             "%s (%s)", cfg.model.name, self.model.num_params() / 1e6, self.data.tokenizer.describe(),
-             t.global_batch_size, world.world_size, dtype_name(compute_dtype(self.autocast)), self.precision_reason,
-             world.device.type, self.parallelism, self.parallelism_reason)
-        _log(world, "%s", _describe_windows(cfg, self.train_blocks))
-        if t.warmup_steps >= t.max_steps and world.is_leader:
-            log.warning("trainer.warmup_steps=%d is not below trainer.max_steps=%d: the whole run warms the learning "
-                        "rate up (trainer.lr=%g comes at step %d); lower trainer.warmup_steps", t.warmup_steps,
-                        t.max_steps, t.lr, t.warmup_steps)
 
-        throughput = Throughput(t.global_batch_size * cfg.data.block_size)
-        if world.is_leader:  # the one process that reports MFU
-            self.peak, source = peak_flops(world.device, compute_dtype(self.autocast))
-            _log(world, "MFU is measured against %.1f GFLOP/s per process, from %s", self.peak / 1e9, source)
-        self.step_times = StepTimes(world, self.metrics)
-        while state.step < t.max_steps:
-            set_lr(self.replica.optimizer, t, state.step)
-            self.progress.mark(state.step, "computing")
-            started = time.perf_counter()
-            try:
-                loss_sum = self._step(order.starts(state.samples_seen, t.global_batch_size))
-                state.step += 1
-                state.samples_seen += t.global_batch_size
-                # One small collective per step: the global loss, whether any process must stop, and two
-                # things only the leader knows: whether snapshots keep failing, whether it lost the run.
-                loss_total, stops, failing, lost = distributed.all_reduce_sum(
-                    [loss_sum, float(stop.requested), *map(float, self.checkpointer.problems())], world)
-            except Exception:
-                self.checkpointer.rescue(self.replica, self._snapshot_metrics())
-                raise
-            self.checkpointer.stop_on(failing, lost)
-            self.checkpointer.after_step()  # into the memory tier
-            self.step_times.add(*self._split, time.perf_counter() - started)
-            self.step_times.end_of_step(state.step)
-            self.train_loss = loss_total / t.global_batch_size
-            if not math.isfinite(self.train_loss):
-                self.finish()
-                raise TrainingError(f"loss is {self.train_loss} at step {state.step}; lower trainer.lr or raise "
-                                    "trainer.warmup_steps, then run again to resume from the last snapshot")
-            last = state.step == t.max_steps or stops > 0
-            throughput.step()
-            if self.change is not None:
-                self._log_membership()
-            if state.step % t.log_every == 0 or last:
-                self._log_progress(throughput)
-            # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
-            if (t.eval_every and state.step % t.eval_every == 0) or (last and not stops):
-                tick = lambda: self.progress.mark(state.step, "evaluating")
-                with throughput.excluding():
-                    self.val_loss = evaluate(self.model, self.val_blocks, cfg, world, self.autocast, tick)
-                _log(world, "step %d | val loss %.4f", state.step, self.val_loss)
-                self.metrics.log(state.step, {"val_loss": self.val_loss})
-            if state.step % cfg.snapshot.every == 0 or last:
-                with throughput.excluding():
-                    self.save()
-            if stops > 0:
-                self.finish(release_memory=stop.requested)  # where the job goes on, the next round may read it
-                if stop.requested:
-                    _log(world, "stopped at step %d on request; run the same command to resume", state.step)
-                else:
-                    _log(world, "%d other process(es) were asked to stop: step %d is saved; the job goes on without "
-                         "them", stops, state.step)
-                return TrainResult(state.step, self.train_loss, self.val_loss, stopped_early=True,
-                                   peer_stopped=not stop.requested)
-        self.finish()
-        _log(world, "done: step %d, train loss %.4f, val loss %.4f", state.step, self.train_loss, self.val_loss)
-        return TrainResult(state.step, self.train_loss, self.val_loss)
+    def _describe(self) -> list[str]:
+        """The run in a few lines, for the log."""
+        cfg, t, world = self.cfg, self.cfg.trainer, self.world
+        return [f"torch.compile {'on' if self.compiled else 'off'} ({self.compile_reason})",
+                f"training {cfg.model.name} ({self.model.num_params() / 1e6:.2f}M parameters) on "
+                f"{self.data.tokenizer.describe()}: {t.global_batch_size} examples/step over {world.world_size} "
+                f"process(es), {dtype_name(compute_dtype(self.autocast))} ({self.precision_reason}), "
+                f"{world.device.type}, {self.topology.mode} ({self.parallelism_reason})",
+                describe_windows(cfg, self.train_blocks)]
+
+    def _stop(self, stop: StopFlag, stops: int) -> TrainResult:
+        """Processes were asked to stop: every process saved the step, and this generation ends."""
+        step = self.replica.state.step
+        self.finish(release_memory=stop.requested)  # where the job goes on, the next round may read it
+        if stop.requested:
+            self.report.say("stopped at step %d on request; run the same command to resume", step)
+        else:
+            self.report.say("%d other process(es) were asked to stop: step %d is saved; the job goes on without "
+                            "them", stops, step)
+        return TrainResult(step, self.train_loss, self.val_loss, stopped_early=True, peer_stopped=not stop.requested)
 
     def _step(self, starts: np.ndarray) -> float:
         """One optimizer step over this process's slice of the global batch, the windows at token
         offsets `starts`; returns sum(loss * examples)."""
         t, world = self.cfg.trainer, self.world
-        mine, pieces = _my_pieces(len(starts), t.micro_batch_size, world, self.model)
+        mine, pieces = _my_pieces(len(starts), t.micro_batch_size, self.topology)
         # DDP and FSDP average gradients over processes; scaling each micro-batch's mean loss by
         # (its examples * world size / global batch) makes the result the full-batch gradient,
         # also when the batch does not split evenly.
@@ -376,61 +299,23 @@ class Trainer:
         self._own_end = time.perf_counter()
         return allreduce_hook(group, bucket)
 
-    def _log_progress(self, throughput: Throughput) -> None:
-        t, step = self.cfg.trainer, self.replica.state.step
-        rate, seconds_per_step, elsewhere = throughput.read()  # tokens/s of training: evaluations and saves left out
-        lr = self.replica.optimizer.param_groups[0]["lr"]
-        used = self._mfu(rate)
-        memory = peak_memory_bytes(self.world.device)
-        slow = f" | slow: {', '.join(sorted(self.step_times.slow))}" if self.step_times.slow else ""
-        _log(self.world, "step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | MFU %.1f%% | %.0f MB | ETA %s%s", step,
-             t.max_steps, self.train_loss, lr, rate, 100 * used, memory / 1e6,
-             _duration((t.max_steps - step) * seconds_per_step), slow)
-        self.metrics.log(step, {"train_loss": self.train_loss, "lr": lr, "tokens_per_s": rate,
-                                "other_s": round(elsewhere, 3),
-                                "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
-
-    def _log_membership(self) -> None:
-        """At the generation's first step, a metrics record of its nodes and of what changed before it, as the
-        agent saw it; and where nodes left or joined, one line: who left and how, who joined, the new size,
-        the steps lost, the time from the change to this step."""
-        change, self.change = self.change, None
-        left, joined, members = (change.get(key) or [] for key in ("left", "joined", "members"))
-        seconds = time.time() - float(change.get("noticed") or time.time())
-        record = {"left": left, "joined": joined, "members": members, "cause": change.get("cause"),
-                  "world_size": self.world.world_size, "steps_lost": self.steps_lost}
-        self.metrics.log(self.replica.state.step, {"membership": record, "recovery_s": round(seconds, 2)})
-        if change.get("cause") and not (left or joined):  # a restart within the same nodes: a hang, a failure
-            self.metrics.log(self.replica.state.step, {"restart": change["cause"]})
-            _log(self.world, "restart: %s; steps lost %s; this step %.1f s after it", change["cause"],
-                 "unknown" if self.steps_lost is None else self.steps_lost, seconds)
-        if left or joined:
-            how = f" ({change['cause']})" if left and change.get("cause") else ""
-            _log(self.world, "membership change: left %s%s; joined %s; now %d node(s), %d process(es); steps lost "
-                 "%s; this step %.1f s after the change", ", ".join(left) or "none", how,
-                 ", ".join(joined) or "none", len(members), self.world.world_size,
-                 "unknown" if self.steps_lost is None else self.steps_lost, seconds)
-
-    def _mfu(self, tokens_per_s: float) -> float:
-        """MFU of this run (leader only; NaN elsewhere). Above 100% the peak was probed on a busy machine:
-        probe again, keeping the higher figure."""
-        if not self.peak:
-            return float("nan")
-        used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.world.world_size)
-        if used > 1:
-            self.peak, _ = peak_flops(self.world.device, compute_dtype(self.autocast), measure=True)
-            used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.world.world_size)
-        return used
+    def evaluate(self) -> None:
+        step = self.replica.state.step
+        with self.report.excluding():
+            self.val_loss = evaluate(self.model, self.val_blocks, self.cfg, self.topology, self.autocast,
+                                     lambda: self.progress.mark(step, "evaluating"))
+        self.report.evaluation(step, self.val_loss)
 
     def save(self) -> None:
         self.progress.mark(self.replica.state.step, "saving")
         if self.world.is_leader:
-            self.metrics.flush()  # what the dashboards show survives as long as the snapshot
-        self.checkpointer.save(self.replica, self._snapshot_metrics())
+            self.report.metrics.flush()  # what the dashboards show survives as long as the snapshot
+        with self.report.excluding():
+            self.checkpointer.save(self.replica, self._snapshot_metrics())
 
     def finish(self, release_memory: bool = True) -> None:
         self.progress.mark(self.replica.state.step, "saving")
-        self.metrics.close()
+        self.report.metrics.close()
         self.checkpointer.finish(release_memory)
         self.progress.close()
 
@@ -438,27 +323,17 @@ class Trainer:
         return {"train_loss": self.train_loss, "val_loss": self.val_loss}
 
 
-def _describe_windows(cfg: Config, blocks: TokenBlocks) -> str:
-    """What the run will read. Progress is in tokens, not epochs: random windows have no epochs."""
-    t = cfg.trainer
-    if cfg.data.windows == "random":
-        kind = f"windows at any of {blocks.num_starts:,} offsets"
-    else:
-        kind = f"{len(blocks):,} fixed blocks, shuffled afresh each epoch,"
-    passes = t.max_steps * t.global_batch_size * cfg.data.block_size / len(blocks.tokens)
-    return (f"data.windows={cfg.data.windows}: {kind} of the {len(blocks.tokens):,} training tokens; "
-            f"{t.max_steps} steps read {passes:.2f}x that many tokens")
-
-
 @torch.no_grad()
-def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocast, tick=lambda: None) -> float:
+def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.Topology, autocast,
+             tick=lambda: None) -> float:
     """Mean loss over the first `eval_samples` validation blocks, shared among all processes; `tick()` after
     each batch (progress, for the agent's watchdog).
 
     Fixed blocks, whatever `data.windows` says: every evaluation measures the same text, so
     evaluations of one run, and of runs that sample windows differently, compare."""
     count = min(cfg.trainer.eval_samples, len(blocks))
-    mine, pieces = _my_pieces(count, cfg.trainer.micro_batch_size, world, model)
+    world = topology.world
+    mine, pieces = _my_pieces(count, cfg.trainer.micro_batch_size, topology)
     model.eval()
     loss_sum = 0.0
     for piece in pieces:
@@ -472,13 +347,14 @@ def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, world: World, autocas
     return distributed.all_reduce_sum([loss_sum], world)[0] / count
 
 
-def _my_pieces(total: int, micro_batch_size: int, world: World, model: torch.nn.Module) -> tuple[slice, list]:
+def _my_pieces(total: int, micro_batch_size: int, topology: parallel.Topology) -> tuple[slice, list]:
     """This process's share of `total` examples, and its micro-batches (slices of the share). A sharded
     model's forward is a collective, so there every process runs as many as the one with the largest
     share: None pads the list, a piece to run on any example and weigh zero."""
+    world = topology.world
     mine = shard(total, world.world_size, world.rank)
     pieces = micro_batches(mine.stop - mine.start, micro_batch_size)
-    if parallel.is_sharded(model):
+    if topology.sharded:
         largest = math.ceil(total / world.world_size)
         pieces += [None] * (len(micro_batches(largest, micro_batch_size)) - len(pieces))
     return mine, pieces
@@ -493,17 +369,7 @@ def _check_batch(cfg: Config, world_size: int) -> None:
         )
 
 
-def _log(world: World, message: str, *args) -> None:
-    if world.is_leader:
-        log.info(message, *args)
-
-
 def _log_if_leading(message: str, *args) -> None:
     """_log before the process group exists: in the process that will lead this generation."""
     if distributed.leads_this_generation():
         log.info(message, *args)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,246 @@
+"""Every private name of torch that mingpt uses, in one place, and `check()`, which confirms them.
+
+torch promises nothing about names that start with an underscore, and mingpt needs a few:
+- torchrun's elastic agent: the steps mingpt's agent changes (monitoring, restarting, the rendezvous,
+  assigning ranks), its count of restarts left and its worker processes (`ElasticAgent`);
+- the dynamic rendezvous: who is in the round, leaving it, and how long a waiting agent sleeps;
+- two helpers of torchrun's command line, so that mingpt-torchrun reads it as torch does;
+- DCP's fsspec reader and writer, and the private classes that its index (a pickle) names.
+
+`check()` looks each one up, on a real rendezvous handler and a real agent where they are fields, and fails
+in one line that names torch's version and what is missing. mingpt-torchrun checks the launcher's names
+before its agent starts (without importing DCP, which is slow to import and which it does not need), a
+worker checks DCP's before any work, and the tests check all: on another torch, nothing degrades in silence.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from typing import Any
+
+import torch
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from mingpt.errors import ConfigError
+
+TESTED = "2.13"  # the torch release the tests ran on: pyproject's range
+INSTALL = "pip install torch==2.13.0"
+
+RENDEZVOUS = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+RENDEZVOUS_UTILS = "torch.distributed.elastic.rendezvous.utils"
+DCP_FSSPEC = "torch.distributed.checkpoint._fsspec_filesystem"
+
+# Private classes that DCP's index of a sharded snapshot names, which its unpickler must allow.
+DCP_INDEX_CLASSES = (
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+)
+
+# Names looked up in a module, by who needs them. (The launcher's fields of torch's objects are checked on
+# real ones: `_check_objects`.)
+LAUNCHER_NAMES = (
+    (RENDEZVOUS, "_delay"), (RENDEZVOUS, "_Action"), (RENDEZVOUS, "_RendezvousContext"),
+    (RENDEZVOUS_UTILS, "_matches_machine_hostname"), (RENDEZVOUS_UTILS, "_parse_rendezvous_config"),
+)
+SHARDED_NAMES = (
+    (DCP_FSSPEC, "FileSystem"), (DCP_FSSPEC, "FsspecReader"), (DCP_FSSPEC, "FsspecWriter"),
+    *DCP_INDEX_CLASSES,
+)
+
+# The agent's private steps that mingpt's agent overrides, with their parameters (after self).
+AGENT_STEPS = {
+    "_monitor_workers": ("worker_group",),
+    "_restart_workers": ("worker_group",),
+    "_rendezvous": ("worker_group",),
+    "_assign_worker_ranks": ("store", "group_rank", "group_world_size", "spec"),
+}
+
+LEAVE_ACTIONS = ("REMOVE_FROM_PARTICIPANTS", "REMOVE_FROM_WAIT_LIST", "FINISH")
+
+
+class TorchInternalsError(ConfigError):
+    """The torch that runs lacks a private name mingpt relies on."""
+
+
+def _missing_error(names: list[str]) -> TorchInternalsError:
+    return TorchInternalsError(
+        f"torch {torch.__version__} lacks what mingpt relies on: {', '.join(names)}. mingpt is tested with "
+        f"torch {TESTED}: {INSTALL}")
+
+
+def _find(module: str, name: str) -> Any:
+    """`module.name`, or None where this torch has no such thing."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def check(launcher: bool = True, sharded: bool = True) -> None:
+    """Raise TorchInternalsError, in one line, where the torch that runs lacks a name that mingpt's launcher
+    (its agent and rendezvous) or its sharded runs (DCP) rely on."""
+    names = (LAUNCHER_NAMES if launcher else ()) + (SHARDED_NAMES if sharded else ())
+    missing = [f"{module}.{name}" for module, name in names if _find(module, name) is None]
+    missing += _check_objects() if launcher else []
+    if missing:
+        raise _missing_error(missing)
+
+
+def _check_objects() -> list[str]:
+    """What a real agent and a real rendezvous handler lack of the fields and steps used here."""
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    missing = []
+    for step, parameters in AGENT_STEPS.items():
+        method = getattr(LocalElasticAgent, step, None)
+        if method is None or tuple(inspect.signature(method).parameters)[1:] != parameters:
+            missing.append(f"LocalElasticAgent.{step}({', '.join(parameters)})")
+    store = HashStore()
+    handler = DynamicRendezvousHandler.from_backend("check", store, C10dRendezvousBackend(store, "check"), 1, 1)
+    agent = LocalElasticAgent(WorkerSpec(role="check", local_world_size=1, rdzv_handler=handler, entrypoint="true"),
+                              DefaultLogsSpecs())
+    fields = {
+        "LocalElasticAgent._remaining_restarts": isinstance(getattr(agent, "_remaining_restarts", None), int),
+        "LocalElasticAgent._pcontext": hasattr(agent, "_pcontext"),
+        "DynamicRendezvousHandler._heartbeat_lock": hasattr(handler, "_heartbeat_lock"),
+        "DynamicRendezvousHandler._stop_heartbeats": callable(getattr(handler, "_stop_heartbeats", None)),
+        "DynamicRendezvousHandler._op_executor.run": callable(getattr(getattr(handler, "_op_executor", None), "run",
+                                                                      None)),
+        "DynamicRendezvousHandler._state_holder.sync": callable(getattr(getattr(handler, "_state_holder", None),
+                                                                        "sync", None)),
+    }
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    for name in ("participants", "wait_list"):
+        fields[f"DynamicRendezvousHandler._state_holder.state.{name}"] = hasattr(state, name)
+    actions = _find(RENDEZVOUS, "_Action")
+    for name in LEAVE_ACTIONS:
+        fields[f"{RENDEZVOUS}._Action.{name}"] = actions is None or hasattr(actions, name)  # its absence is said
+    context = _find(RENDEZVOUS, "_RendezvousContext")
+    fields[f"{RENDEZVOUS}._RendezvousContext(node, state, ...)"] = context is None or \
+        tuple(inspect.signature(context).parameters)[:2] == ("node", "state")
+    return missing + [name for name, present in fields.items() if not present]
+
+
+# -- the elastic agent -------------------------------------------------------------------------------------
+
+
+class ElasticAgent(LocalElasticAgent):
+    """torch's LocalElasticAgent with the private steps that mingpt's agent changes under public names:
+    override `monitor`, `restart`, `rendezvous` and `assign_ranks`; super() runs torch's own."""
+
+    def _monitor_workers(self, worker_group):
+        return self.monitor(worker_group)
+
+    def _restart_workers(self, worker_group) -> None:
+        self.restart(worker_group)
+
+    def _rendezvous(self, worker_group) -> None:
+        self.rendezvous(worker_group)
+
+    def _assign_worker_ranks(self, store, group_rank, group_world_size, spec):
+        return self.assign_ranks(store, group_rank, group_world_size, spec)
+
+    def monitor(self, worker_group):
+        """The workers' state (healthy, failed, succeeded), as torch checks it every monitor interval."""
+        return LocalElasticAgent._monitor_workers(self, worker_group)
+
+    def restart(self, worker_group) -> None:
+        """Stop the workers, enter the next round, start new ones."""
+        LocalElasticAgent._restart_workers(self, worker_group)
+
+    def rendezvous(self, worker_group) -> None:
+        """Enter a round of the rendezvous and take this node's place in it."""
+        LocalElasticAgent._rendezvous(self, worker_group)
+
+    def assign_ranks(self, store, group_rank: int, group_world_size: int, spec):
+        """The ranks of this node's workers, agreed through the round's store."""
+        return LocalElasticAgent._assign_worker_ranks(self, store, group_rank, group_world_size, spec)
+
+    def give_back_a_restart(self) -> None:
+        """torch's loop takes one of --max-restarts for every restart; this one was not a failure."""
+        self._remaining_restarts += 1
+
+    @property
+    def restarts_left(self) -> int:
+        return self._remaining_restarts
+
+    def worker_pids(self) -> list[int]:
+        """The pids of this node's running workers (none before they start)."""
+        return list(self._pcontext.pids().values()) if self._pcontext is not None else []
+
+
+# -- the dynamic rendezvous ---------------------------------------------------------------------------------
+
+
+def round_members(handler) -> set[str]:
+    """The nodes of torch's dynamic rendezvous's current round ("host_pid_n"), as its store has them now;
+    the store's errors (RendezvousError, DistError) pass."""
+    with handler._heartbeat_lock:
+        handler._state_holder.sync()
+        return {str(node) for node in handler._state_holder.state.participants}
+
+
+def leave_round(handler, timeout_s: float) -> None:
+    """Take this node out of the round (or its wait list) now, rather than when its heartbeats expire."""
+    action = _find(RENDEZVOUS, "_Action")
+
+    def leave(context, deadline: float):
+        if context.node in context.state.participants:
+            return action.REMOVE_FROM_PARTICIPANTS
+        if context.node in context.state.wait_list:
+            return action.REMOVE_FROM_WAIT_LIST
+        return action.FINISH
+
+    handler._stop_heartbeats()
+    handler._op_executor.run(leave, time.monotonic() + timeout_s)
+
+
+def poll_rendezvous_every(poll_s: float) -> None:
+    """Make an agent that waits in a round look at it every `poll_s` at most (torch: every second)."""
+    module = importlib.import_module(RENDEZVOUS)
+    torch_delay = module._delay
+
+    def quicker(seconds: float | tuple[float, float]) -> None:  # torch calls it with seconds=...
+        torch_delay(min(seconds, poll_s) if isinstance(seconds, (int, float)) else seconds)
+
+    module._delay = quicker
+
+
+# -- torchrun's command line ------------------------------------------------------------------------------
+
+
+def parse_rendezvous_config(text: str) -> dict[str, str]:
+    """torchrun's reading of --rdzv-conf ("key=value,..."); ValueError where it is not that."""
+    return _find(RENDEZVOUS_UTILS, "_parse_rendezvous_config")(text)
+
+
+def is_this_machine(host: str) -> bool:
+    """torch's own test of whether `host` names this machine (whether this agent hosts the store)."""
+    try:
+        return _find(RENDEZVOUS_UTILS, "_matches_machine_hostname")(host)
+    except OSError:  # this machine's own name does not resolve: torch's test fails, so the store is elsewhere
+        return False
+
+
+# -- DCP ------------------------------------------------------------------------------------------------------
+
+
+def dcp_fsspec_classes() -> tuple[type, type, type]:
+    """DCP's FileSystem, FsspecReader and FsspecWriter, which mingpt.checkpoint.sharded builds on; where
+    this torch lacks one, a stand-in that fails in check()'s words when used."""
+    return tuple(_find(DCP_FSSPEC, name) or _absent(DCP_FSSPEC, name)
+                 for name in ("FileSystem", "FsspecReader", "FsspecWriter"))
+
+
+def _absent(module: str, name: str) -> type:
+    def refuse(self, *args, **kwargs):
+        raise _missing_error([f"{module}.{name}"])
+
+    return type(name, (), {"__init__": refuse})
