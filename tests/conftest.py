@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import Processes, train_here
+from launch import Processes, Reference, train_here
 
 
 def pytest_configure(config):
@@ -150,3 +150,13 @@ def pytest_collection_modifyitems(items):
         if "s3" in fixtures or "s3_server" in fixtures:
             item.add_marker(pytest.mark.s3)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference"  # the session's
+    root.mkdir(exist_ok=True)
+    procs = Processes(root)
+    yield Reference(root, procs)
+    procs.close()

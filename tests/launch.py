@@ -7,6 +7,7 @@ process group, and `Processes` ends whatever is still running when the test fini
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import logging
@@ -151,8 +152,10 @@ def plain_torchrun(*args: str) -> list[str]:
 
 
 def rendezvous(procs: "Processes", port: int) -> subprocess.Popen:
-    """mingpt-rendezvous hosting the rendezvous store on `port`, once it listens."""
-    store = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={port}"], f"rendezvous-{port}")
+    """mingpt-rendezvous hosting the rendezvous store on `port` (and the Lighthouse of live jobs on another free
+    port), once it listens."""
+    store = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={port}", f"--lighthouse-port={free_port()}"],
+                        f"rendezvous-{port}")
     wait_for(lambda: "listening" in output(store), 60, "the rendezvous store", [store])
     return store
 
@@ -241,3 +244,67 @@ def slow_corpus(path: Path, megabytes: int = 200) -> Path:
         for _ in range(megabytes * 2**20 // len(block)):
             f.write(member)
     return path
+
+
+# A model big enough that steps take tens of milliseconds, so a test can act mid-run.
+HEAVIER = ["model=gpt-micro", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
+
+
+def overrides(tmp_path, name, steps, every=10, extra=()):
+    return [*SMALL, f"trainer.max_steps={steps}", f"snapshot.every={every}", f"snapshot.dir={tmp_path / name}",
+            f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
+
+
+def assert_equal_weights(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+# For jobs a test stops itself: they never finish on their own, however fast the machine, and keep
+# every snapshot, so that two runs can be compared at any step both reached. Both runs of a
+# comparison use the same max_steps: the learning-rate schedule depends on it.
+ENDLESS_STEPS = 100_000_000
+KEEP_ALL = ["snapshot.keep=1000"]
+
+
+def run_until(procs, args, name, snap, step, timeout=180):
+    """Start a job, wait until it has a snapshot of `step` or later, stop it as SLURM or torchrun
+    would (SIGTERM: the workers finish the step, snapshot and exit), and wait for it to end."""
+    job = procs.start(args, name)
+    wait_for(lambda: latest_step(snap) >= step, timeout, f"{name}: a snapshot of step {step}", [job])
+    stop(job)
+    return job
+
+
+def stop(job):
+    job.send_signal(signal.SIGTERM)
+    job.wait(timeout=90)  # torchrun itself may exit non-zero on SIGTERM; the workers' snapshot is what counts
+
+
+def manifest_at(snap, step):
+    return next(m for m in manifests(snap) if m["step"] == step)
+
+
+class Reference:
+    """An uninterrupted run of two workers (HEAVIER, every snapshot kept, every 10 steps), which the tests
+    that disturb the same job compare with. One is shared by all the test processes of a session (under a
+    lock, so that pytest-xdist's workers wait for the one being trained instead of training their own); a
+    test that needs a step no reference has reached runs a new one, further."""
+
+    def __init__(self, root, procs):
+        self.root, self.procs = root, procs
+
+    def at(self, step: int):
+        """The snapshot folder of an uninterrupted run with a snapshot of `step`."""
+        with open(self.root / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            for done in sorted(self.root.glob("reference-*/complete")):
+                if latest_step(done.parent) >= step:
+                    return done.parent
+            name = f"reference-{step}-{os.getpid()}"
+            args = standalone(2) + overrides(self.root, name, ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL])
+            run_until(self.procs, args, name, self.root / name, step + 50)  # a margin for the next test
+            assert "resumed" not in output(self.procs.started[-1])
+            (self.root / name / "complete").touch()
+            return self.root / name

@@ -1,7 +1,6 @@
 """The trainer under real torchrun processes on 127.0.0.1 (gloo on CPU), and in this process where one
 process is all a test needs."""
 
-import fcntl
 import os
 import re
 import shutil
@@ -11,86 +10,13 @@ import pytest
 import torch
 
 from launch import (
-    RDZV_CONF, SMALL, Processes, children, free_port, kill_node, latest_step, manifests, metrics, output,
-    rendezvous, run, standalone, torchrun, train_here, wait_for, weights, worker,
+    ENDLESS_STEPS, HEAVIER, KEEP_ALL, RDZV_CONF, assert_equal_weights, children, free_port, kill_node,
+    latest_step, manifest_at, manifests, metrics, output, overrides, rendezvous, run, standalone, stop,
+    torchrun, train_here, wait_for, weights, worker,
 )
 from conftest import TEXT
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.cli import sample
-
-
-# A model big enough that steps take tens of milliseconds, so a test can act mid-run.
-HEAVIER = ["model=gpt-micro", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
-
-
-def overrides(tmp_path, name, steps, every=10, extra=()):
-    return [*SMALL, f"trainer.max_steps={steps}", f"snapshot.every={every}", f"snapshot.dir={tmp_path / name}",
-            f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
-
-
-def assert_equal_weights(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs"
-
-
-# For jobs a test stops itself: they never finish on their own, however fast the machine, and keep
-# every snapshot, so that two runs can be compared at any step both reached. Both runs of a
-# comparison use the same max_steps: the learning-rate schedule depends on it.
-ENDLESS_STEPS = 100_000_000
-KEEP_ALL = ["snapshot.keep=1000"]
-
-
-def run_until(procs, args, name, snap, step, timeout=180):
-    """Start a job, wait until it has a snapshot of `step` or later, stop it as SLURM or torchrun
-    would (SIGTERM: the workers finish the step, snapshot and exit), and wait for it to end."""
-    job = procs.start(args, name)
-    wait_for(lambda: latest_step(snap) >= step, timeout, f"{name}: a snapshot of step {step}", [job])
-    stop(job)
-    return job
-
-
-def stop(job):
-    job.send_signal(signal.SIGTERM)
-    job.wait(timeout=90)  # torchrun itself may exit non-zero on SIGTERM; the workers' snapshot is what counts
-
-
-def manifest_at(snap, step):
-    return next(m for m in manifests(snap) if m["step"] == step)
-
-
-class Reference:
-    """An uninterrupted run of two workers (HEAVIER, every snapshot kept, every 10 steps), which the tests
-    that disturb the same job compare with. One is shared by all the test processes of a session (under a
-    lock, so that pytest-xdist's workers wait for the one being trained instead of training their own); a
-    test that needs a step no reference has reached runs a new one, further."""
-
-    def __init__(self, root, procs):
-        self.root, self.procs = root, procs
-
-    def at(self, step: int):
-        """The snapshot folder of an uninterrupted run with a snapshot of `step`."""
-        with open(self.root / "lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            for done in sorted(self.root.glob("reference-*/complete")):
-                if latest_step(done.parent) >= step:
-                    return done.parent
-            name = f"reference-{step}-{os.getpid()}"
-            args = standalone(2) + overrides(self.root, name, ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL])
-            run_until(self.procs, args, name, self.root / name, step + 50)  # a margin for the next test
-            assert "resumed" not in output(self.procs.started[-1])
-            (self.root / name / "complete").touch()
-            return self.root / name
-
-
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference"  # the session's
-    root.mkdir(exist_ok=True)
-    procs = Processes(root)
-    yield Reference(root, procs)
-    procs.close()
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
-"""`mingpt-rendezvous --port 29500`: host torchrun's rendezvous store on a machine that does not train."""
+"""`mingpt-rendezvous --port 29500`: host torchrun's rendezvous store, and the Lighthouse of live jobs, on a
+machine that does not train."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -21,15 +23,23 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = command_parser("mingpt-rendezvous", summary(main.__doc__))
     parser.add_argument("--port", type=int, default=29500, help="TCP port to listen on (default 29500)")
+    parser.add_argument("--lighthouse-port", type=int, default=None,
+                        help="TCP port of torchft's Lighthouse, for mingpt-torchrun --live (default: --port + 1)")
     args = parser.parse_args(argv)
-    if not 0 < args.port < 65536:
-        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.lighthouse_port is None:
+        args.lighthouse_port = args.port + 1
+    for flag, port in (("--port", args.port), ("--lighthouse-port", args.lighthouse_port)):
+        if not 0 < port < 65536:
+            parser.error(f"{flag} must be in 1..65535, got {port}")
     configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     log.setLevel(logging.INFO)
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait below: either stops us in order
 
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at its default level
     from torch.distributed import TCPStore  # imported once the flags are read, so that --help is quick
+
+    from mingpt.training import live
 
     try:  # a server listens on every interface, whatever host name it is given
         store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False, multi_tenant=True)
@@ -37,14 +47,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on port {args.port} ({str(e).splitlines()[0]}): another store or job "
               "may be using it; choose another port with --port", file=sys.stderr)
         return 2
+    lighthouse = start_lighthouse(args.lighthouse_port)
+    if lighthouse is None:
+        return 2
+    store.set(live.LIGHTHOUSE_KEY, str(args.lighthouse_port))  # where mingpt-torchrun --live finds it
     host = socket.gethostname()
-    log.info("rendezvous store listening on port %d of %s. Start every node with: mingpt-torchrun "
-             "--nnodes=MIN:MAX --rdzv-backend=c10d --rdzv-endpoint=%s:%d --rdzv-id=JOB ... train/main.py",
-             args.port, host, host, args.port)
+    log.info("rendezvous store listening on port %d of %s, the Lighthouse of live jobs on port %d. Start every node "
+             "with: mingpt-torchrun [--live] --nnodes=MIN:MAX --rdzv-backend=c10d --rdzv-endpoint=%s:%d --rdzv-id=JOB "
+             "... train/main.py", args.port, host, args.lighthouse_port, host, args.port)
     stopped_by = signal.sigwait(stop_signals)
     log.info("stopped by %s: agents still running lose their rendezvous", signal.Signals(stopped_by).name)
+    lighthouse.shutdown()
     del store
     return 0
+
+
+def start_lighthouse(port: int):
+    """torchft's Lighthouse on `port` (every interface), with the live mode's timeouts; None (said) where the port
+    is taken."""
+    from torchft.coordination import LighthouseServer
+
+    from mingpt.training import live
+
+    try:
+        return LighthouseServer(bind=f"0.0.0.0:{port}", min_replicas=1, join_timeout_ms=live.JOIN_TIMEOUT_MS,
+                                quorum_tick_ms=live.QUORUM_TICK_MS, heartbeat_timeout_ms=live.HEARTBEAT_TIMEOUT_MS)
+    except Exception as e:  # the port is taken: torchft's RuntimeError names the address
+        print(f"error: cannot start the Lighthouse on port {port} ({str(e).splitlines()[0]}): choose another port "
+              "with --lighthouse-port", file=sys.stderr)
+        return None
 
 
 if __name__ == "__main__":

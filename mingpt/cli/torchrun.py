@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from mingpt import torch_internals
 from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError
-from mingpt.training import agent
+from mingpt.training import agent, live
 from mingpt.training.app import CONF_DIR, compose_config
 from mingpt.training.distributed import one_line
 from mingpt.training.launcher import NCCL_WATCH, STORE_SHARING, merge_rendezvous_conf
@@ -36,7 +36,9 @@ mingpt-torchrun: torch's torchrun (the same options, below), plus what an elasti
   - quick rendezvous settings, under any --rdzv-conf keys of yours, and the agents' store sharing off;
   - an agent that keeps the job going while nodes die, leave and join, without using up --max-restarts;
   - a watchdog that names a hung worker with its Python stack and restarts the workers in seconds;
-  - on GPUs, NCCL's async error handling, heartbeat monitor and flight recorder.
+  - on GPUs, NCCL's async error handling, heartbeat monitor and flight recorder;
+  - --live (before the training script): this node is one torchft replica group, and nodes dying,
+    leaving and joining restart no worker on any other node (mingpt-rendezvous serves the Lighthouse).
 """
 C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv-endpoint names none
 log = logging.getLogger(__name__)
@@ -50,12 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if _asks_for_help(argv):
         print(ADDS)
+    argv, live_mode = _without_live(argv)
     args = run.parse_args(argv)  # torchrun's own parser: the same options, the same errors
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
     configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
     logging.getLogger("mingpt").setLevel(logging.INFO)  # this node's own progress and membership, on its own log
     status = run_command(lambda: torch_internals.check(sharded=False)) or run_command(lambda: check_launch(args)) or \
         run_command(lambda: prepare_before_joining(args))
+    if not status and live_mode:
+        status = run_command(lambda: join_live(args))
     if status:
         return status
     os.environ.setdefault(STORE_SHARING, "1")
@@ -69,6 +74,43 @@ def main(argv: list[str] | None = None) -> int:
     except agent.JobFinished as e:
         print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
     return 0
+
+
+def _without_live(argv: list[str]) -> tuple[list[str], bool]:
+    """argv without mingpt-torchrun's own --live (before the training script), and whether it was there."""
+    for i, arg in enumerate(argv):
+        if arg == "--live":
+            return argv[:i] + argv[i + 1:], True
+        if not arg.startswith("-") and (arg.endswith(".py") or arg == "mingpt-train"):
+            break
+    return argv, False
+
+
+def join_live(args: argparse.Namespace) -> None:
+    """--live: this node's torchrun becomes one replica group of the job. Its agent rendezvouses with this
+    node's workers alone; the groups meet through torchft's Lighthouse, which mingpt-rendezvous serves beside
+    the store at --rdzv-endpoint (mingpt.training.live)."""
+    if args.rdzv_backend != "c10d" or args.standalone:
+        raise ConfigError("--live needs the c10d rendezvous of mingpt-rendezvous: give --rdzv-endpoint=HOST:PORT "
+                          "(not --standalone), and start mingpt-rendezvous --port PORT on HOST")
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=C10D_PORT)
+    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S), wait_for_workers=False)
+    if not store.check([live.LIGHTHOUSE_KEY]):
+        raise ConfigError(f"--live: the rendezvous store at {host}:{port} serves no Lighthouse; start it with "
+                          f"mingpt-rendezvous --port {port}, which serves both")
+    with socket.create_connection((host, port), timeout=STORE_ANSWER_S) as probe:
+        reachable_at = probe.getsockname()[0]  # this node's address on the way to the rendezvous
+    lower, _ = run.parse_min_max_nnodes(args.nnodes)
+    os.environ.update({
+        live.LIGHTHOUSE: f"http://{host}:{store.get(live.LIGHTHOUSE_KEY).decode()}",
+        live.RENDEZVOUS: f"{host}:{port}",
+        live.HOST: reachable_at,
+        live.MIN_NODES: str(lower),
+    })
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every step at its default level
+    args.nnodes, args.rdzv_endpoint = "1", "localhost:0"  # this node's workers alone: the group's own rendezvous
+    log.info("mingpt-torchrun: live mode: this node is one replica group of job %s (Lighthouse %s)", args.rdzv_id,
+             os.environ[live.LIGHTHOUSE])
 
 
 def _asks_for_help(argv: list[str]) -> bool:

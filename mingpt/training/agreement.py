@@ -1,31 +1,50 @@
-"""The per-step agreement of a generation: after every step, every process learns the same four things
-in one all-reduce: the global batch's loss, how many processes were asked to stop, and what only the
-leader knows (snapshots keep failing; another job or a newer generation took the run over). Each
-process then acts alike on them: it logs the same loss, stops at the same step, or fails with the others."""
+"""The per-step agreement of a generation under torchrun: who takes part in a step (all of its
+processes, by rank), and after its gradients, one all-reduce of four numbers that every process then
+acts on alike: the global batch's loss, how many processes were asked to stop, and what only the
+leader knows (snapshots keep failing; another job or a newer generation took the run over). DDP has
+averaged the gradients meanwhile. The live mode's counterpart, over torchft, is mingpt.training.live."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mingpt.training import distributed
-from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.distributed import World
+
+if TYPE_CHECKING:  # the checkpointer imports DCP, which the launcher (through mingpt.training.live) must not
+    from mingpt.training.checkpointer import Checkpointer
+
+
+@dataclass(frozen=True)
+class Share:
+    """This process's place among the processes of a step, which split its global batch."""
+
+    index: int
+    count: int
 
 
 @dataclass(frozen=True)
 class Outcome:
     loss: float  # the mean loss of the step's global batch
-    stops: int  # processes asked to stop (SIGTERM, Ctrl-C) during the step
+    stops: int  # processes asked to stop (SIGTERM, Ctrl-C) during the step: the generation ends
     saves_failing: bool  # the leader's snapshots keep failing
     run_lost: bool  # the leader lost the run's lease
+    committed: bool = True  # live mode: the step counts (else it is done again)
+    generation: int | None = None  # live mode: the writer's lease generation
 
 
 class StepAgreement:
+    writes = True  # every generation writes its snapshots (its leader, or every process its shard)
+
     def __init__(self, world: World, checkpointer: Checkpointer, global_batch_size: int):
         self.world, self.checkpointer, self.global_batch_size = world, checkpointer, global_batch_size
 
+    def begin(self) -> Share:
+        return Share(self.world.rank, self.world.world_size)
+
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
-        """The collective, after this process's optimizer step; `loss_sum` is its sum(loss * examples)."""
+        """The collective, once this process's gradients are in; `loss_sum` is its sum(loss * examples)."""
         saves_failing, run_lost = self.checkpointer.problems()
         loss, stops, failing, lost = distributed.all_reduce_sum(
             [loss_sum, float(stop_requested), float(saves_failing), float(run_lost)], self.world)
@@ -34,3 +53,9 @@ class StepAgreement:
     def enforce(self, outcome: Outcome) -> None:
         """Stop every process together where the leader lost the run or cannot write snapshots."""
         self.checkpointer.stop_on(outcome.saves_failing, outcome.run_lost)
+
+    def resumed_at(self, step: int, samples_seen: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -45,6 +45,7 @@ class Checkpointer:
         self.data_fingerprint = data_fingerprint  # of the prepared tokens: a replaced corpus changes it
         self.sharded = topology.sharded
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
+        self._held: RunLease | None = None  # live mode: the lease this process claimed as the writer
         if self.sharded:
             # Saves are collectives of their own group: in the writer's thread, beside the training's.
             self.save_group = dist.new_group(backend="gloo")
@@ -193,10 +194,30 @@ class Checkpointer:
             return lease.check
         return RunLease.following(self.store.run, claim).check if claim else (lambda: None)
 
-    def after_step(self) -> None:
-        """The step is done everywhere: into the memory tiers (mingpt.training.recovery)."""
+    def after_step(self, generation: int | None = None) -> None:
+        """The step is done everywhere: into the memory tiers (mingpt.training.recovery). Live mode: the
+        writer's lease `generation` marks the copies, as this generation's does under torchrun."""
         if self.memory is not None:
+            if generation is not None:
+                self.memory.generation = generation
             self.memory.after_step()
+
+    def lease_generation(self) -> int | None:
+        """The generation of the run's lease that this process holds (None: it holds none)."""
+        return self.store.lease.generation if self.store.lease is not None else None
+
+    def hold_the_run(self, writes: bool) -> None:
+        """Live mode: whether this process writes the run's snapshots now (its group leads the quorum). A new
+        writer claims the run's lease; every group of a live job is one job (one --rdzv-id), so that takes the
+        run over at once. A writer that is no longer one lets its lease go, once its snapshot in flight is
+        committed (or fenced off: a newer writer may hold the run already)."""
+        if writes and self._held is None:
+            self._held = self.store.claim(self.cfg.snapshot.lease_timeout_s)
+        elif not writes and self._held is not None:
+            self.writer.wait()
+            self.writer.failures = 0  # a save fenced off by the new writer is its to make, not a failure of ours
+            self._held.release()
+            self._held = self.store.lease = None
 
     def before_update(self) -> None:
         """The optimizer is about to change the state: the memory copy in flight must have read it."""
@@ -231,6 +252,8 @@ class Checkpointer:
             raise SnapshotError("the process writing snapshots could not write the last one; see its log")
         if self.memory is not None:
             self.memory.finish(release_memory)
+        if self._held is not None:
+            self._held.release()
 
     def rescue(self, replica: Replica, metrics: dict) -> None:
         """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the

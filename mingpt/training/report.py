@@ -1,11 +1,14 @@
 """What a training run tells the people watching it: the progress line, metrics.jsonl and the dashboards
-(trainer.loggers), MFU, what a start found, and what changed in the job's membership. The leader of the
-generation speaks; every process takes part in comparing step times (mingpt.training.stragglers)."""
+(trainer.loggers), MFU, what a start found, what changed in the job's membership, and the ledger of
+samples (a digest of the samples of every step, for checking that none was lost or repeated). One
+process speaks: the leader of the generation (in the live mode, the writer's); every process takes part
+in comparing step times within its generation (mingpt.training.stragglers)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from contextlib import AbstractContextManager
 
 import torch
@@ -23,19 +26,25 @@ from mingpt.training.stragglers import StepTimes
 
 log = logging.getLogger(__name__)
 
+RECENT = 64  # steps whose samples a new writer logs again: those its predecessor may have had no time to log
+
 
 class Report:
     """One generation's reporting. `start` once training begins, `step` after every step, `evaluation`
     after every evaluation; `excluding()` leaves evaluations and saves out of the tokens/s."""
 
-    def __init__(self, cfg: Config, world: World, run: RunDir, model: GPT, compute_dtype: torch.dtype):
-        self.cfg, self.world, self.compute_dtype = cfg, world, compute_dtype
-        self.metrics = Loggers(cfg.trainer.loggers, run, cfg.to_dict(), world.is_leader)
+    def __init__(self, cfg: Config, world: World, run: RunDir, model: GPT, compute_dtype: torch.dtype,
+                 speaks: bool):
+        self.cfg, self.world, self.run, self.compute_dtype = cfg, world, run, compute_dtype
+        self.speaks = speaks
+        self.metrics = Loggers(cfg.trainer.loggers, run, cfg.to_dict(), speaks)
         # What changed in the job's membership before this generation, as mingpt-torchrun's agent saw it.
         self.change = membership_change() if world.is_leader else None
         self.flops_per_token = flops_per_token(model.config, model.num_params())
         self.throughput: Throughput | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
+        self.processes = world.world_size  # that took part in the last step
+        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT)  # (step, samples' digest) of the last steps
         self.steps_lost: int | None = None
         self.step_times: StepTimes | None = None
 
@@ -50,22 +59,38 @@ class Report:
         for line in description:
             self.say("%s", line)
         t = self.cfg.trainer
-        if t.warmup_steps >= t.max_steps and self.world.is_leader:
+        if t.warmup_steps >= t.max_steps and self.speaks:
             log.warning("trainer.warmup_steps=%d is not below trainer.max_steps=%d: the whole run warms the learning "
                         "rate up (trainer.lr=%g comes at step %d); lower trainer.warmup_steps", t.warmup_steps,
                         t.max_steps, t.lr, t.warmup_steps)
-        if self.world.is_leader:  # the one process that reports MFU
+        if self.world.is_leader:  # the processes that may report MFU
             self.peak, source = peak_flops(self.world.device, self.compute_dtype)
             self.say("MFU is measured against %.1f GFLOP/s per process, from %s", self.peak / 1e9, source)
         self.step_times = StepTimes(self.world, self.metrics)
         self.throughput = Throughput(t.global_batch_size * self.cfg.data.block_size)
 
-    def step(self, step: int, loss: float, lr: float, split: tuple[float, float], seconds: float, last: bool) -> None:
-        """After step `step` (every process): its loss, learning rate, own time (waiting for data, computing)
-        and time in all."""
+    def speak(self, speaks: bool, step: int) -> None:
+        """Live mode: this process starts (or stops) speaking for the job, its group having become (or ceased
+        to be) the writer."""
+        if speaks == self.speaks:
+            return
+        self.metrics.close()
+        self.speaks = speaks
+        self.metrics = self.step_times.metrics = Loggers(self.cfg.trainer.loggers, self.run, self.cfg.to_dict(), speaks)
+        self.metrics.start(step)
+        for seen, samples in self.recent:  # the last steps the writer before may have committed but not logged
+            self.metrics.log(seen, {"samples": samples, "again": True})
+
+    def step(self, step: int, loss: float, lr: float, samples: str, processes: int, split: tuple[float, float],
+             seconds: float, last: bool) -> None:
+        """After step `step` (every process): its loss, learning rate, the digest of its samples, the processes
+        that took part, this process's own time (waiting for data, computing) and its time in all."""
         self.step_times.add(*split, seconds)
         self.step_times.end_of_step(step)
         self.throughput.step()
+        self.processes = processes
+        self.metrics.log(step, {"samples": samples})
+        self.recent.append((step, samples))
         if self.change is not None:
             self._membership(step)
         if step % self.cfg.trainer.log_every == 0 or last:
@@ -79,8 +104,8 @@ class Report:
         return self.throughput.excluding()
 
     def say(self, message: str, *args) -> None:
-        """Log a line from the leader."""
-        if self.world.is_leader:
+        """Log a line from the process that speaks for the job."""
+        if self.speaks:
             log.info(message, *args)
 
     def _progress(self, step: int, loss: float, lr: float) -> None:
@@ -93,7 +118,7 @@ class Report:
                  t.max_steps, loss, lr, rate, 100 * used, memory / 1e6,
                  _duration((t.max_steps - step) * seconds_per_step), slow)
         self.metrics.log(step, {"train_loss": loss, "lr": lr, "tokens_per_s": rate, "other_s": round(elsewhere, 3),
-                                "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.world.world_size})
+                                "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.processes})
 
     def _membership(self, step: int) -> None:
         """At the generation's first step, a metrics record of its nodes and of what changed before it, as the
@@ -120,10 +145,10 @@ class Report:
         probe again, keeping the higher figure."""
         if not self.peak:
             return float("nan")
-        used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.world.world_size)
+        used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.processes)
         if used > 1:
             self.peak, _ = peak_flops(self.world.device, self.compute_dtype, measure=True)
-            used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.world.world_size)
+            used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.processes)
         return used
 
 

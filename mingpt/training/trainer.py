@@ -9,6 +9,7 @@ single process can snapshot it and any number of processes can resume it (see ch
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import signal
@@ -32,7 +33,8 @@ from mingpt.interop.pretrained import Pretrained, open_pretrained
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import redact
 from mingpt.training import distributed, parallel
-from mingpt.training.agreement import Outcome, StepAgreement
+from mingpt.training import live
+from mingpt.training.agreement import Outcome, Share, StepAgreement
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
@@ -82,7 +84,9 @@ def _train(cfg: Config) -> TrainResult:
     # The leader of this generation claims the run before any data work: a second job started
     # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
     # can no longer commit (see mingpt.checkpoint.lease).
-    with store.claim(cfg.snapshot.lease_timeout_s) if distributed.leads_this_generation() else nullcontext():
+    # (Live mode: the writer's group claims it when it becomes the writer.)
+    claims = distributed.leads_this_generation() and not live.enabled()
+    with store.claim(cfg.snapshot.lease_timeout_s) if claims else nullcontext():
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         data = PreparedData(prepare_data(cfg, pretrained))
         model_config = _model_config(cfg, data, pretrained)
@@ -143,6 +147,10 @@ class Trainer:
         if scaler is not None and mode != "ddp":
             raise ConfigError(f"trainer.precision=fp16 works with trainer.parallelism=ddp only (it needs a loss "
                               f"scaler across shards); use bf16 with {mode}")
+        self.live = live.enabled()
+        if self.live and mode != "ddp":
+            raise ConfigError(f"mingpt-torchrun --live replicates the whole model on every worker (ddp); "
+                              f"trainer.parallelism={t.parallelism} chose {mode}: set trainer.parallelism=ddp")
         self.topology = parallel.Topology(world, mode)
         parallel.place(model, self.topology, compute_dtype(self.autocast))
         optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -150,8 +158,13 @@ class Trainer:
         self.replica = Replica(model, optimizer, scaler, TrainState())
         self.ddp: DDP | None = None
         self.checkpointer = Checkpointer(cfg, self.topology, store, data.tokenizer, data.fingerprint, self.replica)
-        self.agreement = StepAgreement(world, self.checkpointer, t.global_batch_size)
-        self.report = Report(cfg, world, store.run, model, compute_dtype(self.autocast))
+        if self.live:
+            self.agreement = live.LiveAgreement(world, self.replica, self.checkpointer, t.global_batch_size,
+                                                self._state_for_a_peer, self._heal)
+        else:
+            self.agreement = StepAgreement(world, self.checkpointer, t.global_batch_size)
+        self.report = Report(cfg, world, store.run, model, compute_dtype(self.autocast),
+                             speaks=world.is_leader and not self.live)
         self.progress = Progress(t.hang_timeout_s)  # for the agent's watchdog (mingpt.training.watchdog)
         self.train_loss: float | None = None
         self.val_loss: float | None = None
@@ -169,6 +182,7 @@ class Trainer:
     def run(self, stop: StopFlag) -> TrainResult:
         cfg, t, state = self.cfg, self.cfg.trainer, self.replica.state
         resumed = resume(self.checkpointer, self.replica, self.world, self.pretrained, stop)
+        self.agreement.resumed_at(state.step, state.samples_seen)
         if state.step >= t.max_steps:
             self.report.say("the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
                             state.step, t.max_steps)
@@ -179,14 +193,16 @@ class Trainer:
         order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
         while state.step < t.max_steps:
             started = time.perf_counter()
-            outcome = self.step(order, stop)
+            outcome, share, samples = self.step(order, stop)
             last = state.step == t.max_steps or outcome.stops > 0
-            self.report.step(state.step, outcome.loss, self.replica.optimizer.param_groups[0]["lr"], self._split,
-                             time.perf_counter() - started, last)
-            # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
-            if (t.eval_every and state.step % t.eval_every == 0) or (last and not outcome.stops):
-                self.evaluate()
-            if state.step % cfg.snapshot.every == 0 or last:
+            if outcome.committed:  # (live mode: else the same step comes again, with the next quorum)
+                self.report.step(state.step, outcome.loss, self.replica.optimizer.param_groups[0]["lr"], samples,
+                                 share.count, self._split, time.perf_counter() - started, last)
+                # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
+                if (t.eval_every and state.step % t.eval_every == 0) or (last and not outcome.stops):
+                    self.evaluate()
+            periodic = outcome.committed and state.step % cfg.snapshot.every == 0
+            if (periodic or last) and self.agreement.writes:
                 self.save()
             if outcome.stops:
                 return self._stop(stop, outcome.stops)
@@ -194,29 +210,55 @@ class Trainer:
         self.report.say("done: step %d, train loss %.4f, val loss %.4f", state.step, self.train_loss, self.val_loss)
         return TrainResult(state.step, self.train_loss, self.val_loss)
 
-    def step(self, order: WindowOrder, stop: StopFlag) -> Outcome:
-        """One optimizer step over the next global batch, and the agreement on it. A failed step (most often:
-        a peer died mid-collective) is rescued into a snapshot where it can be, then raised."""
+    def step(self, order: WindowOrder, stop: StopFlag) -> tuple[Outcome, Share, str]:
+        """One optimizer step over the next global batch, and the agreement on it; with this process's share
+        and the digest of the batch's samples. A failed step (most often: a peer died mid-collective) is
+        rescued into a snapshot where it can be, then raised; a step the live mode did not commit changes
+        nothing."""
         t, state = self.cfg.trainer, self.replica.state
+        self.progress.mark(state.step, "starting")  # live mode: the quorum waits for the Lighthouse's timeouts
+        share = self.agreement.begin()  # live mode: the quorum, which heals this replica where it is behind
+        if self.live:
+            self._follow_the_writer()
         set_lr(self.replica.optimizer, t, state.step)
         self.progress.mark(state.step, "computing")
+        starts = order.starts(state.samples_seen, t.global_batch_size)
         try:
-            loss_sum = self._step(order.starts(state.samples_seen, t.global_batch_size))
-            state.step += 1
-            state.samples_seen += t.global_batch_size
+            loss_sum = self._gradients(starts, share)
             outcome = self.agreement.exchange(loss_sum, stop.requested)
         except Exception:
             self.checkpointer.rescue(self.replica, self._snapshot_metrics())
             raise
         self.agreement.enforce(outcome)
-        self.checkpointer.after_step()  # into the memory tier
+        if not outcome.committed:
+            return outcome, share, ""
+        self._update()
+        state.step += 1
+        state.samples_seen += t.global_batch_size
+        self.checkpointer.after_step(outcome.generation)  # into the memory tier
         self.train_loss = outcome.loss
         if not math.isfinite(outcome.loss):
             self.finish()
             raise TrainingError(f"loss is {outcome.loss} at step {state.step}; lower trainer.lr or raise "
                                 "trainer.warmup_steps, then run again to resume from the last snapshot")
-        return outcome
+        return outcome, share, hashlib.sha256(starts.astype("<i8").tobytes()).hexdigest()[:16]
 
+    def _follow_the_writer(self) -> None:
+        """Live mode: the group first in the quorum writes the run's snapshots and metrics; its leader holds
+        the run's lease from the first step it writes."""
+        writes = self.agreement.writes and self.world.is_leader
+        self.report.speak(writes, self.replica.state.step)
+        self.checkpointer.hold_the_run(writes)
+
+    def _state_for_a_peer(self) -> dict:
+        """Live mode: what a group that heals from this one receives."""
+        state = self.replica.state
+        return {**self.replica.state_dict(), "train": {"step": state.step, "samples_seen": state.samples_seen}}
+
+    def _heal(self, received: dict) -> None:
+        train = received.pop("train")
+        self.replica.load(received, False, train["step"], train["samples_seen"])  # a whole replica, as this one
+        log.info("healed from a live peer: step %d, %d examples seen", train["step"], train["samples_seen"])
     def _wrap_model(self) -> None:
         """torch.compile where chosen, and DDP where the model is replicated."""
         self.compiled, self.compile_reason = choose_compile(self.cfg.trainer.compile, self.world.device)
@@ -224,7 +266,8 @@ class Trainer:
             # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
             # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds.
             self.model.compile()
-        self.ddp = parallel.replicate(self.model, self.topology)
+        # Live mode: gradients are averaged by the step's agreement, over the processes the quorum has.
+        self.ddp = None if self.live else parallel.replicate(self.model, self.topology)
         if self.ddp is not None:  # to time this process's own backward pass, for stragglers
             self.ddp.register_comm_hook(None, self._gradients_ready)
 
@@ -249,18 +292,20 @@ class Trainer:
                             "them", stops, step)
         return TrainResult(step, self.train_loss, self.val_loss, stopped_early=True, peer_stopped=not stop.requested)
 
-    def _step(self, starts: np.ndarray) -> float:
-        """One optimizer step over this process's slice of the global batch, the windows at token
-        offsets `starts`; returns sum(loss * examples)."""
+    def _gradients(self, starts: np.ndarray, share: Share) -> float:
+        """Forward and backward over this process's share of the global batch, the windows at token offsets
+        `starts`; returns sum(loss * examples). No share (live mode: a step that cannot count), no gradients."""
         t, world = self.cfg.trainer, self.world
-        mine, pieces = _my_pieces(len(starts), t.micro_batch_size, self.topology)
-        # DDP and FSDP average gradients over processes; scaling each micro-batch's mean loss by
-        # (its examples * world size / global batch) makes the result the full-batch gradient,
-        # also when the batch does not split evenly.
-        scale = world.world_size / t.global_batch_size
+        self.replica.optimizer.zero_grad(set_to_none=True)
+        if share.count == 0:
+            return 0.0
+        mine, pieces = _my_pieces(len(starts), t.micro_batch_size, share, self.topology.sharded)
+        # DDP and FSDP (and the live mode's agreement) average gradients over processes; scaling each
+        # micro-batch's mean loss by (its examples * processes / global batch) makes the result the
+        # full-batch gradient, also when the batch does not split evenly.
+        scale = share.count / t.global_batch_size
         loss_sum = torch.zeros((), device=world.device)
         started, waited = time.perf_counter(), 0.0
-        self.replica.optimizer.zero_grad(set_to_none=True)
         for i, piece in enumerate(pieces):
             first = mine.start + (piece or pieces[0]).start
             count = piece.stop - piece.start if piece else 0  # a padding piece: run, but weigh nothing
@@ -278,7 +323,12 @@ class Trainer:
                 self._own_end = time.perf_counter()
             (self.replica.scaler.scale(weighted) if self.replica.scaler else weighted).backward()
             loss_sum += loss.detach().float() * count
-        updating = time.perf_counter()  # the gradients are everyone's now: what follows is this process's own again
+        self._split = (waited, self._own_end - started - waited)
+        return loss_sum.item()
+
+    def _update(self) -> None:
+        """Clip and step the optimizer on the gradients, which are everyone's now."""
+        t, updating = self.cfg.trainer, time.perf_counter()
         self.checkpointer.before_update()  # the memory tier's copy of the last step must be complete
         if self.replica.scaler:
             self.replica.scaler.unscale_(self.replica.optimizer)  # clip the true gradients, not the scaled ones
@@ -289,9 +339,7 @@ class Trainer:
             self.replica.scaler.update()
         else:
             self.replica.optimizer.step()
-        loss = loss_sum.item()
-        self._split = (waited, self._own_end - started - waited + time.perf_counter() - updating)
-        return loss
+        self._split = (self._split[0], self._split[1] + time.perf_counter() - updating)
 
     def _gradients_ready(self, group, bucket):  # no annotation: DDP checks it, and ours are strings
         """DDP hands each bucket of gradients to this hook as soon as this process has computed them: the last
@@ -318,6 +366,7 @@ class Trainer:
         self.report.metrics.close()
         self.checkpointer.finish(release_memory)
         self.progress.close()
+        self.agreement.close()
 
     def _snapshot_metrics(self) -> dict:
         return {"train_loss": self.train_loss, "val_loss": self.val_loss}
@@ -333,7 +382,8 @@ def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.To
     evaluations of one run, and of runs that sample windows differently, compare."""
     count = min(cfg.trainer.eval_samples, len(blocks))
     world = topology.world
-    mine, pieces = _my_pieces(count, cfg.trainer.micro_batch_size, topology)
+    mine, pieces = _my_pieces(count, cfg.trainer.micro_batch_size, Share(world.rank, world.world_size),
+                              topology.sharded)
     model.eval()
     loss_sum = 0.0
     for piece in pieces:
@@ -347,15 +397,14 @@ def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.To
     return distributed.all_reduce_sum([loss_sum], world)[0] / count
 
 
-def _my_pieces(total: int, micro_batch_size: int, topology: parallel.Topology) -> tuple[slice, list]:
-    """This process's share of `total` examples, and its micro-batches (slices of the share). A sharded
+def _my_pieces(total: int, micro_batch_size: int, share: Share, sharded: bool) -> tuple[slice, list]:
+    """This process's part of `total` examples, and its micro-batches (slices of the part). A sharded
     model's forward is a collective, so there every process runs as many as the one with the largest
-    share: None pads the list, a piece to run on any example and weigh zero."""
-    world = topology.world
-    mine = shard(total, world.world_size, world.rank)
+    part: None pads the list, a piece to run on any example and weigh zero."""
+    mine = shard(total, share.count, share.index)
     pieces = micro_batches(mine.stop - mine.start, micro_batch_size)
-    if topology.sharded:
-        largest = math.ceil(total / world.world_size)
+    if sharded:
+        largest = math.ceil(total / share.count)
         pieces += [None] * (len(micro_batches(largest, micro_batch_size)) - len(pieces))
     return mine, pieces
 

@@ -1,0 +1,191 @@
+"""How a replica that joins a live job gets the state from a live peer: torchft's checkpoint transport,
+over HTTP, in a format that cannot run code and with every tensor checked.
+
+torchft's own transports unpickle what a peer sends (torch.load with weights_only=False): any process
+that can reach the port could run code in the joiner. Here the state travels as safetensors (raw
+tensor bytes and a JSON description of the rest), each tensor with the sha256 the sender computed
+before it sent anything. The receiver checks every tensor against its digest and refuses the whole
+state on a mismatch (HealingError): torchft then counts the step as failed, and the joiner heals
+again at the next one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import urllib.request
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torchft.checkpointing.transport import CheckpointTransport
+
+log = logging.getLogger(__name__)
+
+MAX_DESCRIPTION_BYTES = 64 << 20  # the JSON description of a state (tensors travel apart)
+
+
+class HealingError(RuntimeError):
+    """The state a peer sent is not the state it described: cut short, damaged or not a state at all."""
+
+
+def encode(state: Any) -> bytes:
+    """`state` (nested dicts, lists and tuples of tensors, numbers, strings, None; dict keys strings or integers)
+    as safetensors bytes: every
+    tensor under a name of its own, the rest and every tensor's sha256 in the JSON metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[tuple, str] = {}  # a tensor seen before (tied weights share one): its name
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().contiguous()
+            key = (value.data_ptr(), value.dtype, tuple(value.shape))
+            if key not in names:
+                names[key] = f"t{len(tensors)}"
+                tensors[names[key]] = value
+            return {"tensor": names[key]}
+        if isinstance(value, dict):  # as pairs: JSON would turn an optimizer's int keys into strings
+            if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
+                raise TypeError("a state's dict keys must be strings or integers")
+            return {"dict": [[k, walk(v)] for k, v in value.items()]}
+        if isinstance(value, (list, tuple)):
+            return {"tuple" if isinstance(value, tuple) else "list": [walk(v) for v in value]}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return {"value": value}
+        raise TypeError(f"a state cannot hold a {type(value).__name__}")
+
+    tree = walk(state)
+    digests = {name: _digest(tensor) for name, tensor in tensors.items()}
+    return save_safetensors(tensors, metadata={"tree": json.dumps(tree), "sha256": json.dumps(digests)})
+
+
+def decode(data: bytes) -> Any:
+    """The state `encode` wrote, once every tensor matches its sha256; HealingError otherwise."""
+    try:
+        tensors = load_safetensors(data)
+        metadata = _metadata(data)
+        tree, digests = json.loads(metadata["tree"]), json.loads(metadata["sha256"])
+    except HealingError:
+        raise
+    except Exception as e:  # safetensors' own errors, a missing key, JSON that is not
+        raise HealingError(f"not a state ({type(e).__name__}: {e})") from None
+    if set(digests) != set(tensors):
+        raise HealingError("the state's tensors are not those it describes")
+    bad = sorted(name for name, tensor in tensors.items() if _digest(tensor) != digests[name])
+    if bad:
+        raise HealingError(f"{len(bad)} of {len(tensors)} tensor(s) do not match the sha256 their sender computed")
+
+    def build(node):
+        kind, value = next(iter(node.items()))
+        if kind == "tensor":
+            return tensors[value]
+        if kind == "dict":
+            return {k: build(v) for k, v in value}
+        if kind in ("list", "tuple"):
+            items = [build(v) for v in value]
+            return tuple(items) if kind == "tuple" else items
+        return value
+
+    try:
+        return build(tree)
+    except (KeyError, TypeError, ValueError, StopIteration, AttributeError) as e:  # a description that is not ours
+        raise HealingError(f"not a state (its description does not fit: {type(e).__name__})") from None
+
+
+def _metadata(data: bytes) -> dict:
+    """safetensors' header metadata: an 8-byte length, then JSON."""
+    size = int.from_bytes(data[:8], "little")
+    if not 0 < size <= MAX_DESCRIPTION_BYTES:
+        raise HealingError("not a state (its header is missing or too large)")
+    return json.loads(data[8:8 + size])["__metadata__"]
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).hexdigest() if tensor.numel() else \
+        hashlib.sha256(b"").hexdigest()
+
+
+class VerifiedTransport(CheckpointTransport):
+    """torchft's checkpoint transport, as `encode` and `decode` above, served over HTTP on `host`.
+
+    A source serves one step's state between `send_checkpoint` and `disallow_checkpoint` (which waits
+    for the transfers under way: the state may change once it returns)."""
+
+    def __init__(self, host: str, timeout: timedelta):
+        self.host, self.timeout = host, timeout
+        self._lock = threading.Condition()
+        self._served: tuple[int, bytes] | None = None  # (step, payload) while allowed
+        self._sending = 0  # transfers under way
+        transport = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                transport._handle(self)
+
+            def log_message(self, format: str, *args) -> None:  # noqa: A002 (BaseHTTPRequestHandler's name)
+                log.debug("healing: " + format, *args)
+
+        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="healing-server", daemon=True)
+        self._thread.start()
+
+    def metadata(self) -> str:
+        return f"http://{self.host}:{self._server.server_address[1]}/checkpoint/"
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        payload = encode(state_dict)
+        with self._lock:
+            self._served = (step, payload)
+            self._lock.notify_all()
+        log.info("healing: serving step %d (%.1f MB) to %d replica(s)", step, len(payload) / 1e6, len(dst_ranks))
+
+    def disallow_checkpoint(self) -> None:
+        with self._lock:
+            self._served = None
+            self._lock.wait_for(lambda: self._sending == 0, timeout=self.timeout.total_seconds())
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        url = f"{metadata}{step}"
+        with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as response:
+            data = response.read()
+        try:
+            return decode(data)
+        except HealingError as e:
+            log.warning("healing: refused the state of step %d from %s: %s", step, url, e)
+            raise
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if wait:
+            self._thread.join()
+
+    def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        """GET .../checkpoint/STEP: the state of STEP, once this source serves it (a healer may ask before the
+        source's own quorum has staged it)."""
+        wanted = request.path.rsplit("/", 1)[-1]
+        with self._lock:
+            self._lock.wait_for(lambda: self._served is not None and str(self._served[0]) == wanted,
+                                timeout=self.timeout.total_seconds())
+            served = self._served
+            if served is None or str(served[0]) != wanted:
+                request.send_error(404, f"not serving step {wanted}")
+                return
+            self._sending += 1
+        try:
+            payload = served[1]
+            request.send_response(200)
+            request.send_header("Content-Type", "application/octet-stream")
+            request.send_header("Content-Length", str(len(payload)))
+            request.end_headers()
+            request.wfile.write(payload)
+        finally:
+            with self._lock:
+                self._sending -= 1
+                self._lock.notify_all()

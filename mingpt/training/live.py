@@ -1,0 +1,211 @@
+"""The live mode (`mingpt-torchrun --live`): a node's death or arrival restarts nobody else.
+
+Each node is one torchft replica group: its own torchrun with K workers, which replicate the model
+(ddp). torchft's Manager, in every worker, forms a quorum of the groups at every step through the
+Lighthouse that mingpt-rendezvous serves, reconfigures the cross-group process group in place when the
+quorum changes, heals a group that is behind from a live peer (mingpt.training.healing), and votes on
+every step: a step that failed anywhere (a group died mid-collective) is not committed, and is done
+again with the same samples by the quorum that follows.
+
+The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepAgreement):
+1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch
+   is split by that place (the group's position in the quorum, then the worker's within its group), so
+   step s trains the same samples whichever groups commit it;
+2. exchange: the gradients, averaged over every process of the step (within the group, then across
+   groups on torchft's process group), and the same four numbers as under torchrun (loss, stops, the
+   writer's problems) plus the writer's lease generation;
+3. commit (`should_commit`): only a committed step updates the weights and advances the data.
+
+The group in the quorum's first position writes the snapshots and metrics (the writer). Groups are
+named by the order they joined the job (a counter in the rendezvous store), and torchft orders the
+quorum by name, so the writer changes only when the writer's group leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from mingpt.errors import ConfigError
+from mingpt.training.agreement import Outcome, Share
+from mingpt.training.distributed import World, one_line
+
+log = logging.getLogger(__name__)
+
+# Every timeout of the live mode, in one place.
+HEARTBEAT_TIMEOUT_MS = 1000  # Lighthouse: a group silent this long is left out of the next quorum
+JOIN_TIMEOUT_MS = 1000  # Lighthouse: how long a quorum waits for live groups that have not asked yet
+QUORUM_TICK_MS = 100  # Lighthouse: how often it looks whether a quorum can form
+COLLECTIVE_TIMEOUT_S = 10.0  # a cross-group collective, the commit vote, a heal's transfer (Manager's timeout)
+QUORUM_TIMEOUT_S = 60.0  # forming a quorum: a Lighthouse that restarts is waited for this long
+CONNECT_TIMEOUT_S = 10.0  # reaching the Lighthouse or another group's manager
+
+# What mingpt-torchrun --live tells the workers of its node.
+LIGHTHOUSE = "MINGPT_LIVE_LIGHTHOUSE"  # the Lighthouse's address (http://host:port)
+RENDEZVOUS = "MINGPT_LIVE_RENDEZVOUS"  # the store of mingpt-rendezvous (host:port), which numbers the groups
+HOST = "MINGPT_LIVE_HOST"  # the address other nodes reach this one at
+MIN_NODES = "MINGPT_LIVE_MIN_NODES"  # the fewest groups that may commit a step (--nnodes's MIN)
+
+LIGHTHOUSE_KEY = "mingpt/lighthouse"  # the key under which mingpt-rendezvous publishes the Lighthouse's address
+JOINS_KEY = "mingpt/live/joins/"  # + job id: the counter that names groups in the order they join
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(LIGHTHOUSE))
+
+
+@dataclass
+class Settings:
+    lighthouse: str
+    rendezvous: str
+    host: str
+    min_nodes: int
+
+    @classmethod
+    def from_environment(cls) -> "Settings":
+        try:
+            return cls(os.environ[LIGHTHOUSE], os.environ[RENDEZVOUS], os.environ[HOST], int(os.environ[MIN_NODES]))
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"the live mode's variables are incomplete ({e}): start live jobs with "
+                              "mingpt-torchrun --live") from None
+
+
+def group_name(world: World, rendezvous: str) -> str:
+    """This group's name in the quorum, the same in each of its workers: its place in the order in which the
+    job's groups (and their restarts) met torchft, then its host and agent. torchft orders a quorum by name,
+    so the first position, the writer's, stays with the oldest group until it leaves."""
+    name = None
+    if world.rank == 0:
+        host, port = rendezvous.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
+        joined = store.add(JOINS_KEY + os.environ.get("TORCHELASTIC_RUN_ID", ""), 1)
+        name = f"{joined:09d}-{socket.gethostname()}-{os.getppid()}"
+    if world.distributed:
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        name = box[0]
+    return name
+
+
+class LiveAgreement:
+    """This process's part in the live step protocol (see the module's description)."""
+
+    def __init__(self, world: World, replica, checkpointer, global_batch_size: int,
+                 state: Callable[[], dict], load: Callable[[dict], None]):
+        # Imported in live jobs only: torchft takes a second to import, and starts threads of its own.
+        from torchft import Manager, ProcessGroupGloo
+
+        # torchft logs each failed collective with its traceback, and each reconfiguration; this module says
+        # in a line when steps stop and start counting.
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+
+        from mingpt.training.healing import VerifiedTransport
+
+        settings = Settings.from_environment()
+        self.world, self.replica, self.checkpointer = world, replica, checkpointer
+        self.global_batch_size = global_batch_size
+        self._own_store = None
+        if world.distributed:  # the group's store, which every worker of the group met on
+            store_port = int(os.environ["MASTER_PORT"])
+        else:  # one worker: a store of its own, for torchft's Manager and the peers that reach it
+            self._own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+            store_port = self._own_store.port
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state,
+            min_replica_size=settings.min_nodes, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+            rank=world.rank, world_size=world.world_size, store_addr=settings.host, store_port=store_port,
+            lighthouse_addr=settings.lighthouse, replica_id=group_name(world, settings.rendezvous),
+            hostname=settings.host,
+            init_sync=False,  # every group starts from the same seeded weights: nothing to send at step 0
+            checkpoint_transport=VerifiedTransport(settings.host, timeout))
+        self.min_groups = settings.min_nodes
+        self.position: int | None = None  # this group's place in the step's quorum
+        self.groups = 0  # groups in the step's quorum
+        self.failed_since: float | None = None  # when steps stopped being committed (monotonic), while they are
+        self.counted = 0  # the groups of the last committed step (0: none yet)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this group writes the run's snapshots and metrics: the first in the quorum."""
+        return self.position == 0
+
+    def resumed_at(self, step: int, samples_seen: int) -> None:
+        """The state loaded at start (a memory tier, a snapshot) is at `step`: the quorum heals whoever is behind."""
+        self.manager.load_state_dict({"step": step, "batches_committed": samples_seen})
+
+    def begin(self) -> Share:
+        """The step's quorum: heals this group where it is behind, then says where this process stands."""
+        self.manager.start_quorum()
+        self.position, self.groups = self.manager.participating_rank(), self.manager.num_participants()
+        if self.position is None or self.groups < self.min_groups:  # a step that cannot count: nothing to compute
+            return Share(0, 0)
+        per_group = self.world.world_size
+        return Share(self.position * per_group + self.world.rank, self.groups * per_group)
+
+    def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
+        """The gradients, averaged over every process of the step, and the step's numbers; then the vote.
+        A stop concerns this group alone: it leaves, and the others go on."""
+        params = [p for p in self.replica.model.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        saves_failing, run_lost = self.checkpointer.problems()
+        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing), float(run_lost),
+                                float(self.checkpointer.lease_generation() or 0)], dtype=torch.float64)
+        if self.world.distributed:  # within the group first
+            dist.all_reduce(flat)
+            flat /= self.world.world_size
+            dist.all_reduce(numbers)
+        stops = int(numbers[1])
+        self.manager.allreduce(flat).wait()  # the mean over the step's groups
+        self.manager.allreduce(numbers, reduce_op=dist.ReduceOp.SUM).wait()
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        committed = self.manager.should_commit()
+        self._say_what_changed(committed)
+        loss, _, failing, lost, generation = numbers.tolist()
+        return Outcome(loss / self.global_batch_size, stops, failing > 0, lost > 0, committed, int(generation))
+
+    def _say_what_changed(self, committed: bool) -> None:
+        """One line (from the first worker of each group) when this group takes part for the first time, when
+        the number of groups changes, when steps stop being committed (why), and when they are again."""
+        if self.world.rank != 0:
+            return
+        step = self.manager.current_step()  # after a commit: the step just committed
+        if committed and self.counted == 0:
+            log.info("live: this group takes part from step %d, at position %d of %d group(s)", step, self.position,
+                     self.groups)
+        elif committed and self.groups != self.counted:
+            log.info("live: %d group(s) from step %d (were %d); this one at position %d", self.groups, step,
+                     self.counted, self.position)
+        if committed:
+            self.counted = self.groups
+        now = time.monotonic()
+        if not committed and self.failed_since is None:
+            self.failed_since = now
+            error = self.manager.errored()
+            why = f"{self.groups} group(s), fewer than --nnodes's {self.min_groups}" if self.groups < self.min_groups \
+                else one_line(error.original_exception) if error else "another group could not take part"
+            log.warning("live: step %d was not committed (%s); it is done again with the next quorum",
+                        self.manager.current_step() + 1, why)
+        elif committed and self.failed_since is not None:
+            log.info("live: steps are committed again, by %d group(s), after %.1f s", self.groups,
+                     now - self.failed_since)
+            self.failed_since = None
+
+    def enforce(self, outcome: Outcome) -> None:
+        self.checkpointer.stop_on(outcome.saves_failing, outcome.run_lost)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
