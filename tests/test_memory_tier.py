@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -228,8 +227,9 @@ def test_a_fifo_a_damaged_description_or_changed_bytes_are_skipped_never_loaded(
         tier._skipped.clear()
     (tier.folder / "own-0.json").unlink()
     os.mkfifo(tier.folder / "own-0.json")
-    started = time.monotonic()
-    assert newest(tier) is None and time.monotonic() - started < 5  # never waits on the FIFO
+    # Returning at all is the proof: opening a FIFO to read waits for a writer, and none ever comes here
+    # (pytest's timeout ends the test if it waits).
+    assert newest(tier) is None
     assert "memory tier: skipping" in caplog.text
 
 

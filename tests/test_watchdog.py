@@ -42,9 +42,9 @@ def test_a_frozen_worker_then_a_frozen_leader_are_named_with_their_stacks_and_th
         wait_for(lambda: reached(snap) >= target, 120, "training", [job])
         frozen = worker(job.pid, local_rank)
         os.kill(frozen, signal.SIGSTOP)
-        frozen_at, since = reached(snap), time.monotonic()
-        wait_for(lambda: reached(snap) > frozen_at + 1, 60, f"training past the step {name} was frozen at", [job])
-        assert time.monotonic() - since < 60
+        frozen_at = reached(snap)
+        wait_for(lambda: reached(snap) > frozen_at + 1, 120, f"training past the step {name} was frozen at", [job])
+        # The watchdog's restart, not torch's own dist timeout (300 s), got it going again: the log says so.
         text = output(job)
         assert re.search(rf"worker {frozen} on \S+ made no progress for \d+ s \(step \d+, computing; stopped\)", text)
         assert re.search(r'File "[^"]+trainer\.py", line \d+, in ', text)  # its stack, as Python writes one
