@@ -26,8 +26,18 @@ node's entering the rendezvous to the round that lets it in (its agent's log), a
 takes part in (the leader's `membership` record; deaths of its peers meanwhile delay it), and the final
 val loss and greedy text against an uninterrupted 2-worker run.
 
---parallelism fsdp shards the model over the workers (over the nodes, under --churn): each process then
-keeps its shard in memory, and under --churn sends a copy to the next node.
+--churn runs the same churn (same seeds, so the same deaths, joins and signals) in both modes, one after
+the other: restart (torchrun's agents restart every worker at every change) and live (`mingpt-torchrun
+--live`: each node a torchft replica group; the survivors keep their processes). Per mode it prints the
+survivors' stall (the longest wait for a new step from a death to the next death), whether the nodes that
+lived through a death kept their workers' pids, a new node's time from its start to its first step, the
+goodput (the share of the run in which new steps kept coming: a gap of more than 1 s between two new steps
+counts as lost), and the ledger check (every step's samples, as metrics.jsonl records them, are those of
+the uninterrupted run).
+--modes restart or --modes live runs one of them.
+
+--parallelism fsdp shards the model over the workers (over the nodes, under --churn, restart mode only):
+each process then keeps its shard in memory, and under --churn sends a copy to the next node.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -145,6 +155,9 @@ ENTERED = "mingpt-torchrun: entering the rendezvous"  # what a node's agent logs
 LET_IN = "; starting its workers"  # ... and once a round let it in
 
 
+TAKES_PART = "live: this group takes part from step"  # what a live node's first worker logs at its first step
+
+
 @dataclass
 class Node:
     """One mingpt-torchrun agent with one worker: a machine of the churn."""
@@ -152,9 +165,17 @@ class Node:
     proc: subprocess.Popen
     log: Path
     memory: Path  # its snapshot.memory_dir
+    started: float  # time.time() at its start
     entered: float | None = None  # when its agent entered the rendezvous (time.time())
     let_in: float | None = None  # when a round first took it in
+    took_part: float | None = None  # live: when it first took part in a committed step
     killed: float | None = None
+    pids: list[tuple[float, frozenset[int]]] = field(default_factory=list)  # (when, its workers' pids) at each change
+
+    def pids_at(self, moment: float) -> frozenset[int] | None:
+        """Its workers' pids as last seen at or before `moment`."""
+        seen = [pids for at, pids in self.pids if at <= moment]
+        return seen[-1] if seen else None
 
     def alive(self) -> bool:
         return self.killed is None and self.proc.poll() is None
@@ -167,20 +188,21 @@ class Death:
     aimed: bool  # while a newcomer was in the rendezvous
 
 
-def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -> dict:
-    """One churn job of `deaths` node deaths; what happened, as numbers."""
+def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path, mode: str) -> dict:
+    """One churn job of `deaths` node deaths, in `mode` (restart or live); what happened, as numbers."""
     chance = random.Random(seed)
-    work = Path(tempfile.mkdtemp(prefix=f"bench-churn-{seed}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"bench-churn-{seed}-{mode}-"))
     port = free_port()
     bin_dir = Path(sys.executable).parent
-    store = subprocess.Popen([str(bin_dir / "mingpt-rendezvous"), f"--port={port}"], stdout=subprocess.DEVNULL,
+    store = subprocess.Popen([str(bin_dir / "mingpt-rendezvous"), f"--port={port}",
+                              f"--lighthouse-port={free_port()}"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     snap = work / "churn"
     # mingpt-torchrun's own rendezvous settings; --max-restarts=3: membership changes must not use them up.
-    command = [str(bin_dir / "mingpt-torchrun"), "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=3",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=churn-{seed}",
-               "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"), *SETTINGS,
-               f"trainer.max_steps={max_steps}", f"snapshot.dir={snap}", f"data.prepared_dir={data}"]
+    command = [str(bin_dir / "mingpt-torchrun"), *(["--live"] if mode == "live" else []), "--nnodes=1:4",
+               "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               f"--rdzv-id=churn-{seed}-{mode}", "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"),
+               *SETTINGS, f"trainer.max_steps={max_steps}", f"snapshot.dir={snap}", f"data.prepared_dir={data}"]
     nodes: list[Node] = []
 
     def start_node() -> Node:
@@ -189,20 +211,28 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -
         proc = subprocess.Popen([*command, f"snapshot.memory_dir={memory}"], cwd=work, stdout=open(log, "wb"),
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
-        nodes.append(Node(proc, log, memory))
+        nodes.append(Node(proc, log, memory, time.time()))
         return nodes[-1]
 
     def pause(seconds: float, until=lambda: False) -> None:
-        """Wait, noting when each node enters the rendezvous and when a round lets it in."""
+        """Wait, noting when each node enters the rendezvous, when a round lets it in, when it first takes part
+        (live), and whether its workers' pids change."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not until():
             for node in nodes:
-                if node.let_in is None and node.alive():
+                if not node.alive():
+                    continue
+                if node.let_in is None or (mode == "live" and node.took_part is None):
                     text = node.log.read_text(errors="replace")
                     if node.entered is None and ENTERED in text:
                         node.entered = time.time()
-                    if LET_IN in text:
+                    if node.let_in is None and LET_IN in text:
                         node.let_in = time.time()
+                    if node.took_part is None and TAKES_PART in text:
+                        node.took_part = time.time()
+                pids = frozenset(workers(node.proc.pid).values())
+                if pids and (not node.pids or node.pids[-1][1] != pids):
+                    node.pids.append((time.time(), pids))
             time.sleep(0.05)
 
     def kill(node: Node, sig: signal.Signals) -> None:
@@ -247,29 +277,71 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path) -
         for node in nodes:
             stop(node.proc)
         stop(store)
-    return summarize(seed, snap, nodes, rows, max_steps, reference, work)
+    return summarize(seed, mode, snap, nodes, rows, max_steps, reference, work)
 
 
-def summarize(seed: int, snap: Path, nodes: list, rows: list, max_steps: int, reference: Path, work: Path) -> dict:
+def new_steps(found: list[dict]) -> list[tuple[float, int]]:
+    """(time, step) of every step that went past all before it, from the ledger records."""
+    progress, furthest = [], 0
+    for record in sorted((r for r in found if "samples" in r), key=lambda r: r["time"]):
+        if record["step"] > furthest:
+            furthest = record["step"]
+            progress.append((record["time"], furthest))
+    return progress
+
+
+def goodput(progress: list[tuple[float, int]]) -> float:
+    """The share of the run in which new steps kept coming: gaps over GAP_S between new steps are lost."""
+    if len(progress) < 2:
+        return float("nan")
+    gaps = [b - a for (a, _), (b, _) in zip(progress, progress[1:])]
+    return 1 - sum(gap for gap in gaps if gap > GAP_S) / (progress[-1][0] - progress[0][0])
+
+
+GAP_S = 1.0
+
+
+def ledger_check(found: list[dict], reference: list[dict], max_steps: int) -> str:
+    """Whether every step's samples are in the ledger, and are the uninterrupted run's."""
+    expected = {r["step"]: r["samples"] for r in reference if "samples" in r}
+    seen: dict[int, set[str]] = {}
+    for r in found:
+        if "samples" in r:
+            seen.setdefault(r["step"], set()).add(r["samples"])
+    missing = [step for step in range(1, max_steps + 1) if step not in seen]
+    wrong = [step for step, digests in seen.items() if digests != {expected.get(step)}]
+    return "ok" if not missing and not wrong else f"{len(missing)} step(s) missing, {len(wrong)} wrong"
+
+
+def summarize(seed: int, mode: str, snap: Path, nodes: list, rows: list, max_steps: int, reference: Path,
+              work: Path) -> dict:
     found = all_records(snap)
-    steps = [r for r in found if "train_loss" in r]
-    recovery = []
-    for death in rows:
-        after = [r["time"] for r in steps if r["time"] > death.at]
-        recovery.append(after[0] - death.at if after else float("inf"))
-    joined_at = {}  # agent pid -> the first step of a generation it took part in
+    progress = new_steps(found)
+    stall, kept, survivors = [], 0, 0
+    for death, following in zip(rows, [*(d.at for d in rows[1:]), float("inf")]):
+        # The longest wait for a new step until the next death (a SIGTERMed node may finish a step first, and
+        # the others wait after it), or, where none came before it, until the first one after.
+        after = [at for at, _ in progress if death.at < at]
+        waits = [death.at] + ([at for at in after if at < following] or after[:1])
+        stall.append(max(b - a for a, b in zip(waits, waits[1:])) if len(waits) > 1 else float("inf"))
+        # The nodes that lived through it: their workers' pids before it and once new steps came again.
+        recovered = waits[-1] if len(waits) > 1 else float("inf")
+        for node in nodes:
+            before, later = node.pids_at(death.at), node.pids_at(recovered)
+            if before and later and (node.killed is None or node.killed > recovered):
+                survivors += 1
+                kept += before == later
+    joined_at = {}  # restart: agent pid -> the first step of a generation it took part in
     for r in found:
         for name in (r.get("membership") or {}).get("members", []):
             joined_at.setdefault(name.rsplit("agent ", 1)[-1].rstrip(")"), r["time"])
-    admission, let_in, never = [], [], 0
+    admission, never = [], 0
     for node in nodes[2:]:  # the first two started the job
-        at = joined_at.get(str(node.proc.pid))
-        if node.entered is not None and node.let_in is not None:
-            let_in.append(node.let_in - node.entered)
-        if at is not None and node.entered is not None:
-            admission.append(at - node.entered)
+        at = node.took_part if mode == "live" else joined_at.get(str(node.proc.pid))
+        if at is not None:
+            admission.append(at - node.started)
         elif node.killed is None:
-            never += 1  # alive, never let in
+            never += 1  # alive, never took part
     lost = [r["steps_lost"] for r in found if "steps_lost" in r]
     completed = (snap / f"step-{max_steps:09d}" / "manifest.json").exists() and \
         all(node.proc.returncode == 0 for node in nodes if node.killed is None)
@@ -279,16 +351,18 @@ def summarize(seed: int, snap: Path, nodes: list, rows: list, max_steps: int, re
                         for folder in (snap, reference))
         val = abs(ours["metrics"]["val_loss"] - theirs["metrics"]["val_loss"])
         greedy = sample(snap, max_steps) == sample(reference, max_steps)
-    row = {"seed": seed, "completed": completed, "deaths": len(rows), "steps_again": sum(lost),
-           "recovery": recovery, "let_in": let_in, "admission": admission, "never_admitted": never, "val_diff": val,
-           "greedy": greedy}
+    row = {"seed": seed, "mode": mode, "completed": completed, "deaths": len(rows), "steps_again": sum(lost),
+           "stall": stall, "admission": admission, "never_admitted": never, "val_diff": val, "greedy": greedy,
+           "goodput": goodput(progress), "kept": (kept, survivors),
+           "ledger": ledger_check(found, all_records(reference), max_steps)}
     killed = sum(d.signal == "SIGKILL" for d in rows)
-    print(f"seed {seed}: completed {'yes' if completed else 'NO'}; {len(rows)} deaths ({killed} SIGKILL, "
-          f"{len(rows) - killed} SIGTERM, {sum(d.aimed for d in rows)} while a node was joining); steps trained "
-          f"again {sum(lost)}; recovery median {_median(recovery)} max {_max(recovery)}; new nodes let into a round "
-          f"median {_median(let_in)} max {_max(let_in)}; training with it {len(admission)} (alive and never: "
-          f"{never}), median {_median(admission)} max {_max(admission)}; val loss against an uninterrupted run: difference {val if val is None else f'{val:.1e}'}; "
-          f"greedy text equal: {greedy} (logs in {work})", flush=True)
+    print(f"{mode} seed {seed}: completed {'yes' if completed else 'NO'}; {len(rows)} deaths ({killed} SIGKILL, "
+          f"{len(rows) - killed} SIGTERM, {sum(d.aimed for d in rows)} while a node was joining); survivors' stall "
+          f"median {_median(stall)} max {_max(stall)}; survivors' worker pids unchanged through {kept} of {survivors} "
+          f"deaths of another node; a new node's start to its first step median {_median(admission)} max {_max(admission)} "
+          f"(never: {never}); goodput {row['goodput']:.0%}; steps trained again {sum(lost)}; ledger {row['ledger']}; "
+          f"val loss against an uninterrupted run: difference {val if val is None else f'{val:.1e}'}; greedy text "
+          f"equal: {greedy} (logs in {work})", flush=True)
     return row
 
 
@@ -312,22 +386,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def churn_seeds(seeds: list[int], deaths: int, max_steps: int) -> None:
+def churn_seeds(seeds: list[int], deaths: int, max_steps: int, modes: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
         work = Path(tmp)
         reference = start(work, "reference", 0, "on", max_steps)
         reference.wait()
-        rows = [churn(seed, deaths, max_steps, work / "data", work / "reference") for seed in seeds]
-    recovery = [s for row in rows for s in row["recovery"]]
-    admission = [s for row in rows for s in row["admission"]]
-    let_in = [s for row in rows for s in row["let_in"]]
-    print(f"{len(rows)} seeds: completed {sum(r['completed'] for r in rows)}; deaths {sum(r['deaths'] for r in rows)}; "
-          f"steps trained again {sum(r['steps_again'] for r in rows)}; recovery median {_median(recovery)} max "
-          f"{_max(recovery)}; let into a round median {_median(let_in)} max {_max(let_in)}; first step with a new "
-          f"node median {_median(admission)} max {_max(admission)} (never: "
-          f"{sum(r['never_admitted'] for r in rows)}); greedy text equal in "
-          f"{sum(bool(r['greedy']) for r in rows)}; val loss difference at most "
-          f"{max((r['val_diff'] for r in rows if r['val_diff'] is not None), default=float('nan')):.1e}")
+        rows = [churn(seed, deaths, max_steps, work / "data", work / "reference", mode)
+                for seed in seeds for mode in modes]
+    for mode in modes:
+        ours = [row for row in rows if row["mode"] == mode]
+        stall = [s for row in ours for s in row["stall"]]
+        admission = [s for row in ours for s in row["admission"]]
+        kept = [row["kept"] for row in ours]
+        goodputs = ", ".join(f"{row['goodput']:.0%}" for row in ours)
+        print(f"{mode}, {len(ours)} seeds: completed {sum(r['completed'] for r in ours)}; deaths "
+              f"{sum(r['deaths'] for r in ours)}; survivors' stall median {_median(stall)} max {_max(stall)}; "
+              f"survivors' worker pids unchanged through {sum(k for k, _ in kept)} of {sum(n for _, n in kept)} deaths "
+              f"of another node; a new "
+              f"node's start to its first step median {_median(admission)} max {_max(admission)} (never: "
+              f"{sum(r['never_admitted'] for r in ours)}); goodput {goodputs}; "
+              f"steps trained again {sum(r['steps_again'] for r in ours)}; ledger "
+              f"{', '.join(r['ledger'] for r in ours)}; greedy text equal in {sum(bool(r['greedy']) for r in ours)}; "
+              f"val loss difference at most "
+              f"{max((r['val_diff'] for r in ours if r['val_diff'] is not None), default=float('nan')):.1e}")
 
 
 def main() -> None:
@@ -338,11 +419,13 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=1500, help="trainer.max_steps of a churn job")
     parser.add_argument("--memory", default="on", choices=["on", "off"])
     parser.add_argument("--parallelism", default="ddp", choices=["ddp", "fsdp"])
+    parser.add_argument("--modes", default="restart,live", help="--churn: the modes to run, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     SETTINGS.append(f"trainer.parallelism={args.parallelism}")  # every job of the run, the reference's too
     if args.churn:
-        churn_seeds(list(range(args.seed, args.seed + args.churn)), args.deaths, args.max_steps)
+        churn_seeds(list(range(args.seed, args.seed + args.churn)), args.deaths, args.max_steps,
+                    args.modes.split(","))
         return
     chance = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:

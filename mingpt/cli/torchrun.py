@@ -108,7 +108,9 @@ def join_live(args: argparse.Namespace) -> None:
         live.MIN_NODES: str(lower),
     })
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every step at its default level
-    args.nnodes, args.rdzv_endpoint = "1", "localhost:0"  # this node's workers alone: the group's own rendezvous
+    # This node's workers alone, on a rendezvous of their own that this agent hosts.
+    args.nnodes, args.rdzv_endpoint = "1", "localhost:0"
+    args.rdzv_conf = merge_rendezvous_conf(f"{args.rdzv_conf},is_host=true", {})
     log.info("mingpt-torchrun: live mode: this node is one replica group of job %s (Lighthouse %s)", args.rdzv_id,
              os.environ[live.LIGHTHOUSE])
 
