@@ -151,11 +151,11 @@ def plain_torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args, MAIN]
 
 
-def rendezvous(procs: "Processes", port: int) -> subprocess.Popen:
-    """mingpt-rendezvous hosting the rendezvous store on `port` (and the Lighthouse of live jobs on another free
-    port), once it listens."""
-    store = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={port}", f"--lighthouse-port={free_port()}"],
-                        f"rendezvous-{port}")
+def rendezvous(procs: "Processes", port: int, lighthouse_port: int | None = None) -> subprocess.Popen:
+    """mingpt-rendezvous hosting the rendezvous store on `port` (and the Lighthouse of live jobs on
+    `lighthouse_port`, or another free port), once it listens."""
+    store = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={port}",
+                         f"--lighthouse-port={lighthouse_port or free_port()}"], f"rendezvous-{port}")
     wait_for(lambda: "listening" in output(store), 60, "the rendezvous store", [store])
     return store
 

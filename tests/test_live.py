@@ -72,6 +72,7 @@ def test_a_healer_gets_the_step_the_source_serves_once_it_serves_it():
         asking.join(10)
         assert got and got[0]["train"]["step"] == 7
         source.disallow_checkpoint()
+        source.timeout = timedelta(seconds=0.1)  # how long a request for a step not served waits for it
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(f"{source.metadata()}3", timeout=10)
     finally:
@@ -82,13 +83,14 @@ def test_a_healer_gets_the_step_the_source_serves_once_it_serves_it():
 # -- whole jobs ------------------------------------------------------------------------------------------------
 
 
-def live_node(procs, tmp_path, port, name, nnodes="2:4"):
-    """A node of the live job `live` (one worker), with a memory tier of its own."""
-    (tmp_path / name).mkdir(exist_ok=True)
-    args = torchrun("--live", f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+def live_node(procs, tmp_path, port, name, machine):
+    """A node of the live job `live` (one worker), logging to NAME.log, on `machine`: the memory it keeps its
+    memory tier in."""
+    (tmp_path / machine).mkdir(exist_ok=True)
+    args = torchrun("--live", "--nnodes=2:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=live")
     args += overrides(tmp_path, "live", ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL, "snapshot.memory_every=1",
-                                                                f"snapshot.memory_dir={tmp_path / name}"])
+                                                                f"snapshot.memory_dir={tmp_path / machine}"])
     return procs.start(args, name)
 
 
@@ -102,40 +104,60 @@ def ledger(snap) -> dict[int, set[str]]:
 
 
 @pytest.mark.slow
-def test_a_node_dies_another_joins_and_the_survivor_never_restarts(tmp_path, procs, reference):
-    """Two live nodes, --nnodes=2:4, so that no step is committed by fewer than two. The writer's node is
-    SIGKILLed between snapshots and its memory goes with it; the survivor's step in flight fails and is
-    done again once a new node, which finds an older snapshot, has healed from it. The survivor's worker
-    is the same process from start to end, it writes the snapshots from then on, every step's samples
-    are in the ledger and are those of an uninterrupted run, and the weights are bitwise those of an
-    uninterrupted two-process run."""
-    port = free_port()
-    rendezvous(procs, port)
-    first = live_node(procs, tmp_path, port, "node-a")
+def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_is_lost(tmp_path, procs, reference):
+    """Two live nodes, --nnodes=2:4, so that no step is committed by fewer than two (and the run stays that of
+    two processes throughout).
+    1. The writer's node is SIGKILLed between snapshots, its memory gone: the survivor's step in flight
+       fails and is done again once a new node, which finds an older snapshot, has healed from it.
+    2. mingpt-rendezvous (the Lighthouse) stops and starts again on the same ports: training goes on.
+    Through both, the survivors' workers are the processes they were.
+    3. Both nodes die, memories kept: two new nodes resume from the memory tiers.
+    At the end every step's samples are in the ledger, as in an uninterrupted run, and the weights are
+    bitwise those of an uninterrupted two-process run."""
+    port, lighthouse = free_port(), free_port()
+    store = rendezvous(procs, port, lighthouse)
+    first = live_node(procs, tmp_path, port, "first", "machine-a")
     wait_for(lambda: "live mode" in output(first), 60, "the first node", [first])
-    second = live_node(procs, tmp_path, port, "node-b")
+    second = live_node(procs, tmp_path, port, "second", "machine-b")
     snap = tmp_path / "live"
     between_snapshots = lambda: max(ledger(snap), default=0) >= 20 and 3 <= max(ledger(snap)) % 10 <= 6
     wait_for(between_snapshots, 120, "a step between two snapshots", [first, second])
     writer, survivor = (first, second) if "this job holds" in output(first) else (second, first)
     survivor_worker = worker(survivor.pid, local_rank=0)
 
-    kill_node(writer)
+    kill_node(writer)  # 1.
     writer.wait(timeout=30)
-    shutil.rmtree(tmp_path / ("node-a" if writer is first else "node-b"))  # its memory goes with the machine
+    machine = "machine-a" if writer is first else "machine-b"
+    shutil.rmtree(tmp_path / machine)  # its memory goes with it
     killed_at = max(ledger(snap))
-    newcomer = live_node(procs, tmp_path, port, "node-c")
+    newcomer = live_node(procs, tmp_path, port, "newcomer", machine)
     wait_for(lambda: "healed from a live peer" in output(newcomer), 120, "the newcomer's heal", [survivor, newcomer])
-    compared = (killed_at // 10 + 3) * 10
-    wait_for(lambda: latest_step(snap) >= compared, 120, f"the step-{compared} snapshot", [survivor, newcomer])
-    assert worker(survivor.pid, local_rank=0) == survivor_worker  # the same process throughout
-    for node in (survivor, newcomer):
+    assert "this job holds" in output(survivor)  # the survivor writes now
+    newcomer_worker = worker(newcomer.pid, local_rank=0)
+
+    store.send_signal(signal.SIGTERM)  # 2.
+    store.wait(timeout=30)
+    wait_for(lambda: "does not answer" in output(survivor), 60, "the lost Lighthouse", [survivor, newcomer])
+    restarted_at = max(ledger(snap))
+    rendezvous(procs, port, lighthouse)
+    wait_for(lambda: max(ledger(snap)) > restarted_at + 10, 120, "training after the restart", [survivor, newcomer])
+    assert worker(survivor.pid, local_rank=0) == survivor_worker and worker(newcomer.pid, local_rank=0) == \
+        newcomer_worker  # the same processes throughout
+    assert "live: met the Lighthouse again" in output(newcomer)
+
+    for node in (survivor, newcomer):  # 3.
+        kill_node(node)
+        node.wait(timeout=30)
+    died_at = max(ledger(snap))
+    again = [live_node(procs, tmp_path, port, f"again-{machine}", machine) for machine in ("machine-a", "machine-b")]
+    compared = (died_at // 10 + 3) * 10
+    wait_for(lambda: latest_step(snap) >= compared, 120, f"the step-{compared} snapshot", again)
+    for node in again:
         node.send_signal(signal.SIGTERM)
-    for node in (survivor, newcomer):
+    for node in again:
         node.wait(timeout=90)
-    assert "Traceback" not in output(survivor).split("stopped at step")[0], output(survivor)[-3000:]
-    assert "this job holds" in output(survivor) and "live: steps are committed again, by 2 group(s)" in \
-        output(survivor)
+    assert all("resumed from the memory tier" in output(node) for node in again)
+    assert "Traceback" not in output(survivor) + output(newcomer), (output(survivor) + output(newcomer))[-3000:]
 
     uninterrupted = reference.at(compared)
     seen, expected = ledger(snap), ledger(uninterrupted)

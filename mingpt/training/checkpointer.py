@@ -209,15 +209,16 @@ class Checkpointer:
     def hold_the_run(self, writes: bool) -> None:
         """Live mode: whether this process writes the run's snapshots now (its group leads the quorum). A new
         writer claims the run's lease; every group of a live job is one job (one --rdzv-id), so that takes the
-        run over at once. A writer that is no longer one lets its lease go, once its snapshot in flight is
-        committed (or fenced off: a newer writer may hold the run already)."""
-        if writes and self._held is None:
-            self._held = self.store.claim(self.cfg.snapshot.lease_timeout_s)
-        elif not writes and self._held is not None:
+        run over at once. A writer whose lease another group took meanwhile (the quorum changed while it could
+        not say so), or that no longer writes, lets it go once its snapshot in flight is committed or fenced
+        off; a save fenced off by the new writer is not a failure of this one."""
+        if self._held is not None and (self._held.lost or not writes):
             self.writer.wait()
-            self.writer.failures = 0  # a save fenced off by the new writer is its to make, not a failure of ours
+            self.writer.failures = 0
             self._held.release()
             self._held = self.store.lease = None
+        if writes and self._held is None:
+            self._held = self.store.claim(self.cfg.snapshot.lease_timeout_s)
 
     def before_update(self) -> None:
         """The optimizer is about to change the state: the memory copy in flight must have read it."""

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mingpt.errors import ConfigError
+from mingpt.errors import ConfigError, TrainingError
 from mingpt.training.agreement import Outcome, Share
 from mingpt.training.distributed import World, one_line
 
@@ -45,8 +45,9 @@ HEARTBEAT_TIMEOUT_MS = 1000  # Lighthouse: a group silent this long is left out 
 JOIN_TIMEOUT_MS = 1000  # Lighthouse: how long a quorum waits for live groups that have not asked yet
 QUORUM_TICK_MS = 100  # Lighthouse: how often it looks whether a quorum can form
 COLLECTIVE_TIMEOUT_S = 10.0  # a cross-group collective, the commit vote, a heal's transfer (Manager's timeout)
-QUORUM_TIMEOUT_S = 60.0  # forming a quorum: a Lighthouse that restarts is waited for this long
+QUORUM_TIMEOUT_S = 5.0  # forming a quorum (about a heartbeat timeout after a death): past it, the Lighthouse is lost
 CONNECT_TIMEOUT_S = 10.0  # reaching the Lighthouse or another group's manager
+LIGHTHOUSE_WAIT_S = 300.0  # how long a lost Lighthouse is waited for (mingpt-rendezvous restarting)
 
 # What mingpt-torchrun --live tells the workers of its node.
 LIGHTHOUSE = "MINGPT_LIVE_LIGHTHOUSE"  # the Lighthouse's address (http://host:port)
@@ -101,39 +102,45 @@ class LiveAgreement:
 
     def __init__(self, world: World, replica, checkpointer, global_batch_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None]):
-        # Imported in live jobs only: torchft takes a second to import, and starts threads of its own.
-        from torchft import Manager, ProcessGroupGloo
-
         # torchft logs each failed collective with its traceback, and each reconfiguration; this module says
         # in a line when steps stop and start counting.
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
-
-        from mingpt.training.healing import VerifiedTransport
-
-        settings = Settings.from_environment()
+        self.settings = Settings.from_environment()
         self.world, self.replica, self.checkpointer = world, replica, checkpointer
-        self.global_batch_size = global_batch_size
-        self._own_store = None
-        if world.distributed:  # the group's store, which every worker of the group met on
-            store_port = int(os.environ["MASTER_PORT"])
-        else:  # one worker: a store of its own, for torchft's Manager and the peers that reach it
-            self._own_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-            store_port = self._own_store.port
-        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state,
-            min_replica_size=settings.min_nodes, use_async_quorum=False, timeout=timeout,
-            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
-            rank=world.rank, world_size=world.world_size, store_addr=settings.host, store_port=store_port,
-            lighthouse_addr=settings.lighthouse, replica_id=group_name(world, settings.rendezvous),
-            hostname=settings.host,
-            init_sync=False,  # every group starts from the same seeded weights: nothing to send at step 0
-            checkpoint_transport=VerifiedTransport(settings.host, timeout))
-        self.min_groups = settings.min_nodes
+        self.global_batch_size, self.state, self.load = global_batch_size, state, load
+        self.name = group_name(world, self.settings.rendezvous)
+        self.manager = self._new_manager()
+        self.min_groups = self.settings.min_nodes
         self.position: int | None = None  # this group's place in the step's quorum
         self.groups = 0  # groups in the step's quorum
         self.failed_since: float | None = None  # when steps stopped being committed (monotonic), while they are
         self.counted = 0  # the groups of the last committed step (0: none yet)
+
+    def _new_manager(self):
+        """torchft's Manager for this worker, on a store of the group's own that its first worker hosts: a new
+        one for each Manager, so that no key an earlier quorum left there is read again."""
+        # Imported in live jobs only: torchft takes a second to import, and starts threads of its own.
+        from torchft import Manager, ProcessGroupGloo
+
+        from mingpt.training.healing import VerifiedTransport
+
+        port = None
+        if self.world.rank == 0:
+            self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+            port = self._store.port
+        if self.world.distributed:
+            box = [port]
+            dist.broadcast_object_list(box, src=0)
+            port = box[0]
+        timeout, settings = timedelta(seconds=COLLECTIVE_TIMEOUT_S), self.settings
+        return Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self.load, state_dict=self.state,
+            min_replica_size=settings.min_nodes, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+            rank=self.world.rank, world_size=self.world.world_size, store_addr=settings.host, store_port=port,
+            lighthouse_addr=settings.lighthouse, replica_id=self.name, hostname=settings.host,
+            init_sync=False,  # every group starts from the same seeded weights: nothing to send at step 0
+            checkpoint_transport=VerifiedTransport(settings.host, timeout))
 
     @property
     def writes(self) -> bool:
@@ -146,7 +153,12 @@ class LiveAgreement:
 
     def begin(self) -> Share:
         """The step's quorum: heals this group where it is behind, then says where this process stands."""
-        self.manager.start_quorum()
+        while True:
+            try:
+                self.manager.start_quorum()
+                break
+            except Exception as e:  # the Lighthouse stopped answering (TimeoutError, or a refused connection)
+                self._meet_again(e)
         self.position, self.groups = self.manager.participating_rank(), self.manager.num_participants()
         if self.position is None or self.groups < self.min_groups:  # a step that cannot count: nothing to compute
             return Share(0, 0)
@@ -158,8 +170,10 @@ class LiveAgreement:
         A stop concerns this group alone: it leaves, and the others go on."""
         params = [p for p in self.replica.model.parameters() if p.requires_grad]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        saves_failing, run_lost = self.checkpointer.problems()
-        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing), float(run_lost),
+        # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one
+        # lost to another job stops the writer's group there, when it claims the run again.
+        saves_failing, _ = self.checkpointer.problems()
+        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing), 0.0,
                                 float(self.checkpointer.lease_generation() or 0)], dtype=torch.float64)
         if self.world.distributed:  # within the group first
             dist.all_reduce(flat)
@@ -176,6 +190,28 @@ class LiveAgreement:
         self._say_what_changed(committed)
         loss, _, failing, lost, generation = numbers.tolist()
         return Outcome(loss / self.global_batch_size, stops, failing > 0, lost > 0, committed, int(generation))
+
+    def _meet_again(self, error: Exception) -> None:
+        """The Lighthouse did not answer for a quorum: it stopped, or restarts. Meet it again, as the same group
+        under a new Manager (torchft keeps no quorum of the Lighthouse it lost), for up to LIGHTHOUSE_WAIT_S."""
+        log.warning("live: the Lighthouse at %s does not answer (%s); meeting it again", self.settings.lighthouse,
+                    one_line(error))
+        self.manager.shutdown(wait=False)
+        deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
+        while True:
+            try:
+                self.manager = self._new_manager()
+                break
+            except Exception as e:
+                if time.monotonic() > deadline:
+                    raise TrainingError(
+                        f"the Lighthouse at {self.settings.lighthouse} has not answered for {LIGHTHOUSE_WAIT_S:.0f} "
+                        f"s ({one_line(e)}); start mingpt-rendezvous again with the same ports, then this command "
+                        "resumes the job") from None
+                time.sleep(1)
+        state = self.replica.state
+        self.resumed_at(state.step, state.samples_seen)
+        log.info("live: met the Lighthouse again")
 
     def _say_what_changed(self, committed: bool) -> None:
         """One line (from the first worker of each group) when this group takes part for the first time, when
