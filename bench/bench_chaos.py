@@ -359,8 +359,8 @@ def summarize(seed: int, mode: str, snap: Path, nodes: list, rows: list, max_ste
     print(f"{mode} seed {seed}: completed {'yes' if completed else 'NO'}; {len(rows)} deaths ({killed} SIGKILL, "
           f"{len(rows) - killed} SIGTERM, {sum(d.aimed for d in rows)} while a node was joining); survivors' stall "
           f"median {_median(stall)} max {_max(stall)}; survivors' worker pids unchanged through {kept} of {survivors} "
-          f"deaths of another node; a new node's start to its first step median {_median(admission)} max {_max(admission)} "
-          f"(never: {never}); goodput {row['goodput']:.0%}; steps trained again {sum(lost)}; ledger {row['ledger']}; "
+          f"deaths of another node; a new node's start to its first step median {_median(admission)} max "
+          f"{_max(admission)} (never: {never}); goodput {row['goodput']:.0%}; steps trained again {sum(lost)}; ledger {row['ledger']}; "
           f"val loss against an uninterrupted run: difference {val if val is None else f'{val:.1e}'}; greedy text "
           f"equal: {greedy} (logs in {work})", flush=True)
     return row

@@ -80,6 +80,27 @@ def test_a_healer_gets_the_step_the_source_serves_once_it_serves_it():
         healer.shutdown()
 
 
+def test_a_healer_refuses_a_damaged_state_and_gets_it_from_another_group():
+    """The source torchft chose sends a state whose bytes changed after its sender hashed them: the healer
+    refuses it and asks the other groups, one of which serves the step's state while its step lasts."""
+    source, other = (VerifiedTransport("127.0.0.1", timedelta(seconds=5)) for _ in range(2))
+    healer = VerifiedTransport("127.0.0.1", timedelta(seconds=5), lambda: [source.metadata(), other.metadata()])
+    try:
+        source.send_checkpoint([1], 3, a_state(), timedelta(seconds=5))
+        step, payload = source._served
+        source._served = (step, payload[:-3] + bytes([payload[-3] ^ 1]) + payload[-2:])  # a bit flipped on the way
+        other.offer(3, a_state)
+        got = healer.recv_checkpoint(0, source.metadata(), 3, timedelta(seconds=5))
+        assert got["train"] == {"step": 7, "samples_seen": 56}
+        other.disallow_checkpoint()  # its step is over: nobody sends a sound state of step 3 now
+        other.timeout = timedelta(seconds=0.1)
+        with pytest.raises(HealingError, match="do not match"):
+            healer.recv_checkpoint(0, source.metadata(), 3, timedelta(seconds=5))
+    finally:
+        for transport in (source, other, healer):
+            transport.shutdown()
+
+
 # -- whole jobs ------------------------------------------------------------------------------------------------
 
 

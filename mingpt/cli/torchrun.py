@@ -204,7 +204,8 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
     sooner than torchrun would, and ends what would fail anyway in one line instead of two tracebacks."""
     try:
         host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_PORT)
-        params = RendezvousParameters("c10d", endpoint, "check", 1, 1, **torch_internals.parse_rendezvous_config(rdzv_conf))
+        conf = torch_internals.parse_rendezvous_config(rdzv_conf)
+        params = RendezvousParameters("c10d", endpoint, "check", 1, 1, **conf)
         is_host, wait_s = params.get_as_bool("is_host"), params.get_as_int("read_timeout", 60)
         if wait_s < 1:
             raise ValueError(f"The read timeout must be a positive integer, got {wait_s}.")

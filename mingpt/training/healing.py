@@ -5,8 +5,9 @@ torchft's own transports unpickle what a peer sends (torch.load with weights_onl
 that can reach the port could run code in the joiner. Here the state travels as safetensors (raw
 tensor bytes and a JSON description of the rest), each tensor with the sha256 the sender computed
 before it sent anything. The receiver checks every tensor against its digest and refuses the whole
-state on a mismatch (HealingError): torchft then counts the step as failed, and the joiner heals
-again at the next one.
+state on a mismatch (HealingError), then asks the other groups of the step, each of which serves the
+same state while its step lasts (`offer`). Where none sends a sound one, torchft counts the step as
+failed, and the joiner heals again at the next one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 import urllib.request
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -28,6 +29,8 @@ from torchft.checkpointing.transport import CheckpointTransport
 log = logging.getLogger(__name__)
 
 MAX_DESCRIPTION_BYTES = 64 << 20  # the JSON description of a state (tensors travel apart)
+ASKED = 8  # other groups a healer asks, where its source's state does not check out
+ASK_TIMEOUT = timedelta(seconds=2)  # ... each given this long to answer (a dead host's address never does)
 
 
 class HealingError(RuntimeError):
@@ -114,12 +117,15 @@ class VerifiedTransport(CheckpointTransport):
     """torchft's checkpoint transport, as `encode` and `decode` above, served over HTTP on `host`.
 
     A source serves one step's state between `send_checkpoint` and `disallow_checkpoint` (which waits
-    for the transfers under way: the state may change once it returns)."""
+    for the transfers under way: the state may change once it returns); every other group of the step
+    serves it too, made when first asked, between `offer` and `disallow_checkpoint`. `peers()` gives the
+    other groups' addresses, which a healer asks when its source's state does not check out."""
 
-    def __init__(self, host: str, timeout: timedelta):
-        self.host, self.timeout = host, timeout
+    def __init__(self, host: str, timeout: timedelta, peers: Callable[[], list[str]] = lambda: []):
+        self.host, self.timeout, self.peers = host, timeout, peers
         self._lock = threading.Condition()
         self._served: tuple[int, bytes] | None = None  # (step, payload) while allowed
+        self._offered: tuple[int, Callable[[], Any]] | None = None  # (step, its state, made when asked)
         self._sending = 0  # transfers under way
         transport = self
 
@@ -145,12 +151,34 @@ class VerifiedTransport(CheckpointTransport):
             self._lock.notify_all()
         log.info("healing: serving step %d (%.1f MB) to %d replica(s)", step, len(payload) / 1e6, len(dst_ranks))
 
+    def offer(self, step: int, state: Callable[[], Any]) -> None:
+        """This group is at `step` until `disallow_checkpoint`: serve `state()` to a healer that asks."""
+        with self._lock:
+            self._offered = (step, state)
+            self._lock.notify_all()
+
     def disallow_checkpoint(self) -> None:
         with self._lock:
-            self._served = None
+            self._served = self._offered = None
             self._lock.wait_for(lambda: self._sending == 0, timeout=self.timeout.total_seconds())
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        """The state of `step` from the source torchft chose, or, where it does not check out, from another."""
+        try:
+            return self._fetch(metadata, step, timeout)
+        except HealingError as refused:
+            for peer in reversed(self.peers()[-ASKED:]):  # the newest first: the likeliest to be alive
+                if peer in (metadata, self.metadata()):
+                    continue
+                try:
+                    state = self._fetch(peer, step, min(timeout, ASK_TIMEOUT))
+                except (HealingError, OSError):  # damaged too, or gone, or not at this step: the next one
+                    continue
+                log.info("healing: received step %d from %s instead", step, peer)
+                return state
+            raise refused
+
+    def _fetch(self, metadata: str, step: int, timeout: timedelta) -> Any:
         url = f"{metadata}{step}"
         with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as response:
             data = response.read()
@@ -170,11 +198,13 @@ class VerifiedTransport(CheckpointTransport):
         """GET .../checkpoint/STEP: the state of STEP, once this source serves it (a healer may ask before the
         source's own quorum has staged it)."""
         wanted = request.path.rsplit("/", 1)[-1]
+        at = lambda held: held is not None and str(held[0]) == wanted
         with self._lock:
-            self._lock.wait_for(lambda: self._served is not None and str(self._served[0]) == wanted,
-                                timeout=self.timeout.total_seconds())
+            self._lock.wait_for(lambda: at(self._served) or at(self._offered), timeout=self.timeout.total_seconds())
+            if not at(self._served) and at(self._offered):  # made once, while the step's state stands still
+                self._served = (self._offered[0], encode(self._offered[1]()))
             served = self._served
-            if served is None or str(served[0]) != wanted:
+            if not at(served):
                 request.send_error(404, f"not serving step {wanted}")
                 return
             self._sending += 1

@@ -56,7 +56,9 @@ HOST = "MINGPT_LIVE_HOST"  # the address other nodes reach this one at
 MIN_NODES = "MINGPT_LIVE_MIN_NODES"  # the fewest groups that may commit a step (--nnodes's MIN)
 
 LIGHTHOUSE_KEY = "mingpt/lighthouse"  # the key under which mingpt-rendezvous publishes the Lighthouse's address
+STATE_KEY = "mingpt"  # the name of the run's state among what torchft sends a healing group
 JOINS_KEY = "mingpt/live/joins/"  # + job id: the counter that names groups in the order they join
+HEALERS_KEY = "mingpt/live/healers/"  # + job id / local rank: the addresses groups serve their state at
 
 
 def enabled() -> bool:
@@ -79,16 +81,13 @@ class Settings:
                               "mingpt-torchrun --live") from None
 
 
-def group_name(world: World, rendezvous: str) -> str:
+def group_name(world: World, rendezvous: dist.Store) -> str:
     """This group's name in the quorum, the same in each of its workers: its place in the order in which the
     job's groups (and their restarts) met torchft, then its host and agent. torchft orders a quorum by name,
     so the first position, the writer's, stays with the oldest group until it leaves."""
     name = None
     if world.rank == 0:
-        host, port = rendezvous.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
-        joined = store.add(JOINS_KEY + os.environ.get("TORCHELASTIC_RUN_ID", ""), 1)
+        joined = rendezvous.add(JOINS_KEY + os.environ.get("TORCHELASTIC_RUN_ID", ""), 1)
         name = f"{joined:09d}-{socket.gethostname()}-{os.getppid()}"
     if world.distributed:
         box = [name]
@@ -108,7 +107,11 @@ class LiveAgreement:
         self.settings = Settings.from_environment()
         self.world, self.replica, self.checkpointer = world, replica, checkpointer
         self.global_batch_size, self.state, self.load = global_batch_size, state, load
-        self.name = group_name(world, self.settings.rendezvous)
+        host, port = self.settings.rendezvous.rsplit(":", 1)
+        self.rendezvous = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
+        self.healers = f"{HEALERS_KEY}{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{world.rank}"
+        self.name = group_name(world, self.rendezvous)
         self.manager = self._new_manager()
         self.min_groups = self.settings.min_nodes
         self.position: int | None = None  # this group's place in the step's quorum
@@ -133,14 +136,28 @@ class LiveAgreement:
             dist.broadcast_object_list(box, src=0)
             port = box[0]
         timeout, settings = timedelta(seconds=COLLECTIVE_TIMEOUT_S), self.settings
-        return Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self.load, state_dict=self.state,
+        self.transport = VerifiedTransport(settings.host, timeout, self._peers)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_nodes, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
             rank=self.world.rank, world_size=self.world.world_size, store_addr=settings.host, store_port=port,
             lighthouse_addr=settings.lighthouse, replica_id=self.name, hostname=settings.host,
             init_sync=False,  # every group starts from the same seeded weights: nothing to send at step 0
-            checkpoint_transport=VerifiedTransport(settings.host, timeout))
+            checkpoint_transport=self.transport)
+        manager.register_state_dict_fn(STATE_KEY, self.load, self.state)
+        try:  # where a healer whose source sent a damaged state finds this one
+            self.rendezvous.append(self.healers, self.transport.metadata() + " ")
+        except Exception as e:  # mingpt-rendezvous restarting: healers ask the source torchft chose only
+            log.debug("could not publish this group's healing address: %s", e)
+        return manager
+
+    def _peers(self) -> list[str]:
+        """The addresses every group of the job (that of this worker's local rank) has served its state at."""
+        try:
+            return self.rendezvous.get(self.healers).decode().split()
+        except Exception:  # none published yet, or mingpt-rendezvous restarting
+            return []
 
     @property
     def writes(self) -> bool:
@@ -159,6 +176,9 @@ class LiveAgreement:
                 break
             except Exception as e:  # the Lighthouse stopped answering (TimeoutError, or a refused connection)
                 self._meet_again(e)
+        # Until the vote, this group's state is that of the step: a healer whose source failed it may ask here.
+        self.transport.offer(self.manager.current_step(),
+                             lambda: {"user": {STATE_KEY: self.state()}, "torchft": self.manager.state_dict()})
         self.position, self.groups = self.manager.participating_rank(), self.manager.num_participants()
         if self.position is None or self.groups < self.min_groups:  # a step that cannot count: nothing to compute
             return Share(0, 0)
