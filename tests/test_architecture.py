@@ -2,6 +2,7 @@
 is no import circle (lazy imports inside functions count), and only mingpt/cli/ defines commands."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,86 @@ def test_the_launcher_and_the_snapshot_commands_leave_the_sharding_machinery_uni
             f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# -- docs/ARCHITECTURE.md is true to the code -------------------------------------------------------------------
+
+REPO = PACKAGE.parent
+ARCHITECTURE = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+CITED = sorted(set(re.findall(r"`([^`\n]+)`", ARCHITECTURE)))
+RUN_FILE = re.compile(r"\.(json|jsonl|pt|yaml)$")  # manifest.json, metrics.jsonl: files of a run folder, not code
+
+
+def defined_names() -> dict[str, set[str]]:
+    """Each module's names: its top-level definitions and assignments, and ClassName.member for its classes."""
+    found = {}
+    for module, tree in modules().items():
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                for member in node.body:
+                    if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(f"{node.name}.{member.name}")
+                    elif isinstance(member, ast.AnnAssign) and isinstance(member.target, ast.Name):
+                        names.add(f"{node.name}.{member.target.id}")
+            elif isinstance(node, ast.Assign):
+                names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+        found[module] = names
+    return found
+
+
+def resolves(reference: str, names: dict[str, set[str]]) -> bool:
+    """Whether `reference` (module.name, package.module.name, Class.member, ...) names something in mingpt."""
+    parts = reference.split(".")
+    for split in range(len(parts), 0, -1):  # the longest module path first
+        module, rest = ".".join(parts[:split]), ".".join(parts[split:])
+        for known in names:
+            if known == f"mingpt.{module}" or known.endswith(f".{module}"):
+                if not rest or rest in names[known]:
+                    return True
+    return any(reference in found for found in names.values())  # Class.member, a name of any module
+
+
+def a_setting(reference: str) -> bool:
+    from mingpt.training.config import Config
+
+    node = Config()
+    for part in reference.split("."):
+        if not hasattr(node, part):
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def test_the_architecture_names_every_module():
+    unnamed = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        relative = path.relative_to(REPO).as_posix()
+        dotted = module_name(path).removeprefix("mingpt.")
+        named = {path.stem, path.name, relative, dotted, relative.removeprefix("mingpt/")}
+        if not any(token in named or token.startswith((f"{path.stem}.", f"{dotted}.")) for token in CITED):
+            unnamed.append(relative)
+    assert unnamed == []
+
+
+def test_every_file_and_name_the_architecture_cites_exists():
+    names = defined_names()
+    missing = []
+    for token in CITED:
+        reference = token.removesuffix("()")
+        if reference.startswith(("mingpt/", "train/", "tests/", "bench/", "docs/")):
+            if not (REPO / reference).exists():
+                missing.append(token)
+        elif reference.endswith(".py"):
+            if not list(PACKAGE.rglob(reference)):
+                missing.append(token)
+        elif re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", reference) and not RUN_FILE.search(reference):
+            if not (resolves(reference, names) or a_setting(reference)):
+                missing.append(token)
+    assert missing == []

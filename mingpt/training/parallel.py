@@ -116,11 +116,10 @@ def place(model: GPT, topology: Topology, compute_dtype: torch.dtype) -> None:
 def _return_large_frees_to_the_system() -> None:
     """Sharded training gathers each block's weights and gradients into buffers of tens of MB and frees
     them a moment later. glibc's malloc raises its mmap threshold after each such free, so the next ones
-    come from the heap, which fragments and keeps growing: gpt2 at 2 workers peaked at 2.4 GB per process,
-    more than under DDP. With the threshold fixed at 4 MB, buffers that large come from mmap and go back at
-    once: 1.2 GB (bench/bench_fsdp.py). (Fixed at glibc's default of 128 KB: 1.1 GB, but a third fewer
-    tokens/s for gpt-mini, whose activations of a few MB then came from mmap too.) GPUs have their own
-    allocator; elsewhere than glibc this does nothing."""
+    come from the heap, which fragments and grows past what DDP needs. With the threshold fixed at 4 MB,
+    buffers that large come from mmap and go back at once; lower, activations of a few MB would too, at a
+    cost in speed (docs/benchmarks.md, bench/bench_fsdp.py). GPUs have their own allocator; elsewhere than
+    glibc this does nothing."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 4 << 20)
     except (OSError, AttributeError):

@@ -9,7 +9,7 @@ import torch
 from mingpt.errors import ConfigError
 from mingpt.training.performance import cpu_flags
 
-# Below this width bf16 autocast costs more in casts than its matmuls save on a CPU (gpt-nano, 48 wide: 0.90x fp32).
+# Below this width bf16 autocast costs more in casts than its matmuls save on a CPU (docs/benchmarks.md).
 MIN_BF16_CPU_WIDTH = 128
 
 

@@ -52,7 +52,7 @@ class Replica:
         win over the saved ones."""
         configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
         options = StateDictOptions(full_state_dict=whole)
-        # Model and optimizer one at a time: set_state_dict with both hung in one case (see DESIGN.md).
+        # Model and optimizer one at a time: torch's set_state_dict of both at once hung (broadcast_from_rank0).
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         if self.scaler is not None and state.get("scaler") is not None:
