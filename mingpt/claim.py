@@ -1,22 +1,50 @@
-"""Holding something among processes that may die, on machines whose clocks disagree: the one primitive
-behind the run's lease (mingpt.checkpoint.lease) and the claim of prepared data (mingpt.data.remote).
+"""Holding something among processes that may die, on machines whose clocks disagree: the one claim behind the
+run's lease (mingpt.checkpoint.lease) and the prepared data's claim (mingpt.data.remote), and the one lock of a
+folder among the processes of one machine.
 
-- A claim is a small JSON record, created exclusively where every claimant reaches it (O_EXCL on a local
-  disk, a conditional PUT on S3): of two claimants exactly one wins. Who holds it is `holder()`.
-- Its holder keeps it alive by rewriting it at an interval: a `Beat`.
-- A claimant judges a holder on another machine gone only once its record `stood_still` for the holder's
-  timeout on the claimant's own monotonic clock: no two machines' clocks are ever compared.
-- A holder on this machine (the same host and boot) is gone once none of its processes runs, known by
-  pid and start time, so that a reused pid is never taken for it: `ended_here`.
+- A claim is a folder of numbered generations, gen-000000001.json, gen-000000002.json, ...: small JSON records,
+  each created exclusively where every claimant reaches it (O_EXCL on a local disk, a conditional PUT on S3).
+  The newest names the holder. Taking over means creating the next generation, never deleting the holder's:
+  of claimants at once exactly one wins.
+- Its holder keeps it alive by rewriting its own generation at an interval (a `Beat`), and marks it released
+  when done. A newer generation fences it off: `overtaken` tells the holder before it writes anything.
+- A claimant judges a holder on another machine gone only once its claim `stood_still` for the holder's timeout
+  on the claimant's own monotonic clock: no two machines' clocks are ever compared.
+- A holder on this machine (the same host and boot) is gone once none of its processes runs, known by pid and
+  start time, so that a reused pid is never taken for it: `ended_here`.
+- Whom a claimant may take over is each policy's decision (the lease's, the prepared data's), never this module's.
+- A `MachineLock` is an flock on a folder: one process of this machine at a time works there.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
 import os
+import re
 import socket
+import stat
 import threading
 import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
+
+from fsspec.spec import AbstractFileSystem
+
+log = logging.getLogger(__name__)
+
+# A claim is a small JSON object: anything larger in a claim folder is not one, and is never read whole.
+MAX_CLAIM_BYTES = 64 * 1024
+_GENERATION = re.compile(r"^gen-(\d{9})\.json$")
+_ATTEMPTS = 10  # how often claimants that keep losing the race for the next generation look again
+
+Write = Callable[[AbstractFileSystem, str, bytes], None]
+
+
+# -- the holder and its liveness ---------------------------------------------------------------------------
 
 
 def holder(pids: list[int]) -> dict:
@@ -77,16 +105,17 @@ def process_alive(pid: int, start: int = 0) -> bool:
     return not start or start_time(pid) == start
 
 
-def stood_still(state: Callable[[], object], timeout: float) -> bool:
-    """Watch `state()` (a claim's bytes, say) for `timeout` seconds of this process's monotonic clock: True
-    when it never changed (its holder is gone), False as soon as it changes (its holder is alive)."""
-    seen = state()
+def stood_still(state: Callable[[], object], seen: object, timeout: float, poll: float | None = None,
+                until: Callable[[], bool] = lambda: False) -> bool:
+    """Watch `state()` (a claim, say) for `timeout` seconds of this process's monotonic clock: True when it stayed
+    `seen` throughout (its holder is gone); False as soon as it differs (its holder is alive) or `until()` is true."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(min(1.0, timeout / 8))
-        if state() != seen:
+    while True:
+        if until() or state() != seen:
             return False
-    return True
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(poll or min(1.0, timeout / 8))
 
 
 class Beat:
@@ -110,3 +139,272 @@ class Beat:
         while not self._stop.wait(self.interval):
             if self.renew() is False:
                 return
+
+
+# -- the generational claim --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One generation of a claim: its number, and what its file says."""
+
+    generation: int
+    record: dict
+
+
+@dataclass(frozen=True)
+class Files:
+    """What a claim needs of its storage. mingpt.storage has it all; each policy hands it in, since this module
+    imports nothing of storage, its neighbour in the layers."""
+
+    fs: AbstractFileSystem
+    local: bool  # this machine's disk: folders must exist before their files, and links are never followed
+    create: Write  # whole and exclusive: FileExistsError where the name is taken, so of two writers one wins
+    replace: Write  # whole, over what is there: a reader sees the old bytes or the new
+    redact: Callable[[object], str]  # a message without the credentials a URL may carry
+
+
+class GenerationalClaim:
+    """The claims on one thing: numbered generations in `folder`, of which this process holds at most one
+    (`held`). `name` stands for the thing in messages; `valid` tells a policy's records from other JSON."""
+
+    def __init__(self, files: Files, folder: str, name: str, valid: Callable[[dict], bool] = lambda record: True):
+        self.files, self.fs, self.folder, self.name, self.valid = files, files.fs, folder.rstrip("/"), name, valid
+        self.held: Claim | None = None
+        self.lost = False  # taken over (or, the policy says, otherwise lost): this process writes nothing more
+        self._beat: Beat | None = None
+
+    # -- looking --------------------------------------------------------------------------------------------
+
+    def newest(self) -> Claim | None:
+        """The newest valid claim (held, silent or released), or None where there is none. Entries of the folder
+        that are not claims (a FIFO, a folder, a link, garbage, another policy's JSON) are skipped, never waited on."""
+        for generation in reversed(self._generations()):
+            record = self.read(generation)
+            if record is not None:
+                return Claim(generation, record)
+        return None
+
+    def read(self, generation: int) -> dict | None:
+        """The claim of `generation`, or None where there is none or the entry is not a valid claim."""
+        data = _read_small(self.files, self.path(generation))
+        try:
+            record = json.loads(data) if data is not None else None
+        except ValueError:  # not JSON, not UTF-8
+            return None
+        named = isinstance(record, dict) and type(record.get("generation")) is int
+        return record if named and record["generation"] == generation and self.valid(record) else None
+
+    def path(self, generation: int) -> str:
+        return f"{self.folder}/gen-{generation:09d}.json"
+
+    def _generations(self) -> list[int]:
+        self.fs.invalidate_cache(self.folder)
+        try:
+            names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.folder, detail=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(int(m[1]) for m in map(_GENERATION.match, names) if m)
+
+    # -- claiming -------------------------------------------------------------------------------------------
+
+    def take(self, may_take: Callable[[Claim], bool], fields: dict | None = None, pids: list[int] | None = None,
+             newest: Callable[[], Claim | None] | None = None) -> Claim | None:
+        """Claim the generation after the holder's, where `may_take(holder)` allows it (or raises: the policy's
+        refusal); None where another holds it: the policy would not take it over, or other claimants won every
+        race for the next generation. `newest` is who holds it now (default: the newest claim; a policy may know
+        more). The record holds `fields`, this machine and `pids` (default: this process)."""
+        newest = newest or self.newest
+        if self.files.local:
+            self.fs.makedirs(self.folder, exist_ok=True)
+        allowed, damaged = None, 0  # the holder the policy let go; the highest generation taken by a non-claim
+        for _ in range(_ATTEMPTS):
+            current = newest()
+            if current is not None and current != allowed:
+                if not may_take(current):
+                    return None
+                allowed = current
+            generation = max(current.generation if current else 0, damaged) + 1
+            record = self._record(generation, fields or {}, pids or [os.getpid()])
+            try:
+                self.files.create(self.fs, self.path(generation), _encode(record))
+            except FileExistsError:
+                existing = self.read(generation)
+                if existing is None:  # a folder, a FIFO, garbage: skipped, like every such entry
+                    log.warning("%s is not a claim; skipping it", self.path(generation))
+                    damaged = generation
+                if existing != record:  # another claimant's; else our own PUT, retried after a cut connection
+                    continue
+            self.held, self.lost = Claim(generation, record), False
+            self._forget_before(generation - 1)
+            return self.held
+        return None
+
+    def _record(self, generation: int, fields: dict, pids: list[int]) -> dict:
+        now = time.time()
+        # The token tells this claim from another of the same generation (one made after its file was deleted).
+        return {**fields, "generation": generation, **holder(pids), "since": now, "renewed": now, "beat": 0,
+                "released": False, "token": uuid.uuid4().hex}
+
+    def _forget_before(self, generation: int) -> None:
+        """Older generations are history; the newest two are enough for the fence and for messages."""
+        for old in self._generations():
+            if old < generation:
+                try:
+                    self.fs.rm_file(self.path(old))
+                except OSError:  # gone meanwhile, or not a file: left alone
+                    pass
+
+    # -- holding --------------------------------------------------------------------------------------------
+
+    def overtaken(self) -> Claim | None:
+        """The fence: the claim that took over from this process's (a newer generation, or its own generation
+        claimed anew after its file was deleted), which sets `lost`; None while this process's is the newest."""
+        if self.held is None:
+            return None
+        newest = self.newest()
+        if newest is None or newest.generation < self.held.generation:
+            return None
+        if newest.generation == self.held.generation and newest.record.get("token") == self.held.record["token"]:
+            return None
+        self.lost = True
+        return newest
+
+    def renew(self, released: bool = False) -> Claim | None:
+        """Write this process's claim again with the next beat (and `released`): None once written, or the claim
+        that took over (then nothing is written: a holder never writes over a newer generation)."""
+        newer = self.overtaken()
+        if newer is not None:
+            return newer
+        held = self.held.record
+        record = {**held, "renewed": time.time(), "beat": held["beat"] + 1, "released": released}
+        if self.files.local:
+            self.fs.makedirs(self.folder, exist_ok=True)  # the folder may have been deleted under the holder
+        self.files.replace(self.fs, self.path(self.held.generation), _encode(record))
+        self.held = Claim(self.held.generation, record)
+        return None
+
+    def keep_alive(self, interval: float, lost: Callable[[Claim], None]) -> None:
+        """Renew every `interval` seconds in a background thread until `release`; `lost(newer)` once taken over."""
+        self._beat = Beat(lambda: self._renew_quietly(lost), interval, f"claim {self.name}")
+        self._beat.start()
+
+    def _renew_quietly(self, lost: Callable[[Claim], None]) -> bool:
+        try:
+            newer = self.renew()
+        except Exception as e:  # a storage hiccup: the next beat may get through, and watchers allow for some
+            log.warning("could not renew the claim on %s: %s: %s", self.name, type(e).__name__, self.files.redact(e))
+            return True
+        if newer is not None:
+            lost(newer)
+        return newer is None
+
+    def release(self) -> None:
+        """Stop renewing, and mark the claim released (unless it was lost), so that another may take over at once."""
+        if self._beat is not None:
+            self._beat.stop()
+        if self.held is None or self.lost:
+            return
+        try:
+            self.renew(released=True)
+        except Exception as e:  # the claim then falls silent, and is taken over after its timeout
+            log.warning("could not release the claim on %s: %s", self.name, self.files.redact(e))
+
+    def __enter__(self) -> "GenerationalClaim":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _encode(record: dict) -> bytes:
+    return json.dumps(record, indent=2).encode()
+
+
+def _read_small(files: Files, path: str) -> bytes | None:
+    """The bytes of `path` where it is a regular file of at most MAX_CLAIM_BYTES; None otherwise (absent, a folder,
+    a FIFO, a link, larger). Never blocks on a FIFO, never reads more than MAX_CLAIM_BYTES + 1 bytes."""
+    try:
+        if not files.local:
+            data = files.fs.cat_file(path, start=0, end=MAX_CLAIM_BYTES + 1)
+        else:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return None
+                data = os.read(fd, MAX_CLAIM_BYTES + 1)
+            finally:
+                os.close(fd)
+    except OSError:  # gone meanwhile, a link (ELOOP), unreadable
+        return None
+    return data if len(data) <= MAX_CLAIM_BYTES else None
+
+
+# -- the machine lock --------------------------------------------------------------------------------------
+
+
+class MachineLock:
+    """An exclusive flock on a folder of this machine, with no lock file to leave behind: one process of the
+    machine holds it at a time, and the kernel lets it go when that process ends, however it ends. `doing` says
+    what its holder does there, for the message of a process that waits."""
+
+    def __init__(self, folder: str | os.PathLike, doing: str):
+        self.folder, self.doing = Path(folder), doing
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, wait: bool = True) -> bool:
+        """Whether this process holds the lock now: False where another holds it (and not `wait`), or where the
+        file system has no flock (then the caller goes on without). The folder itself is never a link: one in a
+        place other users share could be swapped for a link to anything."""
+        self._fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        _held.add(self)  # from here on a forked child closes its copy, even while this process waits
+        held = False
+        try:
+            held = self._flock(wait)
+        finally:
+            if not held:  # also when a stop interrupts the wait
+                self.release()
+        return held
+
+    def _flock(self, wait: bool) -> bool:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                return False
+            log.info("waiting: another process on this machine is %s %s", self.doing, self.folder)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except OSError:  # no flock on this file system
+            return False
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            _held.discard(self)
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# The machine locks this process holds. A forked child closes its copies at once: a lock is held until every
+# copy of its descriptor is closed, and a child may outlive this process.
+_held: set[MachineLock] = set()
+
+
+def _forget_held_locks() -> None:
+    for lock in _held:
+        os.close(lock._fd)
+        lock._fd = None
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held_locks)

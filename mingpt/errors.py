@@ -29,6 +29,13 @@ class TrainingError(MinGPTError):
     """Training cannot go on as configured (for example, the loss became infinite or NaN)."""
 
 
+def one_line(cause) -> str:
+    """An error (or a text) in one line: its type and the first line of its message."""
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return str(cause)
+
+
 class PeerLeft(Exception):
     """This process's generation ended because of another process: one was asked to stop, or died. Not a
     failure of this one: it exits with `exit_code` (mingpt.training.launcher), which mingpt-torchrun's agent

@@ -16,7 +16,7 @@ from launch import (
     run, slow_corpus, torchrun, wait_for,
 )
 from mingpt.data.prepare import PrepareConfig, prepare
-from mingpt.training import distributed
+from mingpt.training import distributed, launcher
 from mingpt.training.launcher import QUICK_RENDEZVOUS, merge_rendezvous_conf
 from mingpt.errors import ConfigError
 
@@ -53,12 +53,12 @@ def test_store_sharing_is_refused_where_more_nodes_may_join(shared_store):
 
 def test_the_agents_node_count_is_read_as_torchruns_argparse_reads_it():
     agent = ["python3", "/venv/bin/torchrun"]
-    assert distributed.max_nodes([*agent, "--nnodes=1:2", "train/main.py"]) == 2
-    assert distributed.max_nodes([*agent, "--nnode=1:3", "train/main.py"]) == 3  # an abbreviation it accepts
-    assert distributed.max_nodes([*agent, "--nn", "4", "train/main.py"]) == 4
-    assert distributed.max_nodes([*agent, "--node-rank=5", "train/main.py"]) == 1  # not --nnodes
-    assert distributed.max_nodes([*agent, "train/main.py"], nnodes="1:4") == 4  # PET_NNODES
-    assert distributed.max_nodes([*agent, "--nnodes=a:b", "train/main.py"]) == 1
+    assert launcher.max_nodes([*agent, "--nnodes=1:2", "train/main.py"]) == 2
+    assert launcher.max_nodes([*agent, "--nnode=1:3", "train/main.py"]) == 3  # an abbreviation it accepts
+    assert launcher.max_nodes([*agent, "--nn", "4", "train/main.py"]) == 4
+    assert launcher.max_nodes([*agent, "--node-rank=5", "train/main.py"]) == 1  # not --nnodes
+    assert launcher.max_nodes([*agent, "train/main.py"], nnodes="1:4") == 4  # PET_NNODES
+    assert launcher.max_nodes([*agent, "--nnodes=a:b", "train/main.py"]) == 1
 
 
 def test_store_sharing_on_one_agent_is_a_warning(shared_store, caplog):

@@ -21,6 +21,7 @@ from launch import (
     MAIN, RDZV_CONF, SMALL, env, free_port, latest_step, manifests, output, rendezvous, torchrun, train_here, wait_for,
     worker,
 )
+from mingpt import claim
 from mingpt.checkpoint.lease import RunLease, RunOwnedError
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.cli import snapshot as mingpt_snapshot
@@ -216,6 +217,22 @@ def test_a_run_whose_claim_file_went_before_its_first_commit_is_watched_not_star
     log = train_here(tmp_path, "trainer.max_steps=5", "snapshot.lease_timeout_s=1")
     assert "has metrics but no claim and no commit" in log and "has not renewed its claim for 1 s" in log
     assert "done: step 5" in log
+
+
+def test_a_run_claimed_by_the_previous_version_is_taken_over_as_before(tmp_path):
+    """A claim file of the version before claims carried a token: its job's process on this machine has ended, so
+    a new job takes the run over at once, at the next generation."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    owner = tmp_path / "snap" / "owner"
+    owner.mkdir(parents=True)
+    (owner / "gen-000000003.json").write_text(json.dumps({
+        "job": "process:old", "generation": 3, **claim.holder([]), "pids": [[gone.pid, 1]], "since": 1.0,
+        "renewed": 2.0, "beat": 4, "released": False, "timeout_s": 3600}))
+    lease = RunLease(SnapshotStore(str(tmp_path / "snap")).run, timeout_s=60, job="new")
+    assert lease.acquire().generation == 4
+    lease.release()
+    assert lease.current().record["released"] is True and lease.current().record["job"] == "new"
 
 
 @pytest.mark.slow

@@ -44,11 +44,23 @@ def put(s3, key: str, body: bytes) -> None:
     boto3.client("s3", endpoint_url=s3.endpoint).put_object(Bucket=s3.bucket, Key=key, Body=body)
 
 
+def plant_claim(s3, folder: str, record: dict, generation: int = 1) -> None:
+    """A claim of `folder` (under prepared/), as another node would have made it."""
+    body = json.dumps({**record, "generation": generation}).encode()
+    put(s3, f"prepared/{folder}/claim/gen-{generation:09d}.json", body)
+
+
+def newest_claim(url: str) -> claim.Claim | None:
+    return remote.RemoteFolder(url)._claims().newest()
+
+
 def test_the_first_node_publishes_and_the_next_copies_without_tokenizing(tmp_path, s3, shared, monkeypatch):
     first = prepare(shared(tmp_path / "node-a"))
     assert first == tmp_path / "node-a"
     assert s3_keys(s3, "prepared/") == [f"prepared/corpus-char/{name}" for name in
-                                        ("meta.json", "tokenizer.json", "train.bin", "val.bin")]  # no claim left
+                                        ("claim/gen-000000001.json", "meta.json", "tokenizer.json", "train.bin",
+                                         "val.bin")]
+    assert newest_claim(shared(tmp_path).prepared_dir).record["released"] is True
 
     refuse_to_tokenize(monkeypatch)
     s3.requests.clear()
@@ -117,16 +129,18 @@ def test_a_claim_whose_beat_stops_is_taken_over_and_a_beating_one_is_waited_for(
     assert "copied s3://" in caplog.text
     assert PreparedData(waited).fingerprint == PreparedData(tmp_path / "built").fingerprint
 
-    # A node that died left its claim: its beat never moves, and after the timeout it is taken over.
+    # A node that died left its claim: its beat never moves, and after the timeout it is taken over by the next
+    # generation, the dead node's left as it was.
     for key in s3_keys(s3, "prepared/"):
         boto3.client("s3", endpoint_url=s3.endpoint).delete_object(Bucket=s3.bucket, Key=key)
-    put(s3, "prepared/corpus-char/claim.json", json.dumps({"host": "node-that-died", "pids": [[7, 1]], "beat": 3}).encode())
+    plant_claim(s3, "corpus-char", {"host": "node-that-died", "pids": [[7, 1]], "beat": 3}, generation=4)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mingpt"):
         prepare(shared(tmp_path / "survivor"))
     assert "(host node-that-died, pid 7) stopped; preparing it here instead" in caplog.text
     assert "prepared/corpus-char/meta.json" in s3_keys(s3, "prepared/")
-    assert "prepared/corpus-char/claim.json" not in s3_keys(s3, "prepared/")
+    taken = newest_claim(shared(tmp_path).prepared_dir)
+    assert taken.generation == 5 and taken.record["released"] is True and taken.record["pids"][0][0] == os.getpid()
 
 
 @pytest.mark.parametrize("reused", [False, True])
@@ -137,8 +151,51 @@ def test_a_claim_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_pat
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     process = [os.getpid(), claim.start_time(os.getpid()) + 1] if reused else [gone.pid, 1]
-    put(s3, "prepared/corpus-char/claim.json", json.dumps({**claim.holder([]), "pids": [process], "beat": 0}).encode())
+    plant_claim(s3, "corpus-char", {**claim.holder([]), "pids": [process], "beat": 0})
     assert PreparedData(prepare(shared(tmp_path / "node-a"))).meta["train_tokens"] > 0
+    assert newest_claim(shared(tmp_path).prepared_dir).generation == 2
+
+
+def test_a_claim_json_of_an_older_version_is_no_claim(tmp_path, s3, shared, monkeypatch):
+    """An older version claimed with one file, claim.json, deleted on take-over; one left in a published folder
+    (its node died) holds up no preparation of this version, and stays as it was."""
+    monkeypatch.setattr(remote, "CLAIM_TIMEOUT_S", 3600.0)  # a wait would end the test by pytest's timeout
+    old = json.dumps({**claim.holder([]), "host": "old-node", "beat": 7}).encode()
+    put(s3, "prepared/corpus-char/claim.json", old)
+    assert PreparedData(prepare(shared(tmp_path / "node-a"))).meta["train_tokens"] > 0
+    assert boto3.client("s3", endpoint_url=s3.endpoint).get_object(
+        Bucket=s3.bucket, Key="prepared/corpus-char/claim.json")["Body"].read() == old
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_of_takers_of_a_dead_claim_at_once_exactly_one_wins(tmp_path, where, request):
+    """Every waiter that found the same dead holder takes its claim over at the same moment: one creates the
+    next generation and prepares, the others find it claimed and wait for it. Nothing is deleted, so no taker
+    can remove a claim another taker has just made."""
+    url = str(tmp_path / "published") if where == "local" else f"s3://{request.getfixturevalue('s3').bucket}/published"
+    folder = remote.RemoteFolder(url)
+    gone = folder._claims().take(lambda holder: True)  # a claim that nobody renews: its node died
+    start, won = threading.Barrier(6), []
+
+    def take() -> None:
+        start.wait()
+        taken = folder.try_claim(gone)
+        if taken is not None:
+            won.append(taken)
+
+    takers = [threading.Thread(target=take) for _ in range(6)]
+    for t in takers:
+        t.start()
+    for t in takers:
+        t.join()
+    try:
+        assert len(won) == 1 and won[0].held.generation == gone.generation + 1
+        assert folder._claims().newest().record["token"] == won[0].held.record["token"]
+        assert folder._claims().read(gone.generation) == gone.record  # the dead node's claim, as it was
+        assert folder.try_claim(gone) is None  # the winner holds it now, not the dead node
+    finally:
+        for taken in won:
+            taken.release()
 
 
 def test_two_nodes_starting_together_prepare_once(tmp_path, s3, corpus_file, procs):
@@ -168,12 +225,16 @@ def test_a_bucket_that_is_not_there_is_one_line_naming_the_setting_and_nothing_i
     assert not (tmp_path / "copy").exists()
 
 
-def test_an_untrusted_claim_or_description_is_bounded_and_typed(tmp_path, s3, corpus_file):
+def test_an_untrusted_claim_or_description_is_bounded_and_typed(tmp_path, s3, corpus_file, monkeypatch):
     """A claim is another node's word: one of a MB is not read whole at every poll (nor logged), a pid no
     process can have is no error, and a description's dtype is one the token files are written in."""
     folder = remote.RemoteFolder(f"s3://{s3.bucket}/prepared/x")
-    put(s3, "prepared/x/claim.json", json.dumps({"host": "h" * 2**20, "pid": 1, "beat": 0}).encode())
-    assert folder.holder() == {}  # unreadable: watched like a silent claim, and taken over in time
+    plant_claim(s3, "x", {"host": "h" * 2**20, "pids": [[1, 1]], "beat": 0})
+    reads, cat_file = [], folder.fs.cat_file
+    monkeypatch.setattr(folder.fs, "cat_file", lambda path, start=None, end=None: reads.append(end) or
+                        cat_file(path, start=start, end=end))
+    assert folder._claims().newest() is None  # not a claim: skipped
+    assert reads == [claim.MAX_CLAIM_BYTES + 1]  # and never read whole
     for pid in (-1, 0):  # never a signal to a process group
         assert claim.process_alive(pid) is False
     assert claim.ended_here({**claim.holder([]), "pids": [[2**70, 1]]}) is False  # cannot tell: alive
@@ -218,9 +279,9 @@ def test_a_frozen_preparer_on_this_machine_is_named_not_taken_over(tmp_path, s3,
     monkeypatch.setattr(remote, "CLAIM_TIMEOUT_S", 1.0)
     frozen = procs.start([sys.executable, "-c", "import time; time.sleep(120)"], "frozen")
     os.kill(frozen.pid, signal.SIGSTOP)
-    put(s3, "prepared/corpus-char/claim.json", json.dumps({**claim.holder([frozen.pid]), "beat": 3}).encode())
+    plant_claim(s3, "corpus-char", {**claim.holder([frozen.pid]), "beat": 3})
     # Ending at all, with this error, is the proof: a takeover would wait on the lock for good (pytest's
     # timeout ends the test then).
     with pytest.raises(DataError, match=rf"process {frozen.pid} on this machine claimed s3://.* resume it \(kill -CONT\)"):
         prepare(shared(tmp_path / "node-b"))
-    assert "prepared/corpus-char/claim.json" in s3_keys(s3, "prepared/")  # still its
+    assert newest_claim(f"s3://{s3.bucket}/prepared/corpus-char").record["pids"][0][0] == frozen.pid  # still its

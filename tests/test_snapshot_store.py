@@ -14,6 +14,7 @@ from mingpt.tokenizers import CharTokenizer
 from mingpt.model import GPTConfig
 import mingpt.checkpoint.store as snapshot_module
 from mingpt.checkpoint.load import snapshot_store
+from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.checkpoint.store import SnapshotError, SnapshotStore
 from mingpt.checkpoint.writer import SnapshotWriter
 from mingpt.storage import explain_storage_error
@@ -144,6 +145,23 @@ def test_a_save_cut_short_at_any_write_leaves_the_previous_snapshot_loadable(sto
         assert store._folder_names() == ["step-000000030", "step-000000040", "step-000000050"]
     else:
         assert store._folder_names() == ["step-000000010", "step-000000030"]
+
+
+def test_the_store_asks_the_lease_whether_a_commit_it_finds_is_its_to_keep(store_url):
+    """A commit at a step this job saves is kept where it was there before this job claimed the run (the one it
+    resumes from); one that another job made since stops this job, which writes nothing more and does not mark
+    the run released. The lease decides; the store only asks."""
+    save(SnapshotStore(store_url), 10)  # by a job before this one
+    store = SnapshotStore(store_url)
+    with store.claim(timeout_s=60) as lease:
+        assert save(store, 10).manifest.get("writer") is None  # kept as it was
+        other = SnapshotStore(store_url)
+        other.lease = RunLease(other.run, 60, job="someone-else")  # writing beside this job, without a claim
+        save(other, 20)
+        with pytest.raises(LeaseLostError, match=r"step-000000020 was committed by job someone-else .*, not by this job"):
+            save(store, 20)
+        assert lease.lost
+    assert lease.current().record["released"] is False
 
 
 def test_retention_keeps_the_newest_n(store_url):

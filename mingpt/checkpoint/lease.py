@@ -3,7 +3,7 @@
 Two jobs started into the same `snapshot.dir` by mistake would delete each other's saves and
 resume from each other's state. So the job that writes there holds a lease on it:
 
-    <dir>/owner/gen-000000007.json    job, host, pids, since, renewed, beat, released, timeout
+    <dir>/owner/gen-000000007.json    job, host, pids, since, renewed, beat, released, timeout, token
 
 Claiming the run means creating the next generation file with exclusive create (O_EXCL on local
 disk, a conditional PUT on S3), so of two jobs claiming at once exactly one wins. The newest
@@ -15,35 +15,34 @@ when it exits.
 Another job may take the run over when the holder released it, ran on this machine and is gone, or
 stopped beating: judged by watching the claim (and the newest commit) not change for the holder's
 `timeout_s` on this process's own monotonic clock. Timestamps written by another host are never
-compared with ours, so no clock skew lets a live holder be taken over. (Claim, beat, watch and
-liveness are mingpt.claim's, which the prepared data's claim shares.)
+compared with ours, so no clock skew lets a live holder be taken over. (The claim itself, its
+generations, beat, watch and fence, is mingpt.claim's, which the prepared data's claim shares; this
+module decides whom the run may be taken from, and what a commit says of its writer.)
 
 Every generation of workers of one torchrun job (restarts, nodes leaving or joining) carries the
 same job identity, so it takes the run over at once. A worker left over from an older generation
 (its agent killed, its peers gone) finds a newer generation file before it commits or deletes
-anything, and stops instead: that is the fence `check()` gives the snapshot store.
+anything, and stops instead: that is the fence `check()` gives the snapshot store. So does a commit
+at a step this job saves that another job wrote: the store asks `check(found)`, and keeps none of
+the ownership decisions itself.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from mingpt.claim import Beat, ended_here, holder as holder_record, pids, same_machine, start_time, stood_still
+from mingpt.claim import Claim, Files, GenerationalClaim, ended_here, pids, same_machine, start_time, stood_still
 from mingpt.errors import MinGPTError
 from mingpt.rundir import RunDir
-from mingpt.storage import create_exclusive, is_local, redact, replace_atomically
+from mingpt.storage import create_exclusive, redact, replace_atomically
 
 log = logging.getLogger(__name__)
-
-_GEN = re.compile(r"^gen-(\d{9})\.json$")
 
 
 class RunOwnedError(MinGPTError):
@@ -55,9 +54,13 @@ class LeaseLostError(MinGPTError):
 
 
 @dataclass(frozen=True)
-class Claim:
-    generation: int
-    record: dict
+class Commit:
+    """A commit of the run, as the lease judges it: its folder's name, its step, and the writer its manifest names
+    (whatever that is: a manifest is another writer's word)."""
+
+    name: str
+    step: int
+    writer: Any
 
 
 def job_identity() -> str:
@@ -75,39 +78,41 @@ def job_identity() -> str:
     return f"process:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-# A claim file is a small JSON object; anything else in owner/ (a FIFO, a folder, a huge or garbled file) is
-# not a claim and is skipped, never read whole or waited on.
-_MAX_CLAIM_BYTES = 64 * 1024
 # Longest a claimant watches a silent holder, whatever timeout its (possibly hand-edited) claim names.
 _MAX_WATCH_S = 3600.0
 
-# The newest commit of the run: its folder name and the `writer` its manifest names (job, generation).
-LastCommit = Callable[[], "tuple[str, dict | None] | None"]
+# The newest commit of the run, or None where there is none.
+LastCommit = Callable[[], "Commit | None"]
 
 
 class RunLease:
     """The claim of one process (the leader of its generation) on the run under `path`."""
 
     def __init__(self, run: RunDir, timeout_s: float, job: str | None = None):
-        self.fs, self.url, self.timeout_s = run.fs, run.url, timeout_s
-        self.folder, self.metrics = run.owner, run.metrics
-        self.local = is_local(run.fs)
+        self.run, self.url, self.timeout_s = run, run.url, timeout_s
         self.job = job or job_identity()
-        self.claim: Claim | None = None
-        self.lost = False
-        self._beat = 0
-        self._beating: Beat | None = None
+        files = Files(run.fs, run.local, create_exclusive, replace_atomically, redact)
+        self.claims = GenerationalClaim(files, run.owner, run.url, valid=lambda r: isinstance(r.get("job"), str))
+        self._resumed = -1  # the step of the newest commit when this process claimed the run
+
+    @property
+    def claim(self) -> Claim | None:
+        return self.claims.held
 
     @property
     def generation(self) -> int | None:
         return self.claim.generation if self.claim else None
+
+    @property
+    def lost(self) -> bool:
+        return self.claims.lost
 
     @classmethod
     def following(cls, run: RunDir, claim: Claim) -> "RunLease":
         """The holder's `claim` as a process that writes beside the holder (a shard of a snapshot) sees it:
         its `check` fences that process's writes too; it never renews nor releases anything."""
         lease = cls(run, _timeout_of(claim.record, 60.0), claim.record.get("job"))
-        lease.claim = claim
+        lease.claims.held = claim
         return lease
 
     # -- claiming ------------------------------------------------------------------------------
@@ -115,40 +120,29 @@ class RunLease:
     def acquire(self, last_commit: LastCommit = lambda: None) -> Claim:
         """Claim the run, or raise RunOwnedError naming the job that holds it and what to do.
 
-        `last_commit` tells the newest commit and its writer: where the claim files are gone, that
-        writer stands for the holder, and a holder that still commits is alive."""
+        `last_commit` tells the newest commit: where the claim files are gone, its writer stands for the
+        holder, and a holder that still commits is alive."""
         if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
             log.warning("torchrun was started without --rdzv-id: each node's agent then counts as a job of its "
                         "own for run ownership. Give every node the same --rdzv-id=NAME")
-        if self.local:
-            try:
-                self.fs.makedirs(self.folder, exist_ok=True)
-            except FileExistsError:
-                raise RunOwnedError(f"{self.folder} is not a folder: move it away, then run this again") from None
-        damaged = 0  # the highest generation whose name is taken by something that is not a claim
-        for _ in range(10):
-            current = self._holder(last_commit)
-            if current is not None:
-                self._check_may_take(current, last_commit)
-            generation = max(current.generation if current else 0, damaged) + 1
-            record = self._record(generation, since=time.time())
-            try:
-                create_exclusive(self.fs, self._path(generation), _encode(record))
-            except FileExistsError:
-                existing = self._read(generation)
-                if existing == record:  # our own PUT, retried after a cut connection
-                    break
-                if existing is None:  # a folder, a FIFO, garbage: skipped as damaged, like every such entry
-                    log.warning("%s is not a claim; skipping it", self._path(generation))
-                    damaged = generation
-                continue  # another process claimed this generation first: look again
-            break
-        else:
+        before = last_commit()  # a commit after this one, at a step this job saves, is checked, never trusted
+        try:
+            claim = self.claims.take(lambda holder: self._may_take(holder, last_commit),
+                                     fields={"job": self.job, "timeout_s": self.timeout_s}, pids=self._processes(),
+                                     newest=lambda: self._holder(last_commit))
+        except FileExistsError:  # where owner/ should be
+            raise RunOwnedError(f"{self.claims.folder} is not a folder: move it away, then run this again") from None
+        if claim is None:
             raise RunOwnedError(f"could not claim {self.url}: other processes keep claiming it at the same time")
-        self.claim = Claim(generation, record)
-        log.info("this job holds %s (generation %d)", self.url, generation)
-        self._forget_before(generation - 1)
-        return self.claim
+        self._resumed = before.step if before else -1
+        log.info("this job holds %s (generation %d)", self.url, claim.generation)
+        return claim
+
+    @staticmethod
+    def _processes() -> list[int]:
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            return [os.getpid(), os.getppid()]  # and the torchrun agent: the job lives while it does
+        return [os.getpid()]
 
     def _holder(self, last_commit: LastCommit) -> Claim | None:
         """The newest claim; or, where the claim files are gone, who stands for the holder (a take-over case,
@@ -160,30 +154,32 @@ class RunLease:
             log.warning("%s has metrics but no claim and no commit: the claim file of the job training there may "
                         "have been deleted", self.url)
             return Claim(0, {"job": "the job that wrote metrics.jsonl", "generation": 0})
-        writer = commit[1] if commit else None
+        writer = commit.writer if commit else None
         generation = writer.get("generation") if isinstance(writer, dict) else None
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
             return current
         if current is not None and current.generation >= generation:
             return current
         log.warning("%s was last committed by job %s (generation %d, %s), whose claim file in %s is gone",
-                    self.url, writer.get("job"), generation, commit[0], self.folder)
+                    self.url, writer.get("job"), generation, commit.name, self.claims.folder)
         return Claim(generation, {"job": writer.get("job"), "generation": generation, "timeout_s": writer.get("timeout_s")})
 
-    def _check_may_take(self, current: Claim, last_commit: LastCommit) -> None:
+    def _may_take(self, current: Claim, last_commit: LastCommit) -> bool:
+        """True where this job may take the run over from `current`; RunOwnedError where it may not."""
         holder = current.record
         if holder.get("job") == self.job:
-            return  # a new generation of this very job: restarts never wait
+            return True  # a new generation of this very job: restarts never wait
         if holder.get("released"):
             log.info("continuing %s after job %s, which released it", self.url, holder.get("job"))
-            return
+            return True
         if same_machine(holder):
             if ended_here(holder):  # an ordinary resume
                 log.info("continuing %s after job %s, whose processes on this machine (%s) have ended", self.url,
                          holder.get("job"), pids(holder))
-                return
+                return True
             raise self._owned(current, "its processes on this machine are running")
         self._watch(current, last_commit)
+        return True
 
     def _watch(self, current: Claim, last_commit: LastCommit) -> None:
         """Return once the holder's claim and the newest commit stood still for the holder's lease timeout,
@@ -191,7 +187,8 @@ class RunLease:
         timeout = _timeout_of(current.record, self.timeout_s)
         log.warning("%s is held by job %s on host %s: watching its claim for up to %.0f s (its lease timeout) to "
                     "tell whether it is alive", self.url, current.record.get("job"), current.record.get("host"), timeout)
-        if not stood_still(lambda: (self._claim_bytes(), last_commit()), timeout):
+        state = lambda: (self.current(), last_commit())
+        if not stood_still(state, state(), timeout):
             newest = self.current()
             if newest is not None and newest.generation == current.generation and newest.record.get("released"):
                 log.info("taking over %s, released by job %s meanwhile", self.url, newest.record.get("job"))
@@ -212,58 +209,51 @@ class RunLease:
 
     # -- holding -------------------------------------------------------------------------------
 
-    def check(self) -> None:
-        """The fence: LeaseLostError when a newer generation (of this or another job) claimed the run."""
+    def check(self, found: Commit | None = None) -> None:
+        """The fence, before this process writes or deletes anything in the run: LeaseLostError when a newer
+        generation (of this or another job) claimed the run, or when `found`, a commit at a step this job is
+        saving, is another job's. One there before this job claimed the run is the one it resumed from."""
         if self.claim is None:
             return
-        newest = self.current()
-        # Newer, or the same generation claimed by someone else (its file was deleted and claimed anew).
-        if newest is not None and (newest.generation > self.claim.generation or
-                                   (newest.generation == self.claim.generation and not self._ours(newest.record))):
-            self.lost = True
-            raise LeaseLostError(
-                f"{self.url} was taken over by generation {newest.generation} (job {newest.record.get('job')} on "
-                f"{newest.record.get('host')}) while this process held generation {self.claim.generation}; "
-                "this process stops without writing or deleting anything there"
-            )
+        newer = self.claims.overtaken()
+        if newer is not None:
+            raise self._taken_over(newer)
+        if found is not None and found.step > self._resumed and not self._wrote(found):
+            self.claims.lost = True
+            writer = found.writer
+            who = f"job {writer.get('job')} (generation {writer.get('generation')})" if isinstance(writer, dict) \
+                else "an unknown writer"
+            raise LeaseLostError(f"{self.run.url_of(found.name)} was committed by {who}, not by this job: another job "
+                                 f"writes to {self.url}. This job stops without writing or deleting anything there; "
+                                 "give one of the two jobs another snapshot.dir")
 
-    def _ours(self, record: dict) -> bool:
-        return record.get("job") == self.job and record.get("since") == self.claim.record["since"]
+    def _taken_over(self, newer: Claim) -> LeaseLostError:
+        return LeaseLostError(
+            f"{self.url} was taken over by generation {newer.generation} (job {newer.record.get('job')} on "
+            f"{newer.record.get('host')}) while this process held generation {self.claim.generation}; "
+            "this process stops without writing or deleting anything there"
+        )
 
-    def renew(self, released: bool = False) -> None:
-        """Say that the holder is alive (or, `released`, done); never writes over a newer generation."""
-        self.check()
-        self._beat += 1
-        record = {**self.claim.record, "renewed": time.time(), "beat": self._beat, "released": released}
-        if self.local:
-            self.fs.makedirs(self.folder, exist_ok=True)  # owner/ may have been deleted under us
-        replace_atomically(self.fs, self._path(self.claim.generation), _encode(record))
+    def _wrote(self, commit: Commit) -> bool:
+        return isinstance(commit.writer, dict) and commit.writer.get("job") == self.job
+
+    def writer(self) -> dict:
+        """Who commits, for a manifest: the run's history, should the claim files go."""
+        return {"job": self.job, "generation": self.generation, "timeout_s": self.timeout_s}
 
     def keep_alive(self) -> None:
         """Renew in a background thread every timeout_s / 4 until `release`; a lost lease sets `lost`."""
-        self._beating = Beat(self._renew_quietly, max(0.2, self.timeout_s / 4), "run-lease")
-        self._beating.start()
+        self.claims.keep_alive(max(0.2, self.timeout_s / 4), self._say_taken_over)
 
-    def _renew_quietly(self) -> bool:
-        try:
-            self.renew()
-        except LeaseLostError as e:
-            log.error("%s", e)
-            return False
-        except Exception as e:  # a storage hiccup: the next renewal may get through
-            log.warning("could not renew the claim on %s: %s: %s", self.url, type(e).__name__, redact(e))
-        return True
+    def _say_taken_over(self, newer: Claim) -> None:
+        if newer.record.get("job") == self.job:  # the live mode's next writer: a hand-over within the job
+            log.info("%s: generation %d of this job writes now", self.url, newer.generation)
+        else:
+            log.error("%s", self._taken_over(newer))
 
     def release(self) -> None:
         """Stop renewing and mark the claim released, so that another job may start at once."""
-        if self._beating is not None:
-            self._beating.stop()
-        if self.claim is None or self.lost:
-            return
-        try:
-            self.renew(released=True)
-        except Exception as e:  # the claim then expires by itself after timeout_s
-            log.warning("could not release the claim on %s: %s", self.url, redact(e))
+        self.claims.release()
 
     def __enter__(self) -> "RunLease":
         return self
@@ -271,68 +261,19 @@ class RunLease:
     def __exit__(self, *exc) -> None:
         self.release()
 
-    # -- storage -------------------------------------------------------------------------------
-
-    def _record(self, generation: int, since: float) -> dict:
-        processes = [os.getpid()]
-        if os.environ.get("TORCHELASTIC_RUN_ID"):
-            processes.append(os.getppid())  # the torchrun agent: the job lives while it does
-        return {"job": self.job, "generation": generation, **holder_record(processes), "since": since, "renewed": since,
-                "beat": 0, "released": False, "timeout_s": self.timeout_s}
-
-    def _path(self, generation: int) -> str:
-        return f"{self.folder}/gen-{generation:09d}.json"
-
-    def _generations(self) -> list[int]:
-        self.fs.invalidate_cache(self.folder)
-        try:
-            names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.folder, detail=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(int(m[1]) for m in map(_GEN.match, names) if m)
+    # -- reading -------------------------------------------------------------------------------
 
     def current(self) -> Claim | None:
         """The newest valid claim on the run (held, expired or released), or None when there is none.
         Entries of owner/ that are not claims (damaged, foreign, not files) are skipped."""
-        for generation in reversed(self._generations()):
-            record = self._read(generation)
-            if record is not None:
-                return Claim(generation, record)
-        return None
+        return self.claims.newest()
 
     def _has_metrics(self) -> bool:
         try:
-            info = self.fs.info(self.metrics)
+            info = self.run.fs.info(self.run.metrics)
         except OSError:
             return False
         return info.get("type") == "file" and info.get("size", 0) > 0
-
-    def _claim_bytes(self) -> bytes | None:
-        """The newest claim as stored, to tell whether it changes."""
-        claim = self.current()
-        return _encode(claim.record) if claim else None
-
-    def _read(self, generation: int) -> dict | None:
-        """The claim of `generation`, or None where there is none or the entry is not a valid claim."""
-        path = self._path(generation)
-        try:
-            info = self.fs.info(path)
-            if info.get("type") != "file" or not 0 < info.get("size", 0) <= _MAX_CLAIM_BYTES:
-                return None
-            record = json.loads(self.fs.cat_file(path))
-        except (OSError, ValueError):  # gone meanwhile, unreadable, not JSON
-            return None
-        valid = isinstance(record, dict) and record.get("generation") == generation and isinstance(record.get("job"), str)
-        return record if valid else None
-
-    def _forget_before(self, generation: int) -> None:
-        """Old generation files are history; the newest two are enough for the fence and for messages."""
-        for old in self._generations():
-            if old < generation:
-                try:
-                    self.fs.rm_file(self._path(old))
-                except OSError:  # gone meanwhile, or not a file: left alone
-                    pass
 
 
 def describe(claim: Claim | None) -> str:
@@ -342,10 +283,6 @@ def describe(claim: Claim | None) -> str:
     r = claim.record
     state = "released" if r.get("released") else f"last renewed at {_when(r.get('renewed'))} by that host's clock"
     return f"claimed by job {r.get('job')} on host {r.get('host')} (generation {claim.generation}), {state}"
-
-
-def _encode(record: dict) -> bytes:
-    return json.dumps(record, indent=2).encode()
 
 
 def _when(epoch) -> str:

@@ -30,7 +30,6 @@ its snapshots.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -38,7 +37,6 @@ import math
 import os
 import shutil
 import socket
-import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -47,9 +45,10 @@ from typing import Any, Callable
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.tensor import DTensor
 
-from mingpt.claim import process_alive
+from mingpt.checkpoint.packing import pack, unpack
+from mingpt.checkpoint.shm import allocate, own_file, private_folder, read_own_file
+from mingpt.claim import MachineLock, process_alive
 from mingpt.storage import replace_atomically
 
 log = logging.getLogger(__name__)
@@ -78,15 +77,6 @@ class Held:
         return tuple(self.header["piece"])
 
 
-@dataclass
-class Chunk:
-    """What a piece holds of a sharded tensor: `local`, at `offsets` in a whole of `shape`."""
-
-    shape: list[int]
-    offsets: list[int]
-    local: torch.Tensor
-
-
 class MemoryTier:
     """This node's memory tier for one run (`run`: where its snapshots are), one job, and one piece of the
     state (`piece`: index, count)."""
@@ -101,9 +91,8 @@ class MemoryTier:
         self._error: BaseException | None = None
         self._mapped: dict[str, torch.Tensor] = {}  # slot -> its buffer, mapped once (its pages stay resident)
         self._newest: dict[str, str] = {}  # "own"/"peer" -> the slot of the last complete copy this process made
-        self.writes = False  # whether this process writes the folder: the first of its launcher's to lock it
         self.off = False  # turned off (turn_off): reads and writes nothing more
-        self._lock: int | None = None
+        self._lock: MachineLock | None = None  # the folder's: its holder, the first of its launcher's, writes it
         self._skipped: set[Path] = set()  # what was warned about once
         self.copies = 0
         self.copy_seconds: float | None = None  # of the last copy
@@ -112,7 +101,7 @@ class MemoryTier:
         """Stop using the tier, with one warning: the job goes on from its snapshots."""
         if not self.off:
             log.warning("memory tier off: %s; a failure resumes from the last snapshot", why)
-        self.off, self.writes = True, False
+        self.off = True
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -120,7 +109,7 @@ class MemoryTier:
         """The run's tier folders on this machine: folders of this user's alone."""
         found = []
         for folder in sorted(self.root.glob(f"{self.prefix}-*")) if not self.off else []:
-            if _private_folder(folder):
+            if private_folder(folder):
                 found.append(folder)
             else:
                 self._skip(folder, "not a folder of this user's alone (mode 0700, no link): another user may have "
@@ -145,8 +134,8 @@ class MemoryTier:
     def _read_slot(self, folder: Path, slot: str) -> Held | None:
         header_path, path = folder / f"{slot}.json", folder / f"{slot}.bin"
         try:
-            header = json.loads(_read_own_file(header_path, MAX_HEADER))
-            size = _own_file(path).st_size
+            header = json.loads(read_own_file(header_path, MAX_HEADER))
+            size = own_file(path).st_size
         except FileNotFoundError:
             return None  # an empty slot, or one being written
         except (OSError, ValueError) as e:  # a link, a FIFO, another user's file, not JSON
@@ -170,7 +159,7 @@ class MemoryTier:
         steps = [0]
         for folder in self.folders():
             try:
-                steps.append(int(_read_own_file(folder / "reached", 64)))
+                steps.append(int(read_own_file(folder / "reached", 64)))
             except (OSError, ValueError):
                 pass
         return max(steps)
@@ -180,7 +169,7 @@ class MemoryTier:
         """The state (nested dicts and lists of tensors, Chunks of sharded ones, and plain values) that
         `buffer` and `header` hold."""
         views = [_view(buffer, entry).clone() for entry in header["tensors"]]
-        return _unpack(header["tree"], views)
+        return unpack(header["tree"], views)
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -193,7 +182,7 @@ class MemoryTier:
         if self.off:
             return
         for other in self.root.glob("mingpt-*"):
-            if not _private_folder(other):
+            if not private_folder(other):
                 continue  # another user's: never read, never removed
             jobs = _jobs(other)
             another_job = other.name.startswith(f"{self.prefix}-") and jobs and self.job not in jobs
@@ -207,19 +196,13 @@ class MemoryTier:
         except OSError as e:
             self.turn_off(f"cannot make {self.folder} ({e.strerror or e})")
             return
-        if not _private_folder(self.folder):  # made before us, by another user: never adopted
+        if not private_folder(self.folder):  # made before us, by another user: never adopted
             self.turn_off(f"{self.folder} exists and is not a folder of this user's alone (another user may have "
                           "made it)")
             return
         if self._lock is None:  # one writer per folder, whatever the ranks: the lock goes when its holder ends
-            self._lock = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            # A forked child would hold the lock on after this process ended: it closes its copy at once.
-            os.register_at_fork(after_in_child=self._forget_lock)
-            try:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self.writes = True
-            except BlockingIOError:
-                pass
+            self._lock = MachineLock(self.folder, "writing the memory tier in")
+            self._lock.acquire(wait=False)
 
     def mark_reached(self, step: int) -> None:
         if self.off:
@@ -232,7 +215,7 @@ class MemoryTier:
     def has_room(self, state: Any, copies: int = 2) -> bool:
         """Whether the shared memory has room for `copies` buffers of `state`."""
         tensors: list[torch.Tensor] = []
-        _pack(state, tensors)
+        pack(state, tensors)
         try:
             held = sum(path.lstat().st_size for path in self.folder.glob("*.bin"))
             free = os.statvfs(self.folder)
@@ -247,7 +230,7 @@ class MemoryTier:
         thread after the copy, with its description and buffer (None, None where nothing was copied)."""
         self.wait()
         tensors: list[torch.Tensor] = []
-        tree = _pack(state, tensors)
+        tree = pack(state, tensors)
         self._copied.clear()
         self._thread = threading.Thread(target=self._copy_then, args=(tensors, tree, step, info, then),
                                         name="memory-tier", daemon=True)
@@ -327,7 +310,7 @@ class MemoryTier:
         buffer = self._mapped.get(slot)
         if buffer is None or buffer.numel() != nbytes:
             path = self.folder / f"{slot}.bin"
-            _allocate(path, nbytes)
+            allocate(path, nbytes)
             buffer = self._mapped[slot] = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
         return slot, buffer
 
@@ -344,13 +327,18 @@ class MemoryTier:
         """Remove this launcher's folders of another layout (another number of pieces): a generation of
         another world size wrote them, and this one has copies of its own by now."""
         for other in self.root.glob(f"{self.launcher}-*"):
-            if other.name.rsplit("of", 1)[-1] != str(self.piece[1]) and _private_folder(other):
+            if other.name.rsplit("of", 1)[-1] != str(self.piece[1]) and private_folder(other):
                 shutil.rmtree(other, ignore_errors=True)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the folder: it holds its lock (a forked child does not), and the tier is on."""
+        return not self.off and self._lock is not None and self._lock.held
 
     def _forget_lock(self) -> None:
         if self._lock is not None:
-            os.close(self._lock)
-            self._lock, self.writes = None, False
+            self._lock.release()
+            self._lock = None
 
     def release(self) -> None:
         """The job ended: the writer frees the memory."""
@@ -359,24 +347,6 @@ class MemoryTier:
         if self.writes:
             shutil.rmtree(self.folder, ignore_errors=True)
         self._forget_lock()
-
-
-def assemble(trees: list[Any]) -> Any:
-    """One state from the unpacked pieces of every shard: each sharded tensor whole, from its Chunks;
-    anything else as the first piece has it (the same in every piece)."""
-    first = trees[0]
-    if isinstance(first, Chunk):
-        whole = torch.empty(first.shape, dtype=first.local.dtype)
-        if sum(chunk.local.numel() for chunk in trees) != whole.numel():
-            raise ValueError(f"the pieces of a tensor of shape {first.shape} do not fill it")
-        for chunk in trees:
-            whole[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.local.shape))] = chunk.local
-        return whole
-    if isinstance(first, dict):
-        return {key: assemble([tree[key] for tree in trees]) for key in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(assemble([tree[i] for tree in trees]) for i in range(len(first)))
-    return first
 
 
 def _map(held: Held) -> torch.Tensor:
@@ -389,54 +359,10 @@ def _jobs(folder: Path) -> set:
     jobs = set()
     for header in folder.glob("*-?.json"):
         try:
-            jobs.add(json.loads(_read_own_file(header, MAX_HEADER)).get("job"))
+            jobs.add(json.loads(read_own_file(header, MAX_HEADER)).get("job"))
         except (OSError, ValueError, AttributeError, TypeError):
             pass
     return jobs
-
-
-def _private_folder(path: Path) -> bool:
-    """Whether `path` is a folder (not a link) of this user's alone: what the tier may read and write."""
-    try:
-        found = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and found.st_mode & 0o077 == 0
-
-
-def _own_file(path: Path) -> os.stat_result:
-    """lstat of `path`; OSError unless it is a regular file of this user's."""
-    found = os.lstat(path)
-    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
-        raise OSError(f"not a regular file of this user's (mode {stat.filemode(found.st_mode)}, owner {found.st_uid})")
-    return found
-
-
-def _read_own_file(path: Path, limit: int) -> bytes:
-    """The bytes of a regular file of this user's, at most `limit`; never through a link, never waiting on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid() or found.st_size > limit:
-            raise OSError(f"not a regular file of this user's of at most {limit} bytes")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limit)
-    finally:
-        os.close(fd)
-
-
-def _allocate(path: Path, nbytes: int) -> None:
-    """Make `path` a regular file of `nbytes` whose memory is reserved now: a sparse file in a full /dev/shm
-    would kill the process (SIGBUS) at the first page that finds no room, instead of failing here."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
-            raise OSError(f"{path} is not a regular file of this user's")
-        os.ftruncate(fd, nbytes)
-        os.posix_fallocate(fd, 0, nbytes)
-    finally:
-        os.close(fd)
 
 
 def _digest(buffer: torch.Tensor, header: dict) -> str:
@@ -488,32 +414,3 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[dict], int]:
 def _view(buffer: torch.Tensor, entry: dict) -> torch.Tensor:
     part = buffer[entry["offset"]: entry["offset"] + entry["nbytes"]]
     return part.view(DTYPES[entry["dtype"]]).view(entry["shape"])
-
-
-def _pack(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """A JSON tree of `obj` whose tensors are replaced by their index in `tensors` (dict keys keep their type);
-    a sharded tensor by its shard's, with where the shard lies in the whole."""
-    if isinstance(obj, DTensor):
-        [chunk] = obj.__create_chunk_list__()  # what DCP records of a shard: its offsets in the whole
-        tensors.append(obj.to_local())
-        return {"tensor": len(tensors) - 1, "shape": list(obj.shape), "offsets": list(chunk.offsets)}
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return {"tensor": len(tensors) - 1}
-    if isinstance(obj, dict):
-        return {"dict": [[key, _pack(value, tensors)] for key, value in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return {"list": [_pack(value, tensors) for value in obj], "tuple": isinstance(obj, tuple)}
-    return {"value": obj}
-
-
-def _unpack(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    if "tensor" in tree:
-        tensor = tensors[tree["tensor"]]
-        return Chunk(tree["shape"], tree["offsets"], tensor) if "offsets" in tree else tensor
-    if "dict" in tree:
-        return {key: _unpack(value, tensors) for key, value in tree["dict"]}
-    if "list" in tree:
-        values = [_unpack(value, tensors) for value in tree["list"]]
-        return tuple(values) if tree["tuple"] else values
-    return tree["value"]

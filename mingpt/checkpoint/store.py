@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from mingpt.errors import MinGPTError
-from mingpt.checkpoint.lease import LeaseLostError, RunLease
+from mingpt.checkpoint.lease import Commit, RunLease
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, explain_storage_error, open_exclusive, sync_folder
 
@@ -198,8 +198,7 @@ class SnapshotStore:
         self.expects = expects  # why a manifest's files and info do not make a snapshot its user can read
         self.reads_back = reads_back  # why files that match their checksums still cannot be read (a bad index)
         self.fs, self.path, self.url, self.local = run.fs, run.path, run.url, run.local
-        self.lease: RunLease | None = None  # set by `claim`; saving then checks it still holds the run
-        self._claimed_after = -1  # the newest step committed when this process claimed the run
+        self.lease: RunLease | None = None  # set by `claim`; saving then asks it whether this process may write
         self._good: set[tuple[str, str]] = set()  # snapshots verified or written by this process
 
     def url_of(self, name: str) -> str:
@@ -220,7 +219,6 @@ class SnapshotStore:
         """Become the one writer of this run (see mingpt.checkpoint.lease), renewing the claim in the background."""
         lease = RunLease(self.run, timeout_s)
         try:
-            last = self._last_commit()  # before the claim: a commit after this one is checked, never trusted
             lease.acquire(self._last_commit)
         except MinGPTError:
             raise
@@ -232,13 +230,11 @@ class SnapshotStore:
             lease.release()
             raise
         self.lease = lease
-        self._claimed_after = step_of(last[0]) if last else -1
         return lease
 
-    def _last_commit(self) -> tuple[str, dict | None] | None:
-        """The newest commit's folder name and the writer its manifest names."""
+    def _last_commit(self) -> Commit | None:
         committed = self.committed()
-        return (committed[-1].name, committed[-1].manifest.get("writer")) if committed else None
+        return _as_commit(committed[-1].name, committed[-1].manifest) if committed else None
 
     # -- listing -------------------------------------------------------------------------------
 
@@ -367,8 +363,7 @@ class SnapshotStore:
             "step": step,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **info,
-            **({"writer": {"job": self.lease.job, "generation": self.lease.generation,
-                           "timeout_s": self.lease.timeout_s}} if self.lease else {}),
+            **({"writer": self.lease.writer()} if self.lease else {}),
             "files": dict(sorted(entries.items())),
         }
         self._commit(name, json.dumps(manifest, indent=2).encode())
@@ -389,7 +384,7 @@ class SnapshotStore:
         if manifest is not None:
             snapshot = Snapshot(self, name, manifest)
             if self._is_good(snapshot, thorough=True):
-                self._check_ours(snapshot)
+                self._fence(_as_commit(name, manifest))
                 log.info("snapshot %s is already committed; keeping it", snapshot.url)
                 return snapshot
             problem = "its files do not match its manifest"
@@ -410,34 +405,14 @@ class SnapshotStore:
             if self.fs.cat_file(path) == manifest:
                 return  # our own PUT, retried after a cut connection
             theirs, _ = self._read_manifest(name)
-            if theirs is None:
-                self._another_writer(self.url_of(name), "another writer")
-            self._check_ours(Snapshot(self, name, theirs))
-            raise SnapshotError(f"{self.url_of(name)} was committed meanwhile by another generation of this job; "
-                                "keeping it") from None
+            self._fence(_as_commit(name, theirs))  # another job's: LeaseLostError
+            raise SnapshotError(f"{self.url_of(name)} was committed meanwhile by another writer; keeping it") from None
 
-    def _check_ours(self, snapshot: Snapshot) -> None:
-        """A commit of a step this job is saving is kept only where this job wrote it, or where it was there
-        before this job claimed the run (the snapshot it resumed from). Any other is another job's work: this
-        job writes nowhere near it, and stops."""
-        if self.lease is None or snapshot.step <= self._claimed_after:
-            return
-        writer = snapshot.manifest.get("writer")
-        if not isinstance(writer, dict) or writer.get("job") != self.lease.job:
-            who = f"job {writer.get('job')} (generation {writer.get('generation')})" if isinstance(writer, dict) \
-                else "an unknown writer"
-            self._another_writer(snapshot.url, who)
-
-    def _another_writer(self, url: str, who: str) -> None:
+    def _fence(self, found: Commit | None = None) -> None:
+        """Whether this process may still write here (and keep `found`, a commit of a step it saves): the
+        lease's to say. LeaseLostError where it may not."""
         if self.lease is not None:
-            self.lease.lost = True
-        raise LeaseLostError(f"{url} was committed by {who}, not by this job: another job writes to {self.url}. "
-                             "This job stops without writing or deleting anything there; give one of the two "
-                             "jobs another snapshot.dir")
-
-    def _fence(self) -> None:
-        if self.lease is not None:
-            self.lease.check()
+            self.lease.check(found)
 
     def _is_good(self, snapshot: Snapshot, thorough: bool) -> bool:
         """Whether `snapshot` can be loaded: its checksums (`thorough`), or else what this process knows
@@ -486,6 +461,11 @@ class SnapshotStore:
             self.fs.rm(f"{self.path}/{name}", recursive=True)
         except FileNotFoundError:
             pass
+
+
+def _as_commit(name: str, manifest: dict | None) -> Commit:
+    """A commit as the lease judges it; `manifest` None where it cannot be read (its writer is unknown)."""
+    return Commit(name, step_of(name), manifest.get("writer") if manifest else None)
 
 
 def manifest_problem(manifest: Any, step: int) -> str | None:

@@ -22,10 +22,9 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mingpt import torch_internals
 from mingpt.cli import configure_logging, run_command
-from mingpt.errors import ConfigError
+from mingpt.errors import ConfigError, one_line
 from mingpt.training import agent, live
 from mingpt.training.app import CONF_DIR, compose_config
-from mingpt.training.distributed import one_line
 from mingpt.training.launcher import NCCL_WATCH, STORE_SHARING, merge_rendezvous_conf
 from mingpt.training.preparation import prepare_data
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import fcntl
 import hashlib
 import json
 import logging
@@ -46,6 +45,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from mingpt.claim import MachineLock
 from mingpt.data.corpus import (
     BUILTIN_CORPUS, Piece, Source, as_list, documents, list_sources, read_pieces, sample_pieces,
 )
@@ -140,10 +140,9 @@ def _prepare_remote(config: PrepareConfig, remote: RemoteFolder, out: Path) -> P
         meta = remote.meta()
         if current(meta):
             return _copy(remote, meta, out)
-        claim = remote.try_claim()
+        claim = remote.claim(lambda: current(remote.meta()))  # waits while a live node holds it
         if claim is None:
-            remote.wait_for_holder(remote.holder() or {}, lambda: current(remote.meta()))
-            continue
+            continue  # published meanwhile
         with claim:
             meta = remote.meta()  # published between the look and the claim?
             if current(meta):
@@ -569,40 +568,10 @@ def _move_tail(train: Path, val: Path, dtype: np.dtype, val_fraction: float) -> 
     return {"train": total - n_val, "val": n_val}
 
 
-# The file descriptors of the machine locks this process holds: a forked child closes its copies at once
-# (`_close_inherited_locks`), since a lock is held until every copy of its descriptor is closed.
-_lock_fds: set[int] = set()
-
-
-@contextmanager
-def _machine_lock(folder: Path) -> Iterator[bool]:
-    """An exclusive flock on `folder` itself (no lock file to leave behind); yields whether it is held.
-    Where the file system has no flock, go on without: `_publish` keeps concurrent preparation correct,
-    only slower. The kernel releases the lock when this process ends, however it ends."""
-    fd = os.open(folder, os.O_RDONLY)
-    _lock_fds.add(fd)
-    held = True
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting: another process on this machine is preparing data in %s", folder)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            held = False
-        yield held
-    finally:
-        _lock_fds.discard(fd)
-        os.close(fd)  # releases the lock
-
-
-def _close_inherited_locks() -> None:
-    for fd in _lock_fds:
-        os.close(fd)
-    _lock_fds.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_locks)
+def _machine_lock(folder: Path) -> MachineLock:
+    """The lock that lets one process of this machine at a time prepare or copy data into `folder`. Where the
+    file system has no flock it is not held, and `_publish` keeps concurrent preparation correct, only slower."""
+    return MachineLock(folder.resolve(), "preparing data in")
 
 
 def _scratch(out: Path, kind: str) -> Path:

@@ -2,16 +2,18 @@
 it first, and copied by every other node into a local folder that it memory-maps.
 
     s3://bucket/data/web-bpe/
-        claim.json                          while a node prepares: which node, and a beat it advances
+        claim/gen-000000001.json            who prepares (or prepared) it, and a beat it advances
         tokenizer.json, train.bin, val.bin  as in a local prepared folder (mingpt.data.prepared)
         meta.json                           written last: the folder is published once it is there
 
-The claim is an exclusive create (If-None-Match: *), so two nodes do not prepare at once. A node that
-finds a claim waits for the meta.json. A claim whose beat stops changing for CLAIM_TIMEOUT_S, watched
-on the waiter's own clock (clocks of two machines are never compared), belongs to a node that died: the
-waiter removes it and claims the folder itself. A claim of this machine whose process has ended (by pid
-and start time: a reused pid does not count) is taken over at once. (Claim, beat and liveness are
-mingpt.claim's, which the run's lease shares.)
+The claim is mingpt.claim's generational claim, which the run's lease shares: a node claims the folder by
+creating the next generation exclusively (If-None-Match: *), so two nodes do not prepare at once, and marks
+it released when done. A node that finds a claim waits for the meta.json. This module decides whom a node
+may take the claim from: a holder that released it; one of this machine whose process has ended (by pid and
+start time: a reused pid does not count), at once; one whose beat stood still for CLAIM_TIMEOUT_S, watched
+on the waiter's own clock (clocks of two machines are never compared), which belongs to a node that died.
+Taking over creates the next generation too, so of waiters that found the same dead holder, one prepares.
+(An older version's claim.json, a file beside claim/, is no claim of this one's and is left alone.)
 
 A copy reads each file with parallel ranged reads into a scratch folder beside the local copy, checks
 each sha256 against meta.json, and only then renames the folder into place, so a damaged upload, or
@@ -29,17 +31,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mingpt.claim import Beat, ended_here, holder as holder_record, pids, same_machine
+from mingpt.claim import Claim, Files, GenerationalClaim, ended_here, pids, same_machine, stood_still
 from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
-from mingpt.storage import create_exclusive, explain_storage_error, open_fs, redact, replace_atomically
+from mingpt.storage import create_exclusive, explain_storage_error, is_local, open_fs, redact, replace_atomically
 
 log = logging.getLogger(__name__)
 
-CLAIM_FILE = "claim.json"
+CLAIMS = "claim"  # the folder of the claim's generations
 BEAT_S = 5.0  # how often the preparing node advances its claim's beat
 CLAIM_TIMEOUT_S = 120.0  # a claim unchanged this long, on the waiter's clock, is a dead node's
-MAX_CLAIM_BYTES = 64 * 1024
 MAX_META_BYTES = 64 << 20  # a description lists the sources: large for a corpus of many files, never this
 POLL_S = 1.0  # how often a waiting node looks again
 CHUNK_BYTES = 16 << 20  # one ranged read
@@ -79,66 +80,76 @@ class RemoteFolder:
 
     # -- the claim -------------------------------------------------------------------------------
 
-    def try_claim(self) -> "_Claim | None":
-        """The claim, when this process got it; None when another node holds it."""
-        claim = _Claim(self)
+    def claim(self, published: Callable[[], bool]) -> GenerationalClaim | None:
+        """This process's claim of the folder, renewed in the background until released; None once
+        `published()`. While a live node holds the claim, waits for it."""
+        gone = None
+        while not published():
+            claim = self.try_claim(gone)
+            if claim is not None:
+                return claim
+            gone = self.wait_for_holder(published)
+        return None
+
+    def try_claim(self, gone: Claim | None = None) -> GenerationalClaim | None:
+        """This process's claim, renewed in the background until released; None while another node holds it.
+        A node may take the claim over from a holder that released it, or from `gone`, a holder that
+        `wait_for_holder` found dead, where it still holds the claim as it did then."""
+        claims = self._claims()
         try:
-            create_exclusive(self.fs, claim.path, claim.content())
-        except FileExistsError:
-            return None
+            claim = claims.take(lambda holder: bool(holder.record.get("released")) or holder == gone)
         except Exception as e:
             raise self._error(e, "claim") from None
-        claim.start_beating()
-        return claim
-
-    def holder(self) -> dict | None:
-        """What the claim says (host, pid, beat), or None when there is no claim. A damaged claim reads
-        as an empty holder, which is watched like any other."""
-        try:  # a claim is a small JSON object: more than MAX_CLAIM_BYTES is not one (and is not read whole)
-            raw = self.fs.cat_file(self._join(CLAIM_FILE), start=0, end=MAX_CLAIM_BYTES + 1)
-            data = json.loads(raw) if len(raw) <= MAX_CLAIM_BYTES else {}
-        except FileNotFoundError:
+        if claim is None:
             return None
-        except ValueError:
-            return {}
+        claims.keep_alive(BEAT_S, lambda newer: log.warning(
+            "another node took over the claim of %s; preparing on: the data is the same", redact(self.url)))
+        return claims
+
+    def wait_for_holder(self, published: Callable[[], bool]) -> Claim | None:
+        """Wait while the node holding the claim lives and `published()` is false. The holder, once found dead:
+        of this machine, its process ended; of another, its claim stood still for CLAIM_TIMEOUT_S on this
+        machine's clock. None when it is worth looking again (published, released, or the claim changed hands)."""
+        claims, said = self._claims(), float("-inf")
+        newest = lambda: self._newest(claims)
+
+        def done() -> bool:
+            check_stopped()
+            return published()
+
+        while not done():
+            holder = newest()
+            if holder is None or holder.record.get("released"):
+                return None
+            if ended_here(holder.record):
+                return self._dead(holder)
+            if time.monotonic() - said >= 30:
+                log.info("waiting for %s to prepare %s and publish it", _describe(holder.record), redact(self.url))
+                said = time.monotonic()
+            if stood_still(newest, holder, CLAIM_TIMEOUT_S, POLL_S, until=done):
+                return self._dead(holder)
+        return None
+
+    def _newest(self, claims: GenerationalClaim) -> Claim | None:
+        try:
+            return claims.newest()
         except Exception as e:
             raise self._error(e, "read") from None
-        return data if isinstance(data, dict) else {}
 
-    def wait_for_holder(self, holder: dict, current: Callable[[], bool]) -> None:
-        """Wait until the node holding the claim publishes (`current()` is true), releases, or is found
-        dead (its claim removed here). Returns when it is worth looking again."""
-        watched, since, said = holder, time.monotonic(), 0.0
-        while True:
-            check_stopped()
-            if current():
-                return
-            now = self.holder()
-            if now is None:
-                return  # released: claim it, or find it published
-            if now != watched:
-                watched, since = now, time.monotonic()
-            elif ended_here(now) or time.monotonic() - since >= CLAIM_TIMEOUT_S:
-                if same_machine(now) and not ended_here(now):  # it holds this machine's lock: taking over would hang
-                    raise DataError(f"process {pids(now)} on this machine claimed {redact(self.url)} and has not "
-                                    f"advanced its claim for {CLAIM_TIMEOUT_S:.0f} s, but runs (stopped or hung?): "
-                                    "resume it (kill -CONT) or end it, then run again")
-                log.warning("the node that claimed %s (%s) stopped; preparing it here instead", redact(self.url),
-                            _describe(now))
-                self._remove_claim(now)
-                return
-            if time.monotonic() - said >= 30:
-                log.info("waiting for %s to prepare %s and publish it", _describe(now), redact(self.url))
-                said = time.monotonic()
-            time.sleep(POLL_S)
+    def _dead(self, holder: Claim) -> Claim:
+        """`holder`, found dead: to take over, unless it runs on this machine after all (stopped or hung)."""
+        record = holder.record
+        if same_machine(record) and not ended_here(record):  # it holds this machine's lock: taking over would hang
+            raise DataError(f"process {pids(record)} on this machine claimed {redact(self.url)} and has not "
+                            f"advanced its claim for {CLAIM_TIMEOUT_S:.0f} s, but runs (stopped or hung?): "
+                            "resume it (kill -CONT) or end it, then run again")
+        log.warning("the node that claimed %s (%s) stopped; preparing it here instead", redact(self.url),
+                    _describe(record))
+        return holder
 
-    def _remove_claim(self, expected: dict) -> None:
-        """Remove the claim if it still says `expected` (a claim made meanwhile by another waiter stays)."""
-        if self.holder() == expected:
-            try:
-                self.fs.rm_file(self._join(CLAIM_FILE))
-            except FileNotFoundError:
-                pass
+    def _claims(self) -> GenerationalClaim:
+        files = Files(self.fs, is_local(self.fs), create_exclusive, replace_atomically, redact)
+        return GenerationalClaim(files, self._join(CLAIMS), redact(self.url))
 
     # -- copies ----------------------------------------------------------------------------------
 
@@ -191,47 +202,6 @@ class RemoteFolder:
                          f"{explain_storage_error(e, setting='data.prepared_dir')}")
 
 
-class _Claim:
-    """This process's claim of a remote folder: a thread advances its beat until it is released."""
-
-    def __init__(self, folder: RemoteFolder):
-        self.folder, self.path = folder, folder._join(CLAIM_FILE)
-        self.mine = {**holder_record([os.getpid()]), "started": time.time(), "beat": 0}
-        self.beating = Beat(self._beat, BEAT_S, "prepared-data-claim")
-
-    def content(self) -> bytes:
-        return json.dumps(self.mine).encode()
-
-    def start_beating(self) -> None:
-        self.beating.start()
-
-    def _beat(self) -> bool:
-        try:
-            if self.folder.holder() != self.mine:
-                log.warning("another node took over the claim of %s; preparing on: the data is the same",
-                            redact(self.folder.url))
-                return False
-            beat = {**self.mine, "beat": self.mine["beat"] + 1}
-            replace_atomically(self.folder.fs, self.path, json.dumps(beat).encode())
-            self.mine = beat  # only once written: `release` removes the claim that is there
-        except Exception as e:  # a network hiccup: the next beat tries again; waiters allow for some
-            log.warning("could not renew the claim of %s: %s", redact(self.folder.url), redact(e))
-        return True
-
-    def release(self) -> None:
-        self.beating.stop()
-        try:
-            self.folder._remove_claim(self.mine)
-        except Exception as e:  # waiters take over a claim that stopped beating
-            log.warning("could not remove the claim of %s: %s", redact(self.folder.url), redact(e))
-
-    def __enter__(self) -> "_Claim":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
 @contextmanager
 def _open_for_pwrite(path: Path, size: int) -> Iterator[int]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -277,4 +247,4 @@ def _version(text: str) -> int | None:
 
 
 def _describe(holder: dict) -> str:
-    return f"host {holder.get('host', '?')}, pid {pids(holder) or '?'}" if holder else "a node (claim unreadable)"
+    return f"host {holder.get('host', '?')}, pid {pids(holder) or '?'}"

@@ -38,8 +38,8 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
 from torch.distributed.launcher import api as launcher_api
 
 from mingpt import torch_internals
+from mingpt.errors import one_line
 from mingpt.torch_internals import ElasticAgent
-from mingpt.training.distributed import one_line
 from mingpt.training.launcher import MEMBERSHIP, MEMBERSHIP_EXITS
 from mingpt.training.progress import PROGRESS_DIR
 from mingpt.training.watchdog import Watchdog

@@ -26,6 +26,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torchft.checkpointing.transport import CheckpointTransport
 
+from mingpt.checkpoint.packing import pack, unpack
+
 log = logging.getLogger(__name__)
 
 MAX_DESCRIPTION_BYTES = 64 << 20  # the JSON description of a state (tensors travel apart)
@@ -38,33 +40,13 @@ class HealingError(RuntimeError):
 
 
 def encode(state: Any) -> bytes:
-    """`state` (nested dicts, lists and tuples of tensors, numbers, strings, None; dict keys strings or integers)
-    as safetensors bytes: every
-    tensor under a name of its own, the rest and every tensor's sha256 in the JSON metadata."""
-    tensors: dict[str, torch.Tensor] = {}
-    names: dict[tuple, str] = {}  # a tensor seen before (tied weights share one): its name
-
-    def walk(value):
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().contiguous()
-            key = (value.data_ptr(), value.dtype, tuple(value.shape))
-            if key not in names:
-                names[key] = f"t{len(tensors)}"
-                tensors[names[key]] = value
-            return {"tensor": names[key]}
-        if isinstance(value, dict):  # as pairs: JSON would turn an optimizer's int keys into strings
-            if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
-                raise TypeError("a state's dict keys must be strings or integers")
-            return {"dict": [[k, walk(v)] for k, v in value.items()]}
-        if isinstance(value, (list, tuple)):
-            return {"tuple" if isinstance(value, tuple) else "list": [walk(v) for v in value]}
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return {"value": value}
-        raise TypeError(f"a state cannot hold a {type(value).__name__}")
-
-    tree = walk(state)
-    digests = {name: _digest(tensor) for name, tensor in tensors.items()}
-    return save_safetensors(tensors, metadata={"tree": json.dumps(tree), "sha256": json.dumps(digests)})
+    """`state` (as mingpt.checkpoint.packing packs one) as safetensors bytes: each tensor once, under its
+    index, and in the JSON metadata the rest and every tensor's sha256."""
+    tensors: list[torch.Tensor] = []
+    tree = pack(state, tensors, shared={})
+    named = {str(i): tensor.detach().cpu().contiguous() for i, tensor in enumerate(tensors)}
+    digests = {name: _digest(tensor) for name, tensor in named.items()}
+    return save_safetensors(named, metadata={"tree": json.dumps(tree), "sha256": json.dumps(digests)})
 
 
 def decode(data: bytes) -> Any:
@@ -77,26 +59,14 @@ def decode(data: bytes) -> Any:
         raise
     except Exception as e:  # safetensors' own errors, a missing key, JSON that is not
         raise HealingError(f"not a state ({type(e).__name__}: {e})") from None
-    if set(digests) != set(tensors):
+    if set(digests) != set(tensors) or set(tensors) != {str(i) for i in range(len(tensors))}:
         raise HealingError("the state's tensors are not those it describes")
     bad = sorted(name for name, tensor in tensors.items() if _digest(tensor) != digests[name])
     if bad:
         raise HealingError(f"{len(bad)} of {len(tensors)} tensor(s) do not match the sha256 their sender computed")
-
-    def build(node):
-        kind, value = next(iter(node.items()))
-        if kind == "tensor":
-            return tensors[value]
-        if kind == "dict":
-            return {k: build(v) for k, v in value}
-        if kind in ("list", "tuple"):
-            items = [build(v) for v in value]
-            return tuple(items) if kind == "tuple" else items
-        return value
-
     try:
-        return build(tree)
-    except (KeyError, TypeError, ValueError, StopIteration, AttributeError) as e:  # a description that is not ours
+        return unpack(tree, [tensors[str(i)] for i in range(len(tensors))])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # a description not of ours
         raise HealingError(f"not a state (its description does not fit: {type(e).__name__})") from None
 
 

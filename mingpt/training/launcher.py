@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -67,3 +68,25 @@ def membership_change() -> dict | None:
     except ValueError:
         return None
     return change if isinstance(change, dict) else None
+
+
+def max_nodes_of_agent() -> int:
+    """The most nodes the agent that started us allows (torchrun's --nnodes, "2" or "1:4"), read from
+    its command line (torchrun gives workers no variable for it); 1 where that cannot be read."""
+    try:
+        args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return 1
+    return max_nodes(args, os.environ.get("PET_NNODES", "1"))  # torchrun also reads options from PET_* variables
+
+
+def max_nodes(args: list[str], nnodes: str = "1") -> int:
+    """The most nodes torchrun's command line `args` allows (its --nnodes, else `nnodes`); 1 where unreadable."""
+    for arg, following in zip(args, args[1:] + [""]):
+        name, equals, value = arg.partition("=")
+        if len(name) > len("--n") and "--nnodes".startswith(name):  # torchrun's argparse takes --nnode, --nn too
+            nnodes = value if equals else following
+    try:
+        return int(nnodes.split(":")[-1])
+    except ValueError:
+        return 1

@@ -12,13 +12,15 @@ The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepA
    is split by that place (the group's position in the quorum, then the worker's within its group), so
    step s trains the same samples whichever groups commit it;
 2. exchange: the gradients, averaged over every process of the step (within the group, then across
-   groups on torchft's process group), and the same four numbers as under torchrun (loss, stops, the
-   writer's problems) plus the writer's lease generation;
+   groups on torchft's process group), and the step's numbers: its loss, this group's stops (a group
+   asked to stop leaves; the others go on), whether the writer's saves keep failing, and the writer's
+   lease generation (which marks the memory tiers' copies);
 3. commit (`should_commit`): only a committed step updates the weights and advances the data.
 
 The group in the quorum's first position writes the snapshots and metrics (the writer). Groups are
 named by the order they joined the job (a counter in the rendezvous store), and torchft orders the
-quorum by name, so the writer changes only when the writer's group leaves.
+quorum by name, so the writer changes when the writer's group leaves (or, for a while, when the quorum
+forms anew without it), and the writer of the moment holds the run's lease.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mingpt.errors import ConfigError, TrainingError
+from mingpt.errors import ConfigError, TrainingError, one_line
 from mingpt.training.agreement import Outcome, Share
-from mingpt.training.distributed import World, one_line
+from mingpt.training.distributed import World
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +195,7 @@ class LiveAgreement:
         # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one
         # lost to another job stops the writer's group there, when it claims the run again.
         saves_failing, _ = self.checkpointer.problems()
-        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing), 0.0,
+        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing),
                                 float(self.checkpointer.lease_generation() or 0)], dtype=torch.float64)
         if self.world.distributed:  # within the group first
             dist.all_reduce(flat)
@@ -208,8 +210,8 @@ class LiveAgreement:
             offset += p.numel()
         committed = self.manager.should_commit()
         self._say_what_changed(committed)
-        loss, _, failing, lost, generation = numbers.tolist()
-        return Outcome(loss / self.global_batch_size, stops, failing > 0, lost > 0, committed, int(generation))
+        loss, _, failing, generation = numbers.tolist()
+        return Outcome(loss / self.global_batch_size, stops, failing > 0, False, committed, int(generation))
 
     def _meet_again(self, error: Exception) -> None:
         """The Lighthouse did not answer for a quorum: it stopped, or restarts. Meet it again, as the same group

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from mingpt.checkpoint.lease import job_identity
-from mingpt.checkpoint.memory import Held, MemoryTier, assemble
+from mingpt.checkpoint.memory import Held, MemoryTier
+from mingpt.checkpoint.packing import assemble
 from mingpt.errors import ConfigError
 from mingpt.training import distributed
 from mingpt.training.config import SnapshotConfig

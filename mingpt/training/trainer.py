@@ -33,6 +33,7 @@ from mingpt.interop.pretrained import Pretrained, open_pretrained
 from mingpt.model import GPT, GPTConfig
 from mingpt.storage import redact
 from mingpt.training import distributed, parallel
+from mingpt.training import generation
 from mingpt.training import live
 from mingpt.training.agreement import Outcome, Share, StepAgreement
 from mingpt.training.checkpointer import Checkpointer
@@ -78,7 +79,7 @@ def train(cfg: Config) -> TrainResult:
 
 
 def _train(cfg: Config) -> TrainResult:
-    meeting = distributed.meet(cfg.trainer.dist_timeout_s)  # first: peers wait for this process while it prepares
+    meeting = generation.meet(cfg.trainer.dist_timeout_s)  # first: peers wait for this process while it prepares
     store = snapshot_store(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     # The leader of this generation claims the run before any data work: a second job started
@@ -90,7 +91,7 @@ def _train(cfg: Config) -> TrainResult:
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         data = PreparedData(prepare_data(cfg, pretrained))
         model_config = _model_config(cfg, data, pretrained)
-        world = distributed.start(cfg.trainer.dist_timeout_s, meeting)
+        world = generation.start(cfg.trainer.dist_timeout_s, meeting)
         try:
             with StopFlag() as stop, _a_lost_peer_ends_the_generation():
                 result = Trainer(cfg, world, store, data, model_config, pretrained).run(stop)

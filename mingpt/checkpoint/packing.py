@@ -1,0 +1,75 @@
+"""A state (nested dicts, lists and tuples of tensors and plain values) as a JSON tree and a list of
+tensors, and back: how the memory tier (mingpt.checkpoint.memory) and the live mode's healing
+(mingpt.training.healing) lay out a state, where a pickle would run whatever its bytes say. Dict keys
+keep their type (an optimizer's are ints), and a sharded tensor is its shard with where it lies in the
+whole, so that the pieces of every shard reassemble (`assemble`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class Chunk:
+    """What a piece holds of a sharded tensor: `local`, at `offsets` in a whole of `shape`."""
+
+    shape: list[int]
+    offsets: list[int]
+    local: torch.Tensor
+
+
+def pack(obj: Any, tensors: list[torch.Tensor], shared: dict[tuple, int] | None = None) -> Any:
+    """A JSON tree of `obj` whose tensors are replaced by their index in `tensors`, appended to it; a sharded
+    tensor by its shard's, with where the shard lies in the whole. With `shared`, a tensor whose storage was
+    packed before (tied weights) is packed once: safetensors refuses two tensors on one storage."""
+    if isinstance(obj, DTensor):
+        [chunk] = obj.__create_chunk_list__()  # what DCP records of a shard: its offsets in the whole
+        tensors.append(obj.to_local())
+        return {"tensor": len(tensors) - 1, "shape": list(obj.shape), "offsets": list(chunk.offsets)}
+    if isinstance(obj, torch.Tensor):
+        key = (obj.data_ptr(), obj.dtype, tuple(obj.shape), tuple(obj.stride()))
+        if shared is None or key not in shared:
+            tensors.append(obj)
+            if shared is not None:
+                shared[key] = len(tensors) - 1
+        return {"tensor": shared[key] if shared is not None else len(tensors) - 1}
+    if isinstance(obj, dict):
+        return {"dict": [[key, pack(value, tensors, shared)] for key, value in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"list": [pack(value, tensors, shared) for value in obj], "tuple": isinstance(obj, tuple)}
+    return {"value": obj}
+
+
+def unpack(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """The state `pack` described, its tensors taken from `tensors` (a Chunk for a shard)."""
+    if "tensor" in tree:
+        tensor = tensors[tree["tensor"]]
+        return Chunk(tree["shape"], tree["offsets"], tensor) if "offsets" in tree else tensor
+    if "dict" in tree:
+        return {key: unpack(value, tensors) for key, value in tree["dict"]}
+    if "list" in tree:
+        values = [unpack(value, tensors) for value in tree["list"]]
+        return tuple(values) if tree["tuple"] else values
+    return tree["value"]
+
+
+def assemble(trees: list[Any]) -> Any:
+    """One state from the unpacked pieces of every shard: each sharded tensor whole, from its Chunks;
+    anything else as the first piece has it (the same in every piece)."""
+    first = trees[0]
+    if isinstance(first, Chunk):
+        whole = torch.empty(first.shape, dtype=first.local.dtype)
+        if sum(chunk.local.numel() for chunk in trees) != whole.numel():
+            raise ValueError(f"the pieces of a tensor of shape {first.shape} do not fill it")
+        for chunk in trees:
+            whole[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.local.shape))] = chunk.local
+        return whole
+    if isinstance(first, dict):
+        return {key: assemble([tree[key] for tree in trees]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(assemble([tree[i] for tree in trees]) for i in range(len(first)))
+    return first
