@@ -230,12 +230,17 @@ class GenerationalClaim:
                 self.files.create(self.fs, self.path(generation), _encode(record))
             except FileExistsError:
                 existing = self.read(generation)
-                if existing is None:  # a folder, a FIFO, garbage: skipped, like every such entry
+                if existing is None and self.fs.exists(self.path(generation)):  # a folder, a FIFO, garbage: skipped
                     log.warning("%s is not a claim; skipping it", self.path(generation))
                     damaged = generation
                 if existing != record:  # another claimant's; else our own PUT, retried after a cut connection
                     continue
             self.held, self.lost = Claim(generation, record), False
+            # Made from a listing that newer claims outran (the number freed again when they forgot older files):
+            # the newer claims win.
+            if self.overtaken() is not None:
+                self.held = None
+                continue
             self._forget_before(generation - 1)
             return self.held
         return None

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from mingpt.data import corpus as corpus_module
-from mingpt.data import prepare as prepare_module
 from mingpt.data.corpus import builtin_bytes
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.prepare import PrepareConfig, default_out_dir, prepare, verify
 from mingpt.data.prepared import read_meta
+from mingpt.data.resume import Tokenized
 from mingpt.errors import DataError
 
 
@@ -143,8 +143,8 @@ def _prepare_in_child(args):
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("mingpt.data.prepare").addHandler(handler)
-    logging.getLogger("mingpt.data.prepare").setLevel(logging.INFO)
+    logging.getLogger("mingpt.data").addHandler(handler)
+    logging.getLogger("mingpt.data").setLevel(logging.INFO)
     barrier.wait()  # all three start at once
     prepare(PrepareConfig(corpus=corpus, tokenizer="bpe", vocab_size=350, prepared_dir=out))
     built = any(m.startswith("prepared ") for m in messages)
@@ -253,7 +253,7 @@ def stopped_preparation(tmp_path: Path, corpus: Path, monkeypatch, after: int = 
     """A preparation of `corpus` stopped (as by Ctrl-C) after `after` pieces: its scratch folder is left."""
     monkeypatch.setattr(corpus_module, "PIECE_BYTES", 2048)
     config = PrepareConfig(corpus=str(corpus), prepared_dir=tmp_path / "prep", num_workers=1)
-    save, calls = prepare_module._Tokenized.save, []
+    save, calls = Tokenized.save, []
 
     def save_then_stop(self, folder):
         save(self, folder)
@@ -261,10 +261,10 @@ def stopped_preparation(tmp_path: Path, corpus: Path, monkeypatch, after: int = 
         if len(calls) == after:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_module._Tokenized, "save", save_then_stop)
+    monkeypatch.setattr(Tokenized, "save", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
         prepare(config)
-    monkeypatch.setattr(prepare_module._Tokenized, "save", save)
+    monkeypatch.setattr(Tokenized, "save", save)
     assert len(list(tmp_path.glob(".prep.tmp-*/progress.json"))) == 1
     return config
 

@@ -293,14 +293,14 @@ def test_a_named_tiktoken_encoding_ends_documents_with_its_own_end_of_text(tmp_p
 
 
 def _killed(piece):
-    """Run by the forked workers in place of _encode: each dies as if killed for memory."""
+    """Run by the forked workers in place of tasks.encode: each dies as if killed for memory."""
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_worker_killed_mid_preparation_fails_it_at_once_and_publishes_nothing(tmp_path, monkeypatch, small_pieces):
-    from mingpt.data import prepare as prepare_module
+    from mingpt.data import tasks
 
-    monkeypatch.setattr(prepare_module, "_encode", _killed)
+    monkeypatch.setattr(tasks, "encode", _killed)
     (tmp_path / "c.txt").write_text("".join(make_documents(40)))
     with pytest.raises(DataError, match="worker process died.*--num-workers"):
         prepare(PrepareConfig(corpus=str(tmp_path / "c.txt"), prepared_dir=tmp_path / "prep", num_workers=2))
@@ -310,12 +310,12 @@ def test_a_worker_killed_mid_preparation_fails_it_at_once_and_publishes_nothing(
 def test_the_bpe_sample_of_an_uncompressed_file_reads_about_the_sample(tmp_path, small_pieces):
     """Pieces are read where they are drawn: sampling 10% of a corpus reads about 10% of it."""
     from mingpt.data.corpus import list_sources
-    from mingpt.data.prepare import _Job
+    from mingpt.data.job import Job
 
     text = "".join(make_documents(400)).encode()
     (tmp_path / "c.txt").write_bytes(text)
     config = PrepareConfig(tokenizer="bpe", vocab_size=300, bpe_sample_bytes=len(text) // 10, num_workers=1)
-    job = _Job(config, list_sources(str(tmp_path / "c.txt")))
+    job = Job(config, list_sources(str(tmp_path / "c.txt")))
 
     def bytes_read() -> int:
         return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])

@@ -17,8 +17,8 @@ import pytest
 from conftest import s3_keys
 from launch import BIN, output
 from mingpt import claim
-from mingpt.data import prepare as prepare_module
 from mingpt.data import remote
+from mingpt.data.job import Job
 from mingpt.data.prepare import PrepareConfig, prepare
 from mingpt.data.prepared import PreparedData
 from mingpt.errors import DataError
@@ -37,7 +37,7 @@ def refuse_to_tokenize(monkeypatch):
     """This node must copy: preparing here fails the test."""
     def refuse(*args):
         raise AssertionError("this node tokenized the corpus")
-    monkeypatch.setattr(prepare_module._Job, "build", refuse)
+    monkeypatch.setattr(Job, "build", refuse)
 
 
 def put(s3, key: str, body: bytes) -> None:

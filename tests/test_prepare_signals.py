@@ -145,7 +145,8 @@ def test_a_stop_swallowed_where_it_was_raised_still_stops_the_preparation():
     where Python printed the Stopped it raised as a traceback and dropped it (seen in full test runs: the
     preparation went on for 30 s). Forks now defer the raise; and a stop dropped elsewhere (a __del__)
     is raised again by the pool's loop."""
-    from mingpt.data.prepare import _Pool
+    from mingpt.data.pool import WorkerPool
+    from mingpt.data.tasks import setup
     from mingpt.errors import Stopped, forget_stops, raise_stopped
 
     try:
@@ -153,7 +154,7 @@ def test_a_stop_swallowed_where_it_was_raised_still_stops_the_preparation():
     except Stopped:
         pass  # what the after-fork hook's caller does with it
     try:
-        with pytest.raises(Stopped), _Pool(2, {"val_sources": []}) as pool:
+        with pytest.raises(Stopped), WorkerPool(2, setup, {"val_sources": []}) as pool:
             list(pool.map(abs, range(-10, 0)))
     finally:
         forget_stops()

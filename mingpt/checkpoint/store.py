@@ -10,9 +10,10 @@ or, written by every process of a sharded job, `state/` (one shard file per writ
 index, see mingpt.checkpoint.sharded) in place of model.pt and optimizer.pt. What a trained model's
 snapshot must hold is mingpt.checkpoint.load's to say (`expects`).
 
-The manifest is the commit marker: a folder without one is debris from an interrupted save and
-is never loaded. A committed snapshot is never overwritten. Files are loaded only after their
-checksum matches, with `torch.load(weights_only=True)`: nothing from storage is unpickled.
+The manifest (its format: mingpt.checkpoint.manifest) is the commit marker: a folder without one is
+debris from an interrupted save and is never loaded. A committed snapshot is never overwritten. Files
+are loaded only after their checksum matches, with `torch.load(weights_only=True)`: nothing from storage
+is unpickled.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import hashlib
 import io
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,34 +29,21 @@ from typing import Any, Callable, Sequence
 
 from mingpt.errors import MinGPTError
 from mingpt.checkpoint.lease import Commit, RunLease
+from mingpt.checkpoint.manifest import (
+    FORMAT, FORMAT_VERSION, MANIFEST, HashingWriter, is_snapshot_name, manifest_problem, snapshot_name, step_of,
+)
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, explain_storage_error, open_exclusive, sync_folder
 
 log = logging.getLogger(__name__)
 
-FORMAT = "mingpt-snapshot"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 STATE_DIR = "state"  # a sharded snapshot's shards, and DCP's index of them
 INDEX = f"{STATE_DIR}/.metadata"  # DCP's index: every process of a sharded job reads it whole
-# What a file in a snapshot may be called: a name, or a name in one folder; never `..`, never absolute.
-# A manifest naming anything else (`../../etc/passwd`) is damaged.
-_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_.][A-Za-z0-9_.-]*)?$")
-_NAME = re.compile(r"^step-(\d{9})$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 64 << 20  # hashing reads, and the read-ahead of S3 files
 
 
 class SnapshotError(MinGPTError):
     """A snapshot folder cannot be written, or a snapshot cannot be read or trusted."""
-
-
-def snapshot_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def step_of(name: str) -> int:
-    return int(_NAME.match(name)[1])
 
 
 @dataclass
@@ -245,7 +232,7 @@ class SnapshotStore:
     def scan(self) -> Listing:
         listing = Listing([], [], [])
         for name in self._folder_names():
-            if not _NAME.match(name):
+            if not is_snapshot_name(name):
                 listing.damaged.append((name, "not a snapshot name (step- and 9 digits)"))
                 continue
             manifest, problem = self._read_manifest(name)
@@ -273,7 +260,7 @@ class SnapshotStore:
         return None
 
     def get(self, name: str) -> Snapshot:
-        if not _NAME.match(name):
+        if not is_snapshot_name(name):
             raise SnapshotError(f"{self.url_of(name)} is not a snapshot: its name is not step- and 9 digits")
         manifest, problem = self._read_manifest(name)
         if problem:
@@ -438,7 +425,7 @@ class SnapshotStore:
             return
         # (step, name, snapshot): damaged commits (no usable manifest) take part by their folder's step.
         entries = [(s.step, s.name, s) for s in listing.committed]
-        entries += [(step_of(name), name, None) for name, _ in listing.damaged if _NAME.match(name)]
+        entries += [(step_of(name), name, None) for name, _ in listing.damaged if is_snapshot_name(name)]
         good, older = 0, []
         for _, name, snapshot in sorted(entries, key=lambda entry: entry[0], reverse=True):
             if good >= self.keep:
@@ -466,53 +453,3 @@ class SnapshotStore:
 def _as_commit(name: str, manifest: dict | None) -> Commit:
     """A commit as the lease judges it; `manifest` None where it cannot be read (its writer is unknown)."""
     return Commit(name, step_of(name), manifest.get("writer") if manifest else None)
-
-
-def manifest_problem(manifest: Any, step: int) -> str | None:
-    """Why `manifest` cannot be trusted as the commit of `step`, in a few words; None when it can."""
-    if not isinstance(manifest, dict):
-        return "the manifest is not a JSON object"
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        return f"the manifest is not {FORMAT} version {FORMAT_VERSION}"
-    if manifest.get("step") != step:
-        return f"the manifest says step {manifest.get('step')!r}, the folder step {step}"
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return "the manifest lists no files"
-    for name, entry in files.items():
-        if not _FILE.match(name) or ".." in name.split("/"):
-            return f"the manifest names a file {name!r} that snapshots never hold"
-        if not (isinstance(entry, dict) and _is_count(entry.get("bytes"))
-                and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
-            return f"the manifest entry of {name} is not {{bytes, sha256}}"
-    return None
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-class HashingWriter:
-    """A write-only file that passes bytes on and keeps their count and sha256."""
-
-    def __init__(self, f):
-        self.f = f
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def tell(self) -> int:
-        return self.size
-
-    def close(self) -> None:
-        """Nothing: whoever opened the file closes it (and makes it durable first)."""
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def entry(self) -> dict:
-        return {"bytes": self.size, "sha256": self.sha.hexdigest()}

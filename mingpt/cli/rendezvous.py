@@ -22,9 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     without taking the job down, which is not so when the first agent hosts the store.
     """
     parser = command_parser("mingpt-rendezvous", summary(main.__doc__))
-    parser.add_argument("--port", type=int, default=29500, help="TCP port to listen on (default 29500)")
+    parser.add_argument("--port", type=int, default=29500, help="TCP port to listen on")
+    # ("%(default).0s" prints nothing: the default is worked out from --port.)
     parser.add_argument("--lighthouse-port", type=int, default=None,
-                        help="TCP port of torchft's Lighthouse, for mingpt-torchrun --live (default: --port + 1)")
+                        help="TCP port of torchft's Lighthouse, for mingpt-torchrun --live (default: --port + "
+                             "1)%(default).0s")
     args = parser.parse_args(argv)
     if args.lighthouse_port is None:
         args.lighthouse_port = args.port + 1

@@ -195,22 +195,25 @@ class LiveAgreement:
         # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one
         # lost to another job stops the writer's group there, when it claims the run again.
         saves_failing, _ = self.checkpointer.problems()
-        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing),
-                                float(self.checkpointer.lease_generation() or 0)], dtype=torch.float64)
+        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing)], dtype=torch.float64)
+        generation = torch.tensor([float(self.checkpointer.lease_generation() or 0)], dtype=torch.float64)
         if self.world.distributed:  # within the group first
             dist.all_reduce(flat)
             flat /= self.world.world_size
             dist.all_reduce(numbers)
+            dist.all_reduce(generation, op=dist.ReduceOp.MAX)
         stops = int(numbers[1])
         self.manager.allreduce(flat).wait()  # the mean over the step's groups
         self.manager.allreduce(numbers, reduce_op=dist.ReduceOp.SUM).wait()
+        # The newest lease (while the writer changes hands, the old one may not have let go yet).
+        self.manager.allreduce(generation, reduce_op=dist.ReduceOp.MAX).wait()
         offset = 0
         for p in params:
             p.grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         committed = self.manager.should_commit()
         self._say_what_changed(committed)
-        loss, _, failing, generation = numbers.tolist()
+        loss, _, failing = numbers.tolist()
         return Outcome(loss / self.global_batch_size, stops, failing > 0, False, committed, int(generation))
 
     def _meet_again(self, error: Exception) -> None:

@@ -1,0 +1,106 @@
+"""Where prepared data is written before it is a prepared folder, and how it becomes one.
+
+A preparation (or a copy) writes into a scratch folder beside the prepared folder, named by this machine and
+process (`scratch`), so that a later start on this machine finds the scratch folders a stopped one left
+(`leftovers`). A finished scratch folder is renamed into place (`publish`), so that a reader never sees a
+half-written folder; it replaces only prepared data or an empty folder, never anything else
+(`check_replaceable`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import uuid
+from pathlib import Path
+
+from mingpt.data.prepared import FORMAT, META_FILE, read_meta
+from mingpt.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def scratch(out: Path, kind: str) -> Path:
+    """A new name for a scratch folder next to `out`: it names this machine and process."""
+    return out.parent / f".{out.name}.{kind}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", socket.gethostname())
+
+
+def leftovers(folder: Path) -> list[Path]:
+    """The scratch folders that this machine's preparations left in `folder` when stopped or killed (not
+    another machine's, not host "node1-b"'s for host "node1"). Only looked at with the machine lock held:
+    then no preparation of this machine is running there."""
+    ours = re.compile(rf"^\..+\.(tmp|stale)-{re.escape(_host())}-\d+-[0-9a-f]{{8}}$")
+    return sorted(path for path in folder.iterdir() if ours.match(path.name))
+
+
+def remove_leftovers(folder: Path, keep: Path | None = None) -> None:
+    """Remove the `leftovers` in `folder`, but `keep`."""
+    for path in leftovers(folder):
+        if path != keep:
+            log.info("removing %s, left by a preparation that was stopped", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def matches(directory: Path, wanted: dict) -> bool:
+    """Whether `directory` holds prepared data whose meta.json says what `wanted` says."""
+    try:
+        meta = read_meta(directory)
+    except DataError:
+        return False
+    return all(meta.get(key) == value for key, value in wanted.items())
+
+
+def check_replaceable(out: Path) -> None:
+    """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace).
+
+    Anything else may be a user's files: preparing there would delete them."""
+    try:
+        os.stat(out)
+    except FileNotFoundError:
+        return
+    except OSError as e:  # ELOOP: a loop of symbolic links at it or above it; ENOTDIR: a file above it
+        raise DataError(f"cannot use {out} as the prepared-data folder: {e.strerror}; choose another folder "
+                        "(mingpt-prepare --out, data.prepared_dir or data.local_copy)") from None
+    if not out.is_dir():
+        raise DataError(f"the prepared-data folder {out} is a file; choose an empty or new folder "
+                        "(mingpt-prepare --out, or data.prepared_dir for training)")
+    if not any(out.iterdir()):
+        return
+    try:
+        meta = json.loads((out / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:  # any version of ours may be replaced
+        raise DataError(
+            f"{out} is not empty and holds no mingpt prepared data (no valid {META_FILE}); preparing there would "
+            "replace its files, so choose an empty or new folder (mingpt-prepare --out, or data.prepared_dir "
+            "for training)"
+        )
+
+
+def publish(tmp: Path, out: Path, meta: dict) -> None:
+    """Move the finished folder `tmp` (described by `meta`) to `out`, replacing stale data but never a
+    concurrent twin, nor a folder that is not prepared data."""
+    for _ in range(3):
+        try:
+            tmp.rename(out)
+            return
+        except OSError:  # `out` exists and is not empty
+            if matches(out, {"fingerprint": meta["fingerprint"]}):
+                return  # another process prepared the very same tokens first; theirs are as good
+            check_replaceable(out)  # again: files may have appeared since `prepare` checked
+            stale = scratch(out, "stale")
+            try:
+                out.rename(stale)
+            except FileNotFoundError:
+                continue  # someone else moved it meanwhile; try again
+            shutil.rmtree(stale, ignore_errors=True)
+    raise DataError(f"could not replace {out}; is another process preparing different data there?")
