@@ -304,7 +304,8 @@ class Reference:
                     return done.parent
             name = f"reference-{step}-{os.getpid()}"
             args = standalone(2) + overrides(self.root, name, ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL])
-            run_until(self.procs, args, name, self.root / name, step + 50)  # a margin for the next test
+            # A margin for the next test: steps are cheap, a second reference's start is not.
+            run_until(self.procs, args, name, self.root / name, step + 100)
             assert "resumed" not in output(self.procs.started[-1])
             (self.root / name / "complete").touch()
             return self.root / name
