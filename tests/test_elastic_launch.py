@@ -4,10 +4,12 @@ The elastic scenarios under mingpt-torchrun (nodes dying and joining, with and w
 mingpt-rendezvous) are in test_trainer.py.
 """
 
+import contextlib
 import logging
 import os
 import re
 import signal
+import socket
 
 import pytest
 
@@ -105,6 +107,36 @@ def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
     store.send_signal(signal.SIGTERM)
     assert store.wait(timeout=30) == 0
     wait_for(lambda: "stopped by SIGTERM" in output(store), 10, "the store's last line")
+
+
+@contextlib.contextmanager
+def taken_port_after_a_free_one():
+    """A port this test holds, whose port below is free (for the store)."""
+    for _ in range(20):
+        with socket.socket() as taken:
+            taken.bind(("0.0.0.0", 0))
+            port = taken.getsockname()[1]
+            if not port_listens(port - 1):
+                taken.listen()
+                yield port
+                return
+    raise AssertionError("no free port below a taken one")
+
+
+def test_a_taken_lighthouse_port_is_refused_where_it_was_asked_for_and_passed_over_where_it_was_not(procs):
+    """The Lighthouse serves live jobs only: where its default port (--port + 1) is taken, the store is served
+    alone, with a warning; a --lighthouse-port given and taken is one line and exit 2."""
+    with taken_port_after_a_free_one() as port:
+        asked = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={free_port()}", f"--lighthouse-port={port}"],
+                            "asked")
+        assert asked.wait(timeout=60) == 2
+        assert output(asked).strip() == (f"error: cannot start the Lighthouse of live jobs on port {port} (Address "
+                                         "already in use (os error 98)): choose another port with --lighthouse-port")
+        alone = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={port - 1}"], "alone")
+        wait_for(lambda: "listening" in output(alone), 60, "the store", [alone])
+    assert "serving the store alone (mingpt-torchrun --live will refuse it)" in output(alone)
+    alone.send_signal(signal.SIGTERM)
+    assert alone.wait(timeout=30) == 0
 
 
 def test_a_node_that_comes_after_the_job_finished_says_so_and_exits_0(tmp_path, procs):

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="TCP port of torchft's Lighthouse, for mingpt-torchrun --live (default: --port + "
                              "1)%(default).0s")
     args = parser.parse_args(argv)
-    if args.lighthouse_port is None:
+    chosen = args.lighthouse_port is not None  # else --port + 1, which a job of torchrun's alone can do without
+    if not chosen:
         args.lighthouse_port = args.port + 1
     for flag, port in (("--port", args.port), ("--lighthouse-port", args.lighthouse_port)):
         if not 0 < port < 65536:
@@ -49,35 +50,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on port {args.port} ({str(e).splitlines()[0]}): another store or job "
               "may be using it; choose another port with --port", file=sys.stderr)
         return 2
-    lighthouse = start_lighthouse(args.lighthouse_port)
-    if lighthouse is None:
-        return 2
-    store.set(live.LIGHTHOUSE_KEY, str(args.lighthouse_port))  # where mingpt-torchrun --live finds it
+    try:
+        lighthouse = start_lighthouse(args.lighthouse_port)
+    except RuntimeError as e:  # the port is taken: torchft's error names the address
+        why = f"cannot start the Lighthouse of live jobs on port {args.lighthouse_port} ({str(e).splitlines()[0]})"
+        if chosen:
+            print(f"error: {why}: choose another port with --lighthouse-port", file=sys.stderr)
+            return 2
+        log.warning("%s: serving the store alone (mingpt-torchrun --live will refuse it); give --lighthouse-port "
+                    "for live jobs", why)
+        lighthouse = None
     host = socket.gethostname()
-    log.info("rendezvous store listening on port %d of %s, the Lighthouse of live jobs on port %d. Start every node "
-             "with: mingpt-torchrun [--live] --nnodes=MIN:MAX --rdzv-backend=c10d --rdzv-endpoint=%s:%d --rdzv-id=JOB "
-             "... train/main.py", args.port, host, args.lighthouse_port, host, args.port)
+    if lighthouse is not None:
+        store.set(live.LIGHTHOUSE_KEY, str(args.lighthouse_port))  # where mingpt-torchrun --live finds it
+        log.info("the Lighthouse of live jobs (mingpt-torchrun --live) listens on port %d", args.lighthouse_port)
+    log.info("rendezvous store listening on port %d of %s. Start every node with: mingpt-torchrun [--live] "
+             "--nnodes=MIN:MAX --rdzv-backend=c10d --rdzv-endpoint=%s:%d --rdzv-id=JOB ... train/main.py",
+             args.port, host, host, args.port)
     stopped_by = signal.sigwait(stop_signals)
     log.info("stopped by %s: agents still running lose their rendezvous", signal.Signals(stopped_by).name)
-    lighthouse.shutdown()
+    if lighthouse is not None:
+        lighthouse.shutdown()
     del store
     return 0
 
 
 def start_lighthouse(port: int):
-    """torchft's Lighthouse on `port` (every interface), with the live mode's timeouts; None (said) where the port
-    is taken."""
+    """torchft's Lighthouse on `port` (every interface), with the live mode's timeouts."""
     from torchft.coordination import LighthouseServer
 
     from mingpt.training import live
 
-    try:
-        return LighthouseServer(bind=f"0.0.0.0:{port}", min_replicas=1, join_timeout_ms=live.JOIN_TIMEOUT_MS,
-                                quorum_tick_ms=live.QUORUM_TICK_MS, heartbeat_timeout_ms=live.HEARTBEAT_TIMEOUT_MS)
-    except Exception as e:  # the port is taken: torchft's RuntimeError names the address
-        print(f"error: cannot start the Lighthouse on port {port} ({str(e).splitlines()[0]}): choose another port "
-              "with --lighthouse-port", file=sys.stderr)
-        return None
+    return LighthouseServer(bind=f"0.0.0.0:{port}", min_replicas=1, join_timeout_ms=live.JOIN_TIMEOUT_MS,
+                            quorum_tick_ms=live.QUORUM_TICK_MS, heartbeat_timeout_ms=live.HEARTBEAT_TIMEOUT_MS)
 
 
 if __name__ == "__main__":
