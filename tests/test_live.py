@@ -139,10 +139,8 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
     port, lighthouse = free_port(), free_port()
     store = rendezvous(procs, port, lighthouse)
     first = live_node(procs, tmp_path, port, "first", "machine-a")
-    wait_for(lambda: "live mode" in output(first), 60, "the first node", [first])
     second = live_node(procs, tmp_path, port, "second", "machine-b")
     snap = tmp_path / "live"
-    wait_for(lambda: "live: this group takes part" in output(second), 120, "two nodes training", [first, second])
     between_snapshots = lambda: max(ledger(snap), default=0) >= 10 and 3 <= max(ledger(snap)) % 10 <= 6
     wait_for(between_snapshots, 120, "a step between two snapshots", [first, second])
     writer, survivor = (first, second) if "this job holds" in output(first) else (second, first)
