@@ -213,15 +213,22 @@ def test_a_node_started_before_the_store_waits_for_it():
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    stores = []  # connections are refused until the store starts, a second from now
-    late = threading.Timer(1.0, lambda: stores.append(TCPStore("127.0.0.1", port, is_master=True,
-                                                               wait_for_workers=False)))
+    starting = threading.Event()  # connections are refused until the store starts, a second from now
+    stores = []
+
+    def start_store():
+        starting.set()
+        stores.append(TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
+
+    late = threading.Timer(1.0, start_store)
     late.start()
     try:
         torchrun.check_endpoint(f"127.0.0.1:{port}", "is_host=0,read_timeout=30")
+        assert starting.is_set()  # it returned once the store came up, not before
     finally:
         late.cancel()
-    assert stores  # it returned once the store came up, not before
+        late.join()
+    stores.clear()
 
 
 def test_mingpt_torchrun_names_an_unresolvable_endpoint_at_once(tmp_path):
