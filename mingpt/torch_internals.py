@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import time
 from typing import Any
 
@@ -105,7 +106,7 @@ def _check_objects() -> list[str]:
     store = HashStore()
     handler = DynamicRendezvousHandler.from_backend("check", store, C10dRendezvousBackend(store, "check"), 1, 1)
     agent = LocalElasticAgent(WorkerSpec(role="check", local_world_size=1, rdzv_handler=handler, entrypoint="true"),
-                              DefaultLogsSpecs())
+                              DefaultLogsSpecs(log_dir=os.devnull))  # no torchelastic_* folder in /tmp
     fields = {
         "LocalElasticAgent._remaining_restarts": isinstance(getattr(agent, "_remaining_restarts", None), int),
         "LocalElasticAgent._pcontext": hasattr(agent, "_pcontext"),

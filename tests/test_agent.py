@@ -4,6 +4,7 @@ rendezvous handler and a real TCPStore, with torch's own steps (monitoring, assi
 a test needs their outcome; the whole behaviour, with real agents and workers, is in test_trainer.py (nodes
 dying, joining and leaving under --max-restarts=0) and test_elastic_launch.py (a node that comes too late)."""
 
+import os
 import socket
 import time
 from datetime import timedelta
@@ -16,6 +17,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
+from launch import BIN, env, kill_node, output, wait_for
+from mingpt.claim import start_time
 from mingpt.torch_internals import ElasticAgent
 from mingpt.training import agent as agent_module
 from mingpt.training.agent import Agent, Rendezvous
@@ -217,5 +220,28 @@ def test_installed_the_agent_replaces_torchs_and_its_rendezvous_polls_four_times
     agent_module.install()
     assert api.LocalElasticAgent is Agent
     dynamic_rendezvous._delay(seconds=1)  # what a waiting agent sleeps between two looks at the round
-    dynamic_rendezvous._delay(seconds=(0, 0.3))  # a random pause in a range: torch's own
-    assert slept[0] == agent_module.POLL_S and 0 <= slept[1] <= 0.3
+    dynamic_rendezvous._delay(seconds=(0.1, 0.3))  # a random pause in a range: torch's own (under 10 ms: none)
+    assert slept[0] == agent_module.POLL_S and 0.1 <= slept[1] <= 0.3
+
+
+@pytest.mark.multiproc
+def test_what_a_killed_agent_left_in_tmp_goes_when_the_next_agent_starts(tmp_path, procs):
+    """An agent SIGKILLed (the OOM killer, a node's death) cleans up nothing: the next agent on the machine removes
+    its folders (its watchdog's, its workers' logs), and keeps those of a process that still runs; an agent that
+    ends leaves nothing, not even torch's torchelastic_* folder."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    environment = {**env(), "TMPDIR": str(temp)}
+    alive = temp / f"mingpt-progress-{os.getpid()}-{start_time(os.getpid())}-running"  # this process's: it runs
+    alive.mkdir(mode=0o700)
+    agent = [str(BIN / "mingpt-torchrun"), "--standalone", "--nproc-per-node=1", "--no-python"]
+    killed = procs.start([*agent, "sleep", "600"], "killed", environment=environment)
+    theirs = lambda: sorted(p.name.split("-")[1] for p in temp.glob(f"mingpt-*-{killed.pid}-*"))
+    wait_for(lambda: "starting its workers" in output(killed) and theirs() == ["progress", "torchrun"], 60,
+             "the agent's folders", [killed])
+    kill_node(killed)
+    killed.wait(timeout=30)
+    assert theirs() == ["progress", "torchrun"]  # nothing removed them
+    after = procs.start([*agent, "true"], "after", environment=environment)
+    assert after.wait(timeout=120) == 0, output(after)
+    assert sorted(p.name for p in temp.iterdir()) == [alive.name]

@@ -87,8 +87,8 @@ def marks(tmp_path, records: dict) -> list[int]:
 
 def test_auto_hang_timeout_waits_for_step_times_then_takes_20_median_steps_at_least_20_s(tmp_path, monkeypatch):
     dog = watchdog.Watchdog()
+    own, dog.folder = dog.folder, tmp_path
     try:
-        dog.folder = tmp_path
         pids = marks(tmp_path, {101: (0, "starting", 0), 102: (0, "starting", 0)})
         assert dog.check(pids) == [] and dog.timeout({}) is None  # nothing timed yet: never acts
         for step in range(1, 12):  # 0.1 s steps (the first SKIPPED left out)
@@ -107,6 +107,7 @@ def test_auto_hang_timeout_waits_for_step_times_then_takes_20_median_steps_at_le
         assert dog.check(pids) == [101] and ended == [101]
         assert "hung: " in dog.finding and "pid 101" in dog.finding
     finally:
+        dog.folder = own
         dog.close()
 
 
@@ -141,3 +142,35 @@ def test_a_hang_timeout_that_contradicts_the_collective_timeout_is_one_line(valu
     with pytest.raises(ConfigError, match="trainer.hang_timeout_s must be 0 .chosen from the step time. or at least 5 s "
                                           "and below trainer.dist_timeout_s=300"):
         config(f"trainer.hang_timeout_s={value}")
+
+
+def test_a_progress_folder_that_is_not_the_agents_own_is_ignored_with_one_warning(tmp_path, monkeypatch, caplog):
+    """MINGPT_PROGRESS_DIR missing, a file, a link, a folder others can write holding a FIFO, a FIFO in place of
+    the mark file: no traceback and no wait; the worker trains on, unwatched, having said so once."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # as /tmp: anyone may plant a FIFO by the worker's name
+    os.mkfifo(shared / str(os.getpid()))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    fifo_inside = tmp_path / "fifo-inside"
+    fifo_inside.mkdir(mode=0o700)
+    os.mkfifo(fifo_inside / str(os.getpid()))
+    (tmp_path / "file").write_text("")
+    (tmp_path / "link").symlink_to(private)
+    for folder in ("missing", "file", "link", "shared", "fifo-inside"):
+        caplog.clear()
+        monkeypatch.setenv(progress.PROGRESS_DIR, str(tmp_path / folder))
+        marks = progress.Progress(hang_timeout_s=0.0)
+        marks.mark(3, "computing")
+        assert marks.fd is None, folder
+        assert caplog.text.count("progress is not reported") == 1, folder
+        assert progress.read(str(tmp_path / folder / str(os.getpid()))) is None  # a FIFO is never waited on
+    monkeypatch.setenv(progress.PROGRESS_DIR, str(private))  # as the agent makes it
+    caplog.clear()
+    marks = progress.Progress(hang_timeout_s=7.0)
+    try:
+        marks.mark(3, "computing")
+        assert progress.read(str(private / str(os.getpid())))[:2] == (3, "computing") and not caplog.text
+    finally:
+        marks.close()

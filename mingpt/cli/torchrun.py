@@ -9,6 +9,7 @@ import argparse
 import errno
 import logging
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -22,6 +23,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mingpt import torch_internals
+from mingpt.checkpoint.shm import process_folder
 from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError, one_line
 from mingpt.training import agent, live
@@ -69,11 +71,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
           file=sys.stderr, flush=True)
     agent.install()
+    own_logs = _own_log_dir(args)
     try:
         record(run.run)(args)
     except agent.JobFinished as e:
         print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
+    finally:
+        if own_logs:
+            shutil.rmtree(args.log_dir, ignore_errors=True)
     return 0
+
+
+def _own_log_dir(args: argparse.Namespace) -> bool:
+    """Where the user keeps no worker logs (no --log-dir, --redirects, --tee or --logs-specs), torch would still
+    make a torchelastic_* folder in /tmp for its workers' error files and leave it there: make it a folder of
+    this agent's own, which goes when the agent ends, or, if it is killed, when the next one starts."""
+    if args.log_dir is not None or args.redirects != "0" or args.tee != "0" or args.logs_specs is not None:
+        return False
+    args.log_dir = str(process_folder("torchrun"))
+    return True
 
 
 def _without_live(argv: list[str]) -> tuple[list[str], bool]:

@@ -4,17 +4,27 @@ made (MINGPT_PROGRESS_DIR). It needs no collective, so a hung collective cannot 
 stops marking is seen by its agent, which names it, writes its Python stack to the log and restarts the
 workers.
 
-Each mark is one pwrite of 32 bytes. Processes that torchrun did not start (no agent) mark nothing.
+Each mark is one pwrite of 32 bytes. Processes that torchrun did not start (no agent) mark nothing, and so
+does a process whose MINGPT_PROGRESS_DIR is not a folder of this user's alone (mode 0700, not a link), as
+its agent makes: in a folder others can write, they could plant a FIFO or a link. It trains on, with one
+warning, unwatched.
 """
 
 from __future__ import annotations
 
 import ctypes
 import faulthandler
+import logging
 import os
 import signal
+import stat
 import struct
 import time
+from pathlib import Path
+
+from mingpt.checkpoint.shm import private_folder, read_own_file
+
+log = logging.getLogger(__name__)
 
 PROGRESS_DIR = "MINGPT_PROGRESS_DIR"
 # A phase the watchdog judges by the step time (computing, evaluating) or leaves to other timeouts
@@ -30,9 +40,8 @@ class Progress:
     def __init__(self, hang_timeout_s: float):
         self.hang_timeout_s = hang_timeout_s
         folder = os.environ.get(PROGRESS_DIR)
-        self.fd = None
-        if folder:
-            self.fd = os.open(os.path.join(folder, str(os.getpid())), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self.fd = _open_mark_file(Path(folder)) if folder else None
+        if self.fd is not None:
             let_the_agent_read_my_stack()
         self.step, self.phase = 0, "starting"
         self.mark(0, "starting")
@@ -46,6 +55,26 @@ class Progress:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _open_mark_file(folder: Path) -> int | None:
+    """This process's mark file in its agent's folder, opened for writing; None, with one warning, where the folder
+    is not one an agent of this user's made or the file is not a regular file of this user's."""
+    why = None if private_folder(folder) else "not a folder of this user's alone (mode 0700, not a link)"
+    if why is None:
+        try:  # never through a link, never waiting on a FIFO
+            fd = os.open(folder / str(os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            why = f"cannot write a file in it ({e.strerror or e})"
+        else:
+            found = os.fstat(fd)
+            if stat.S_ISREG(found.st_mode) and found.st_uid == os.getuid():
+                return fd
+            os.close(fd)
+            why = "its file for this process is not a regular file of this user's"
+    log.warning("%s=%s: %s; this process's progress is not reported, and its agent's watchdog cannot tell if it "
+                "hangs", PROGRESS_DIR, folder, why)
+    return None
 
 
 def let_the_agent_read_my_stack() -> None:
@@ -62,9 +91,8 @@ def let_the_agent_read_my_stack() -> None:
 def read(path: str) -> tuple[int, str, float, float] | None:
     """(step, phase, when, hang timeout) of a progress file; None where it holds no mark yet."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(RECORD.size)
-    except OSError:
+        data = read_own_file(Path(path), RECORD.size)
+    except OSError:  # not yet made; or not a regular file of this user's: never read
         return None
     if len(data) < RECORD.size:
         return None

@@ -26,11 +26,11 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
+from mingpt.checkpoint.shm import process_folder
 from mingpt.training import progress
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Watchdog:
     """One agent's watch over its workers' progress."""
 
     def __init__(self):
-        self.folder = Path(tempfile.mkdtemp(prefix="mingpt-progress-"))  # 0700: this user's alone
+        self.folder = process_folder("progress")  # this user's alone; removed by the next agent if this one is killed
         self.host = socket.gethostname()
         self._seen: dict[int, tuple[int, float]] = {}  # pid -> (step, when) of its last new step
         self._times: deque[float] = deque(maxlen=50)
