@@ -21,6 +21,7 @@ import stat
 import struct
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from mingpt.checkpoint.shm import private_folder, read_own_file
 
@@ -30,26 +31,51 @@ PROGRESS_DIR = "MINGPT_PROGRESS_DIR"
 # A phase the watchdog judges by the step time (computing, evaluating) or leaves to other timeouts
 # (starting: trainer.dist_timeout_s and the rendezvous; saving: the store's own).
 PHASES = ("starting", "computing", "evaluating", "saving")
-RECORD = struct.Struct("<qqdd")  # step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s
+# step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s, the step this process started
+# computing at (-1 before), and the allowance of that first step (trainer.dist_timeout_s)
+RECORD = struct.Struct("<qqddqd")
 _PR_SET_PTRACER = 0x59616D61
+
+
+class Mark(NamedTuple):
+    """A process's last mark, as its agent reads it."""
+
+    step: int
+    phase: str
+    when: float
+    timeout: float  # trainer.hang_timeout_s (0: the agent chooses)
+    first: int  # the step this process started computing at: its generation's first, where -1 none yet
+    first_timeout: float  # how long that first step may take (compiling, warming up)
+
+    @property
+    def progressed(self) -> bool:
+        """Whether this process completed a step (its last mark is past the step it started at)."""
+        return 0 <= self.first < self.step
+
+    @property
+    def in_first_step(self) -> bool:
+        return self.step == self.first
 
 
 class Progress:
     """Marks of this process's progress, where an agent watches them."""
 
-    def __init__(self, hang_timeout_s: float):
-        self.hang_timeout_s = hang_timeout_s
+    def __init__(self, hang_timeout_s: float, first_step_s: float):
+        self.hang_timeout_s, self.first_step_s = hang_timeout_s, first_step_s
         folder = os.environ.get(PROGRESS_DIR)
         self.fd = _open_mark_file(Path(folder)) if folder else None
         if self.fd is not None:
             let_the_agent_read_my_stack()
-        self.step, self.phase = 0, "starting"
+        self.step, self.phase, self.first = 0, "starting", -1
         self.mark(0, "starting")
 
     def mark(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
+        if phase == "computing" and self.first < 0:
+            self.first = step
         if self.fd is not None:
-            os.pwrite(self.fd, RECORD.pack(step, PHASES.index(phase), time.monotonic(), self.hang_timeout_s), 0)
+            os.pwrite(self.fd, RECORD.pack(step, PHASES.index(phase), time.monotonic(), self.hang_timeout_s,
+                                           self.first, self.first_step_s), 0)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -88,13 +114,13 @@ def let_the_agent_read_my_stack() -> None:
         pass
 
 
-def read(path: str) -> tuple[int, str, float, float] | None:
-    """(step, phase, when, hang timeout) of a progress file; None where it holds no mark yet."""
+def read(path: str) -> Mark | None:
+    """The last mark in a progress file; None where it holds none yet."""
     try:
         data = read_own_file(Path(path), RECORD.size)
     except OSError:  # not yet made; or not a regular file of this user's: never read
         return None
     if len(data) < RECORD.size:
         return None
-    step, phase, when, timeout = RECORD.unpack(data)
-    return step, PHASES[phase] if 0 <= phase < len(PHASES) else "starting", when, timeout
+    step, phase, when, timeout, first, first_timeout = RECORD.unpack(data)
+    return Mark(step, PHASES[phase] if 0 <= phase < len(PHASES) else "starting", when, timeout, first, first_timeout)
