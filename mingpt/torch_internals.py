@@ -168,6 +168,10 @@ class ElasticAgent(LocalElasticAgent):
         """torch's loop takes one of --max-restarts for every restart; this one was not a failure."""
         self._remaining_restarts += 1
 
+    def use_a_restart(self) -> None:
+        """Take back a restart given back: it was a failure after all."""
+        self._remaining_restarts -= 1
+
     @property
     def restarts_left(self) -> int:
         return self._remaining_restarts

@@ -24,7 +24,7 @@ from mingpt.training import agent as agent_module
 from mingpt.training.agent import Agent, Rendezvous
 from mingpt.training.distributed import lost_a_peer
 from mingpt.training.launcher import PEER_LOST, PEER_STOPPED
-from mingpt.training.progress import PROGRESS_DIR
+from mingpt.training.progress import PROGRESS_DIR, RECORD
 
 
 class Handler:
@@ -91,6 +91,33 @@ def test_workers_ended_by_another_node_use_up_no_restart(monkeypatch, make_agent
     assert agent.monitor(None).state == WorkerState.FAILED  # torch's loop restarts, taking one back
     assert agent.restarts_left == (1 if free else 0)
     assert agent._cause == cause
+
+
+def test_a_membership_exit_after_no_step_is_free_only_when_the_next_round_has_other_nodes(monkeypatch, make_agent):
+    """Workers that exit 75 or 76 without a step: free where a node left or joined (the next round shows it), else
+    one of --max-restarts, and with none left the job ends with their status. After a step, free at once."""
+    monkeypatch.setattr(ElasticAgent, "monitor", lambda self, group: failed(PEER_STOPPED))
+
+    def ends_then_rounds(agent, before, after):  # torch's loop: take a restart, then the next round
+        agent.monitor(None)
+        agent._remaining_restarts -= 1
+        agent._members = after
+        agent._charge_an_unproven_restart(before)
+
+    two, one = {"a_1_0", "b_2_0"}, {"a_1_0"}
+    agent = make_agent(two, restarts=1)
+    ends_then_rounds(agent, two, one)  # b left
+    assert agent.restarts_left == 1
+    ends_then_rounds(agent, one, one)  # nothing changed: a failure
+    assert agent.restarts_left == 0
+    with pytest.raises(agent_module.RestartsUsedUp, match="exited 75, which says another process was asked to "
+                                                          "stop, but they did no step and no node left or joined"
+                       ) as ended:
+        ends_then_rounds(agent, one, one)
+    assert ended.value.status == PEER_STOPPED
+    (agent.watchdog.folder / "1000").write_bytes(RECORD.pack(41, 3, time.monotonic(), 0.0, 40, 300.0))
+    ends_then_rounds(agent, one, one)  # step 40 done, then saving: a membership change, whatever the round
+    assert agent.restarts_left == 0 and agent._unproven is None
 
 
 def test_a_restart_after_the_watchdog_ended_a_hung_worker_is_free_three_times(monkeypatch, make_agent):
@@ -245,3 +272,16 @@ def test_what_a_killed_agent_left_in_tmp_goes_when_the_next_agent_starts(tmp_pat
     after = procs.start([*agent, "true"], "after", environment=environment)
     assert after.wait(timeout=120) == 0, output(after)
     assert sorted(p.name for p in temp.iterdir()) == [alive.name]
+
+
+@pytest.mark.multiproc
+def test_a_script_that_always_exits_75_ends_after_max_restarts_with_its_status(tmp_path, procs):
+    """75 says another process was asked to stop; a script that says it at once, alone in its job, is failing."""
+    script = tmp_path / "exit75.sh"
+    script.write_text('#!/bin/sh\necho run >> "$0.runs"\nexit 75\n')
+    script.chmod(0o755)
+    job = procs.start([str(BIN / "mingpt-torchrun"), "--standalone", "--nproc-per-node=1", "--max-restarts=2",
+                       "--no-python", str(script)], "job", environment={**env(), "TMPDIR": str(tmp_path)})
+    assert job.wait(timeout=120) == 75, output(job)
+    assert (tmp_path / "exit75.sh.runs").read_text().count("run") == 3
+    assert "--max-restarts=2 is used up" in output(job)

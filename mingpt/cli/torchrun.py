@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         record(run.run)(args)
     except agent.JobFinished as e:
         print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
+    except agent.RestartsUsedUp as e:
+        print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
+        return e.status
     finally:
         if own_logs:
             shutil.rmtree(args.log_dir, ignore_errors=True)
