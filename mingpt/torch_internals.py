@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import time
 from typing import Any
 
@@ -105,7 +106,7 @@ def _check_objects() -> list[str]:
     store = HashStore()
     handler = DynamicRendezvousHandler.from_backend("check", store, C10dRendezvousBackend(store, "check"), 1, 1)
     agent = LocalElasticAgent(WorkerSpec(role="check", local_world_size=1, rdzv_handler=handler, entrypoint="true"),
-                              DefaultLogsSpecs())
+                              DefaultLogsSpecs(log_dir=os.devnull))  # no torchelastic_* folder in /tmp
     fields = {
         "LocalElasticAgent._remaining_restarts": isinstance(getattr(agent, "_remaining_restarts", None), int),
         "LocalElasticAgent._pcontext": hasattr(agent, "_pcontext"),
@@ -166,6 +167,10 @@ class ElasticAgent(LocalElasticAgent):
     def give_back_a_restart(self) -> None:
         """torch's loop takes one of --max-restarts for every restart; this one was not a failure."""
         self._remaining_restarts += 1
+
+    def use_a_restart(self) -> None:
+        """Take back a restart given back: it was a failure after all."""
+        self._remaining_restarts -= 1
 
     @property
     def restarts_left(self) -> int:

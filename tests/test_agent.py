@@ -4,6 +4,7 @@ rendezvous handler and a real TCPStore, with torch's own steps (monitoring, assi
 a test needs their outcome; the whole behaviour, with real agents and workers, is in test_trainer.py (nodes
 dying, joining and leaving under --max-restarts=0) and test_elastic_launch.py (a node that comes too late)."""
 
+import os
 import socket
 import time
 from datetime import timedelta
@@ -16,12 +17,14 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
+from launch import BIN, env, kill_node, output, wait_for
+from mingpt.claim import start_time
 from mingpt.torch_internals import ElasticAgent
 from mingpt.training import agent as agent_module
 from mingpt.training.agent import Agent, Rendezvous
 from mingpt.training.distributed import lost_a_peer
 from mingpt.training.launcher import PEER_LOST, PEER_STOPPED
-from mingpt.training.progress import PROGRESS_DIR
+from mingpt.training.progress import PROGRESS_DIR, RECORD
 
 
 class Handler:
@@ -88,6 +91,33 @@ def test_workers_ended_by_another_node_use_up_no_restart(monkeypatch, make_agent
     assert agent.monitor(None).state == WorkerState.FAILED  # torch's loop restarts, taking one back
     assert agent.restarts_left == (1 if free else 0)
     assert agent._cause == cause
+
+
+def test_a_membership_exit_after_no_step_is_free_only_when_the_next_round_has_other_nodes(monkeypatch, make_agent):
+    """Workers that exit 75 or 76 without a step: free where a node left or joined (the next round shows it), else
+    one of --max-restarts, and with none left the job ends with their status. After a step, free at once."""
+    monkeypatch.setattr(ElasticAgent, "monitor", lambda self, group: failed(PEER_STOPPED))
+
+    def ends_then_rounds(agent, before, after):  # torch's loop: take a restart, then the next round
+        agent.monitor(None)
+        agent._remaining_restarts -= 1
+        agent._members = after
+        agent._charge_an_unproven_restart(before)
+
+    two, one = {"a_1_0", "b_2_0"}, {"a_1_0"}
+    agent = make_agent(two, restarts=1)
+    ends_then_rounds(agent, two, one)  # b left
+    assert agent.restarts_left == 1
+    ends_then_rounds(agent, one, one)  # nothing changed: a failure
+    assert agent.restarts_left == 0
+    with pytest.raises(agent_module.RestartsUsedUp, match="exited 75, which says another process was asked to "
+                                                          "stop, but they did no step and no node left or joined"
+                       ) as ended:
+        ends_then_rounds(agent, one, one)
+    assert ended.value.status == PEER_STOPPED
+    (agent.watchdog.folder / "1000").write_bytes(RECORD.pack(41, 3, time.monotonic(), 0.0, 40, 300.0))
+    ends_then_rounds(agent, one, one)  # step 40 done, then saving: a membership change, whatever the round
+    assert agent.restarts_left == 0 and agent._unproven is None
 
 
 def test_a_restart_after_the_watchdog_ended_a_hung_worker_is_free_three_times(monkeypatch, make_agent):
@@ -217,5 +247,41 @@ def test_installed_the_agent_replaces_torchs_and_its_rendezvous_polls_four_times
     agent_module.install()
     assert api.LocalElasticAgent is Agent
     dynamic_rendezvous._delay(seconds=1)  # what a waiting agent sleeps between two looks at the round
-    dynamic_rendezvous._delay(seconds=(0, 0.3))  # a random pause in a range: torch's own
-    assert slept[0] == agent_module.POLL_S and 0 <= slept[1] <= 0.3
+    dynamic_rendezvous._delay(seconds=(0.1, 0.3))  # a random pause in a range: torch's own (under 10 ms: none)
+    assert slept[0] == agent_module.POLL_S and 0.1 <= slept[1] <= 0.3
+
+
+@pytest.mark.multiproc
+def test_what_a_killed_agent_left_in_tmp_goes_when_the_next_agent_starts(tmp_path, procs):
+    """An agent SIGKILLed (the OOM killer, a node's death) cleans up nothing: the next agent on the machine removes
+    its folders (its watchdog's, its workers' logs), and keeps those of a process that still runs; an agent that
+    ends leaves nothing, not even torch's torchelastic_* folder."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    environment = {**env(), "TMPDIR": str(temp)}
+    alive = temp / f"mingpt-progress-{os.getpid()}-{start_time(os.getpid())}-running"  # this process's: it runs
+    alive.mkdir(mode=0o700)
+    agent = [str(BIN / "mingpt-torchrun"), "--standalone", "--nproc-per-node=1", "--no-python"]
+    killed = procs.start([*agent, "sleep", "600"], "killed", environment=environment)
+    theirs = lambda: sorted(p.name.split("-")[1] for p in temp.glob(f"mingpt-*-{killed.pid}-*"))
+    wait_for(lambda: "starting its workers" in output(killed) and theirs() == ["progress", "torchrun"], 60,
+             "the agent's folders", [killed])
+    kill_node(killed)
+    killed.wait(timeout=30)
+    assert theirs() == ["progress", "torchrun"]  # nothing removed them
+    after = procs.start([*agent, "true"], "after", environment=environment)
+    assert after.wait(timeout=120) == 0, output(after)
+    assert sorted(p.name for p in temp.iterdir()) == [alive.name]
+
+
+@pytest.mark.multiproc
+def test_a_script_that_always_exits_75_ends_after_max_restarts_with_its_status(tmp_path, procs):
+    """75 says another process was asked to stop; a script that says it at once, alone in its job, is failing."""
+    script = tmp_path / "exit75.sh"
+    script.write_text('#!/bin/sh\necho run >> "$0.runs"\nexit 75\n')
+    script.chmod(0o755)
+    job = procs.start([str(BIN / "mingpt-torchrun"), "--standalone", "--nproc-per-node=1", "--max-restarts=2",
+                       "--no-python", str(script)], "job", environment={**env(), "TMPDIR": str(tmp_path)})
+    assert job.wait(timeout=120) == 75, output(job)
+    assert (tmp_path / "exit75.sh.runs").read_text().count("run") == 3
+    assert "--max-restarts=2 is used up" in output(job)

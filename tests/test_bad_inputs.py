@@ -5,6 +5,7 @@ mingpt-torchrun's node counts and rendezvous endpoint. Every bad file here is a 
 import http.server
 import json
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -191,22 +192,41 @@ def test_an_unreachable_rendezvous_store_is_one_line_with_the_readme_check(capsy
     assert f"nc -zv 127.0.0.1 {closed_port}" in line and "mingpt-rendezvous" in line
 
 
-def test_a_port_that_answers_but_is_no_rendezvous_store_is_one_line_in_seconds(monkeypatch):
-    """torch's store client, pointed at an HTTP server, waits for good whatever its timeout."""
+@pytest.mark.parametrize("conf, expected", [
+    ("is_host=0", "accepts connections but does not answer as a rendezvous store within 2 s; 127.0.0.1:{port} "
+                  "answered 'HTTP/1.0 "),
+    ("", "accepts connections but does not answer as a rendezvous store within 2 s"),  # this machine hosts
+    ("is_host=1", "this node is to host the rendezvous store, but port {port} is taken on this machine "
+                  "(127.0.0.1:{port} answered 'HTTP/1.0 "),
+], ids=["client", "host-inferred", "host-told"])
+def test_a_port_that_answers_but_is_no_rendezvous_store_is_one_line_in_seconds(monkeypatch, conf, expected):
+    """torch's store client, pointed at an HTTP server, waits for good whatever its timeout; and an agent that
+    hosts the store, finding its port taken, becomes such a client (or, told to host, fails with a traceback)."""
     monkeypatch.setattr(torchrun, "STORE_ANSWER_S", 2.0)
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=web.serve_forever, daemon=True).start()
+    port = web.server_address[1]
     try:
         # read_timeout far past pytest's timeout: ending at all, "within 2 s", is giving up on the unanswered
         # question after STORE_ANSWER_S, not waiting for torch's client nor for the rendezvous's read_timeout.
-        with pytest.raises(ConfigError, match="accepts connections but does not answer as a rendezvous store "
-                                              "within 2 s"):
-            torchrun.check_endpoint(f"127.0.0.1:{web.server_address[1]}", "is_host=0,read_timeout=600")
+        with pytest.raises(ConfigError, match=re.escape(expected.format(port=port))):
+            torchrun.check_endpoint(f"127.0.0.1:{port}", f"{conf},read_timeout=600".lstrip(","))
     finally:
         web.shutdown()
         web.server_close()
+
+
+def test_a_rendezvous_store_already_on_the_port_is_joined_unless_this_node_was_told_to_host_it():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a store answers at once
     torchrun.check_endpoint(f"127.0.0.1:{store.port}", "is_host=0,read_timeout=30")
+    torchrun.check_endpoint(f"127.0.0.1:{store.port}", "read_timeout=30")  # another agent of this machine hosts it
+    with pytest.raises(ConfigError, match=f"to host the rendezvous store, but port {store.port} is taken"):
+        torchrun.check_endpoint(f"127.0.0.1:{store.port}", "is_host=1")
+    with socket.socket() as free:  # a free port: this node will host the store there
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    torchrun.check_endpoint(f"127.0.0.1:{port}", "is_host=1")
+    torchrun.check_endpoint(f"127.0.0.1:{port}", "")
 
 
 def test_a_node_started_before_the_store_waits_for_it():

@@ -78,17 +78,19 @@ def test_a_frozen_worker_then_a_frozen_leader_are_named_with_their_stacks_and_th
     assert any("process_times" in m for m in metrics(snap))
 
 
-def marks(tmp_path, records: dict) -> list[int]:
+def marks(tmp_path, records: dict, hang_timeout_s: float = 0.0, first: int = 0) -> list[int]:
+    """Progress files as workers write them: pid -> (step, phase, seconds since), each having started computing
+    at step `first`, its first step allowed 300 s (trainer.dist_timeout_s)."""
     for pid, (step, phase, age) in records.items():
         (tmp_path / str(pid)).write_bytes(progress.RECORD.pack(step, progress.PHASES.index(phase),
-                                                               time.monotonic() - age, 0.0))
+                                                               time.monotonic() - age, hang_timeout_s, first, 300.0))
     return list(records)
 
 
 def test_auto_hang_timeout_waits_for_step_times_then_takes_20_median_steps_at_least_20_s(tmp_path, monkeypatch):
     dog = watchdog.Watchdog()
+    own, dog.folder = dog.folder, tmp_path
     try:
-        dog.folder = tmp_path
         pids = marks(tmp_path, {101: (0, "starting", 0), 102: (0, "starting", 0)})
         assert dog.check(pids) == [] and dog.timeout({}) is None  # nothing timed yet: never acts
         for step in range(1, 12):  # 0.1 s steps (the first SKIPPED left out)
@@ -107,7 +109,47 @@ def test_auto_hang_timeout_waits_for_step_times_then_takes_20_median_steps_at_le
         assert dog.check(pids) == [101] and ended == [101]
         assert "hung: " in dog.finding and "pid 101" in dog.finding
     finally:
+        dog.folder = own
         dog.close()
+
+
+def test_the_first_step_of_a_generation_is_allowed_the_collective_timeout_not_the_hang_timeout(tmp_path, monkeypatch):
+    """A first step that compiles for minutes is not a hang (trainer.hang_timeout_s=5); past
+    trainer.dist_timeout_s it is; and the step after it has the hang timeout again."""
+    ended = []
+    monkeypatch.setattr(watchdog, "stack", lambda pid: "  (a stack)")
+    monkeypatch.setattr(watchdog.os, "kill", lambda pid, sig: ended.append(pid))
+    dog = watchdog.Watchdog()
+    own, dog.folder = dog.folder, tmp_path
+    try:
+        pids = marks(tmp_path, {101: (40, "computing", 240), 102: (40, "computing", 240)}, 5.0, first=40)
+        assert dog.check(pids) == [] and ended == []  # 4 minutes into the first step after a restart at step 40
+        marks(tmp_path, {101: (40, "computing", 460), 102: (40, "computing", 240)}, 5.0, first=40)
+        assert dog.check(pids) == [101]  # past 1.5 x 300 s
+        assert "its first step, allowed trainer.dist_timeout_s 300 s" in dog.finding
+        marks(tmp_path, {101: (41, "computing", 8), 102: (41, "computing", 6)}, 5.0, first=40)
+        assert dog.check(pids) == [101] and ended == [101, 101]  # the second step: 1.5 x 5 s
+    finally:
+        dog.folder = own
+        dog.close()
+
+
+def test_a_worker_marks_the_step_it_started_at_and_whether_it_completed_one(tmp_path, monkeypatch):
+    folder = tmp_path / "progress"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv(progress.PROGRESS_DIR, str(folder))
+    worker = progress.Progress(hang_timeout_s=5.0, first_step_s=300.0)
+    path = str(folder / str(os.getpid()))
+    try:
+        assert progress.read(path)[:2] == (0, "starting") and not progress.read(path).progressed
+        worker.mark(40, "starting")  # resumed at step 40
+        worker.mark(40, "computing")
+        mark = progress.read(path)
+        assert (mark.first, mark.first_timeout, mark.in_first_step, mark.progressed) == (40, 300.0, True, False)
+        worker.mark(41, "saving")  # step 40 done
+        assert progress.read(path).progressed and not progress.read(path).in_first_step
+    finally:
+        worker.close()
 
 
 def test_a_straggler_is_named_once_per_episode_and_noise_is_not(caplog):
@@ -141,3 +183,35 @@ def test_a_hang_timeout_that_contradicts_the_collective_timeout_is_one_line(valu
     with pytest.raises(ConfigError, match="trainer.hang_timeout_s must be 0 .chosen from the step time. or at least 5 s "
                                           "and below trainer.dist_timeout_s=300"):
         config(f"trainer.hang_timeout_s={value}")
+
+
+def test_a_progress_folder_that_is_not_the_agents_own_is_ignored_with_one_warning(tmp_path, monkeypatch, caplog):
+    """MINGPT_PROGRESS_DIR missing, a file, a link, a folder others can write holding a FIFO, a FIFO in place of
+    the mark file: no traceback and no wait; the worker trains on, unwatched, having said so once."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # as /tmp: anyone may plant a FIFO by the worker's name
+    os.mkfifo(shared / str(os.getpid()))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    fifo_inside = tmp_path / "fifo-inside"
+    fifo_inside.mkdir(mode=0o700)
+    os.mkfifo(fifo_inside / str(os.getpid()))
+    (tmp_path / "file").write_text("")
+    (tmp_path / "link").symlink_to(private)
+    for folder in ("missing", "file", "link", "shared", "fifo-inside"):
+        caplog.clear()
+        monkeypatch.setenv(progress.PROGRESS_DIR, str(tmp_path / folder))
+        marks = progress.Progress(hang_timeout_s=0.0, first_step_s=300.0)
+        marks.mark(3, "computing")
+        assert marks.fd is None, folder
+        assert caplog.text.count("progress is not reported") == 1, folder
+        assert progress.read(str(tmp_path / folder / str(os.getpid()))) is None  # a FIFO is never waited on
+    monkeypatch.setenv(progress.PROGRESS_DIR, str(private))  # as the agent makes it
+    caplog.clear()
+    marks = progress.Progress(hang_timeout_s=7.0, first_step_s=300.0)
+    try:
+        marks.mark(3, "computing")
+        assert progress.read(str(private / str(os.getpid())))[:2] == (3, "computing") and not caplog.text
+    finally:
+        marks.close()

@@ -1,12 +1,40 @@
-"""Files in a folder that every user of the machine can write (/dev/shm): a folder is used only if it is
+"""Files in a folder that every user of the machine can write (/dev/shm, /tmp): a folder is used only if it is
 this user's alone (not a link, mode 0700), and a file only if it is a regular file of this user's, opened
-without following links and never waited on (a FIFO); a buffer's memory is reserved when it is made."""
+without following links and never waited on (a FIFO); a buffer's memory is reserved when it is made.
+
+A process's own temporary folder (`process_folder`) is named after it, so that whoever makes the next one on
+the machine removes it once that process has ended, however it ended (SIGKILL, the OOM killer)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
+
+from mingpt.claim import process_alive, start_time
+
+log = logging.getLogger(__name__)
+
+
+def process_folder(kind: str) -> Path:
+    """A new folder of this user's alone in the machine's temporary folder, `mingpt-KIND-PID-START-XXXXXXXX`
+    (this process's pid and start time); first the folders of this kind of processes that have ended go."""
+    remove_ended(kind)
+    pid = os.getpid()
+    return Path(tempfile.mkdtemp(prefix=f"mingpt-{kind}-{pid}-{start_time(pid)}-"))  # 0700
+
+
+def remove_ended(kind: str, root: str | None = None) -> None:
+    """Remove this user's `process_folder`s of `kind` whose process has ended (another user's are never touched)."""
+    for folder in Path(root or tempfile.gettempdir()).glob(f"mingpt-{kind}-*"):
+        parts = folder.name.split("-")  # mingpt, kind, pid, start, random
+        if len(parts) == 5 and parts[2].isdigit() and parts[3].isdigit() and private_folder(folder) \
+                and not process_alive(int(parts[2]), int(parts[3])):
+            log.info("removing %s: the process that made it has ended", folder)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def private_folder(path: Path) -> bool:

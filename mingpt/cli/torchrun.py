@@ -6,8 +6,10 @@ torchrun would refuse with a traceback, or after a minute with two, is one line 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -21,6 +23,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mingpt import torch_internals
+from mingpt.checkpoint.shm import process_folder
 from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError, one_line
 from mingpt.training import agent, live
@@ -68,11 +71,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
           file=sys.stderr, flush=True)
     agent.install()
+    own_logs = _own_log_dir(args)
     try:
         record(run.run)(args)
     except agent.JobFinished as e:
         print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
+    except agent.RestartsUsedUp as e:
+        print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
+        return e.status
+    finally:
+        if own_logs:
+            shutil.rmtree(args.log_dir, ignore_errors=True)
     return 0
+
+
+def _own_log_dir(args: argparse.Namespace) -> bool:
+    """Where the user keeps no worker logs (no --log-dir, --redirects, --tee or --logs-specs), torch would still
+    make a torchelastic_* folder in /tmp for its workers' error files and leave it there: make it a folder of
+    this agent's own, which goes when the agent ends, or, if it is killed, when the next one starts."""
+    if args.log_dir is not None or args.redirects != "0" or args.tee != "0" or args.logs_specs is not None:
+        return False
+    args.log_dir = str(process_folder("torchrun"))
+    return True
 
 
 def _without_live(argv: list[str]) -> tuple[list[str], bool]:
@@ -216,10 +236,11 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
     except OSError as e:  # socket.gaierror: unknown name, or no DNS to ask
         raise ConfigError(f"--rdzv-endpoint={endpoint}: cannot resolve {host!r} ({e.strerror}); give the name or "
                           f"address of the store's host as this node knows it; {check}") from None
-    if is_host is None:
+    told = is_host is not None
+    if not told:
         is_host = torch_internals.is_this_machine(host)  # as torch decides who hosts the store
     if is_host:
-        return  # this agent hosts the store (or joins one that already listens here), as torch decides it
+        return check_port_to_host(host, port, endpoint, told)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -234,7 +255,60 @@ def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
             time.sleep(1)  # refused at once while the store's host is still starting: ask again
 
 
-STORE_ANSWER_S = 10.0  # how long a rendezvous store may take to answer its first question
+STORE_ANSWER_S = 6.0  # how long a rendezvous store may take to answer its first question (at once, on a network)
+
+
+def check_port_to_host(host: str, port: int, endpoint: str, told: bool) -> None:
+    """This node is to host the store at `port`. Where the port is taken, torch's agent, told to host (is_host=true),
+    fails with a traceback; deciding for itself, it joins whatever listens there as a store's client, which waits
+    for good on another kind of server. A store already there (another agent of this machine hosts it) is joined."""
+    if port == 0 or _port_is_free(port):
+        return
+    if not told:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+        except OSError:
+            pass
+        else:
+            return check_store_answers(host, port, endpoint)
+    raise ConfigError(f"--rdzv-endpoint={endpoint}: this node is to host the rendezvous store, but port {port} is "
+                      f"taken on this machine ({what_answers(host, port)}); give a free port, or stop what uses it")
+
+
+def _port_is_free(port: int) -> bool:
+    """Whether a store could listen on `port` of every address of this machine, as torch's does."""
+    try:
+        if socket.has_dualstack_ipv6():
+            socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True).close()
+        else:
+            socket.create_server(("", port)).close()
+    except OSError as e:
+        return e.errno != errno.EADDRINUSE  # not ours to judge otherwise (a privileged port): torch says
+    return True
+
+
+def what_answers(host: str, port: int) -> str:
+    """What the server at host:port says, in words: its greeting (SSH, SMTP), or its answer to an HTTP request."""
+    try:
+        with socket.create_connection((host, port), timeout=2) as peer:
+            peer.settimeout(1)
+            said = _greeting(peer)
+    except OSError as e:
+        return f"nothing accepts a connection at {host}:{port} ({e.strerror or e}), though the port is in use"
+    first = said.decode("ascii", "replace").strip().splitlines()[0] if said.strip() else ""
+    return f"{host}:{port} answered {first[:80]!r}" if first else f"{host}:{port} said nothing"
+
+
+def _greeting(peer: socket.socket) -> bytes:
+    try:
+        return peer.recv(200)
+    except TimeoutError:  # a server that waits to be asked: ask as a web browser would
+        pass
+    try:
+        peer.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+        return peer.recv(200)
+    except OSError:
+        return b""
 
 
 def check_store_answers(host: str, port: int, endpoint: str) -> None:
@@ -258,8 +332,8 @@ def check_store_answers(host: str, port: int, endpoint: str) -> None:
     if not outcome or outcome[0] is not None:
         why = f"({one_line(outcome[0])})" if outcome else f"within {STORE_ANSWER_S:.0f} s"
         raise ConfigError(f"--rdzv-endpoint={endpoint}: {host}:{port} accepts connections but does not answer as a "
-                          f"rendezvous store {why}: another kind of server may use that port; give the port of "
-                          f"mingpt-rendezvous, or of the node that hosts the store")
+                          f"rendezvous store {why}; {what_answers(host, port)}: another kind of server uses that port; "
+                          "give the port of mingpt-rendezvous, or of the node that hosts the store")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ node waits to join (free). This subclass of it, and a wrapper of its rendezvous 
 while nodes die, leave and join:
 
 - Workers that ended because another process left or died (launcher.PEER_STOPPED, PEER_LOST) restart
-  without using up --max-restarts, as for any membership change.
+  without using up --max-restarts, as for any membership change: where they made no step, that is so only
+  if the next round's nodes are not the same; otherwise the restart is used up after all, and with none
+  left the job ends with the workers' exit status (RestartsUsedUp).
 - Rank assignment, where a node may die after its round closed, waits at most RANKS_WAIT_S, and a round
   that fails sends the agent into the next one.
 - Only a finished job closes the rendezvous; a node that arrives after that exits 0 (JobFinished).
@@ -55,6 +57,14 @@ FREE_HANG_RESTARTS = 3  # restarts after a hang that do not use up --max-restart
 
 class JobFinished(Exception):
     """The job this node came to join has finished: its rendezvous is closed."""
+
+
+class RestartsUsedUp(Exception):
+    """Workers said another process had left or died, and none had: a failure, with no restart left."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 def install() -> None:
@@ -139,6 +149,7 @@ class Agent(ElasticAgent):
         os.environ[PROGRESS_DIR] = str(self.watchdog.folder)  # the workers inherit the agent's environment
         self._hung: set[int] = set()  # workers the watchdog ended
         self._free_hangs = FREE_HANG_RESTARTS
+        self._unproven: int | None = None  # the exit status of a membership restart after no step, until a round
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
@@ -162,6 +173,9 @@ class Agent(ElasticAgent):
             elif set(codes) <= MEMBERSHIP_EXITS.keys():
                 self.give_back_a_restart()  # a membership change is free
                 self._notice(MEMBERSHIP_EXITS[codes[0]])
+                pids = {failure.pid for failure in result.failures.values()} | set(self.worker_pids())
+                if not any(mark.progressed for mark in self.watchdog.marks(sorted(pids)).values()):
+                    self._unproven = codes[0]  # and no step since: the next round must show the change
             else:
                 self._notice("failed: " + "; ".join(_failure(f) for f in sorted(result.failures.values(),
                                                                               key=lambda f: f.local_rank)))
@@ -196,6 +210,7 @@ class Agent(ElasticAgent):
             except (RendezvousError, DistError) as e:  # a node died in the middle of the round, say
                 log.warning("mingpt-torchrun: a rendezvous round failed (%s); joining the next one", one_line(e))
         self._members = self.rdzv.members() or set()
+        self._charge_an_unproven_restart(before)
         self._tell_workers(before)
         self.watchdog.new_generation()
         self._hung.clear()
@@ -219,6 +234,21 @@ class Agent(ElasticAgent):
                         raise
         finally:
             store.set_timeout(previous)
+
+    def _charge_an_unproven_restart(self, before: set[str]) -> None:
+        """The workers ended as for a membership change, after no step; this round has the same nodes as theirs:
+        nothing changed, so that restart uses up one of --max-restarts (a script that exits 75 at once would
+        otherwise restart for ever). With none left, the job ends with the workers' status."""
+        status, self._unproven = self._unproven, None
+        if status is None or self._members != before:
+            return
+        if self.restarts_left == 0:
+            raise RestartsUsedUp(f"the workers exited {status}, which says another process was "
+                                 f"{MEMBERSHIP_EXITS[status].split(' (')[0]}, but they did no step and no node left "
+                                 f"or joined: a failure, and --max-restarts={self._worker_group.spec.max_restarts} "
+                                 "is used up", status)
+        self.use_a_restart()
+        self._cause = f"exited {status} with no step done and no change of membership: a failure"
 
     def _notice(self, cause: str) -> None:
         if self._cause is None:

@@ -4,48 +4,103 @@ made (MINGPT_PROGRESS_DIR). It needs no collective, so a hung collective cannot 
 stops marking is seen by its agent, which names it, writes its Python stack to the log and restarts the
 workers.
 
-Each mark is one pwrite of 32 bytes. Processes that torchrun did not start (no agent) mark nothing.
+Each mark is one pwrite of 32 bytes. Processes that torchrun did not start (no agent) mark nothing, and so
+does a process whose MINGPT_PROGRESS_DIR is not a folder of this user's alone (mode 0700, not a link), as
+its agent makes: in a folder others can write, they could plant a FIFO or a link. It trains on, with one
+warning, unwatched.
 """
 
 from __future__ import annotations
 
 import ctypes
 import faulthandler
+import logging
 import os
 import signal
+import stat
 import struct
 import time
+from pathlib import Path
+from typing import NamedTuple
+
+from mingpt.checkpoint.shm import private_folder, read_own_file
+
+log = logging.getLogger(__name__)
 
 PROGRESS_DIR = "MINGPT_PROGRESS_DIR"
 # A phase the watchdog judges by the step time (computing, evaluating) or leaves to other timeouts
 # (starting: trainer.dist_timeout_s and the rendezvous; saving: the store's own).
 PHASES = ("starting", "computing", "evaluating", "saving")
-RECORD = struct.Struct("<qqdd")  # step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s
+# step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s, the step this process started
+# computing at (-1 before), and the allowance of that first step (trainer.dist_timeout_s)
+RECORD = struct.Struct("<qqddqd")
 _PR_SET_PTRACER = 0x59616D61
+
+
+class Mark(NamedTuple):
+    """A process's last mark, as its agent reads it."""
+
+    step: int
+    phase: str
+    when: float
+    timeout: float  # trainer.hang_timeout_s (0: the agent chooses)
+    first: int  # the step this process started computing at: its generation's first, where -1 none yet
+    first_timeout: float  # how long that first step may take (compiling, warming up)
+
+    @property
+    def progressed(self) -> bool:
+        """Whether this process completed a step (its last mark is past the step it started at)."""
+        return 0 <= self.first < self.step
+
+    @property
+    def in_first_step(self) -> bool:
+        return self.step == self.first
 
 
 class Progress:
     """Marks of this process's progress, where an agent watches them."""
 
-    def __init__(self, hang_timeout_s: float):
-        self.hang_timeout_s = hang_timeout_s
+    def __init__(self, hang_timeout_s: float, first_step_s: float):
+        self.hang_timeout_s, self.first_step_s = hang_timeout_s, first_step_s
         folder = os.environ.get(PROGRESS_DIR)
-        self.fd = None
-        if folder:
-            self.fd = os.open(os.path.join(folder, str(os.getpid())), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self.fd = _open_mark_file(Path(folder)) if folder else None
+        if self.fd is not None:
             let_the_agent_read_my_stack()
-        self.step, self.phase = 0, "starting"
+        self.step, self.phase, self.first = 0, "starting", -1
         self.mark(0, "starting")
 
     def mark(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
+        if phase == "computing" and self.first < 0:
+            self.first = step
         if self.fd is not None:
-            os.pwrite(self.fd, RECORD.pack(step, PHASES.index(phase), time.monotonic(), self.hang_timeout_s), 0)
+            os.pwrite(self.fd, RECORD.pack(step, PHASES.index(phase), time.monotonic(), self.hang_timeout_s,
+                                           self.first, self.first_step_s), 0)
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _open_mark_file(folder: Path) -> int | None:
+    """This process's mark file in its agent's folder, opened for writing; None, with one warning, where the folder
+    is not one an agent of this user's made or the file is not a regular file of this user's."""
+    why = None if private_folder(folder) else "not a folder of this user's alone (mode 0700, not a link)"
+    if why is None:
+        try:  # never through a link, never waiting on a FIFO
+            fd = os.open(folder / str(os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            why = f"cannot write a file in it ({e.strerror or e})"
+        else:
+            found = os.fstat(fd)
+            if stat.S_ISREG(found.st_mode) and found.st_uid == os.getuid():
+                return fd
+            os.close(fd)
+            why = "its file for this process is not a regular file of this user's"
+    log.warning("%s=%s: %s; this process's progress is not reported, and its agent's watchdog cannot tell if it "
+                "hangs", PROGRESS_DIR, folder, why)
+    return None
 
 
 def let_the_agent_read_my_stack() -> None:
@@ -59,14 +114,13 @@ def let_the_agent_read_my_stack() -> None:
         pass
 
 
-def read(path: str) -> tuple[int, str, float, float] | None:
-    """(step, phase, when, hang timeout) of a progress file; None where it holds no mark yet."""
+def read(path: str) -> Mark | None:
+    """The last mark in a progress file; None where it holds none yet."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(RECORD.size)
-    except OSError:
+        data = read_own_file(Path(path), RECORD.size)
+    except OSError:  # not yet made; or not a regular file of this user's: never read
         return None
     if len(data) < RECORD.size:
         return None
-    step, phase, when, timeout = RECORD.unpack(data)
-    return step, PHASES[phase] if 0 <= phase < len(PHASES) else "starting", when, timeout
+    step, phase, when, timeout, first, first_timeout = RECORD.unpack(data)
+    return Mark(step, PHASES[phase] if 0 <= phase < len(PHASES) else "starting", when, timeout, first, first_timeout)

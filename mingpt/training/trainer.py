@@ -166,7 +166,7 @@ class Trainer:
             self.agreement = StepAgreement(world, self.checkpointer, t.global_batch_size)
         self.report = Report(cfg, world, store.run, model, compute_dtype(self.autocast),
                              speaks=world.is_leader and not self.live)
-        self.progress = Progress(t.hang_timeout_s)  # for the agent's watchdog (mingpt.training.watchdog)
+        self.progress = Progress(t.hang_timeout_s, t.dist_timeout_s)  # for the agent's watchdog (training.watchdog)
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self._split = (0.0, 0.0)  # the last step's seconds waiting for data and computing on its own

@@ -5,7 +5,9 @@ memory tiers, instead of every node waiting for trainer.dist_timeout_s.
 Each worker marks its step and phase (mingpt.training.progress). A worker is hung when its last mark in a
 phase judged by the step time (computing, evaluating) is older than its hang timeout:
 trainer.hang_timeout_s, or (0, auto) HANG_STEPS times the median time of a step here, at least HANG_FLOOR_S,
-once MEASURED steps have been timed after the first ones (which compile and warm up). While one worker
+once MEASURED steps have been timed after the first ones (which compile and warm up). The first step of
+each worker's generation (compiling, warming up: minutes on GPUs) is allowed trainer.dist_timeout_s, as
+long as its first collective may wait for it. While one worker
 hangs the others wait for it in their collectives, so their marks age too; the hung one is the one that
 is stopped (SIGSTOP, a debugger), or else the one whose mark is the oldest, once that is older than
 1.5 times the timeout (a hang on another node: that node's agent acts first).
@@ -26,11 +28,11 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
+from mingpt.checkpoint.shm import process_folder
 from mingpt.training import progress
 
 log = logging.getLogger(__name__)
@@ -40,13 +42,14 @@ HANG_FLOOR_S = 20.0  # ... and never sooner than this
 MEASURED = 5  # step times needed before auto acts
 SKIPPED = 3  # the first step times of a generation, left out (compile, warm-up, the first copies)
 STACK_TIMEOUT_S = 15.0
+JUDGED = ("computing", "evaluating")  # the phases judged by the step time (mingpt.training.progress)
 
 
 class Watchdog:
     """One agent's watch over its workers' progress."""
 
     def __init__(self):
-        self.folder = Path(tempfile.mkdtemp(prefix="mingpt-progress-"))  # 0700: this user's alone
+        self.folder = process_folder("progress")  # this user's alone; removed by the next agent if this one is killed
         self.host = socket.gethostname()
         self._seen: dict[int, tuple[int, float]] = {}  # pid -> (step, when) of its last new step
         self._times: deque[float] = deque(maxlen=50)
@@ -64,36 +67,43 @@ class Watchdog:
     def check(self, pids: list[int]) -> list[int]:
         """The workers among `pids` found hung (each named in the log with its stack, and ended)."""
         now = time.monotonic()
-        marks = {pid: mark for pid in pids if (mark := progress.read(str(self.folder / str(pid)))) is not None}
+        marks = self.marks(pids)
         self._time_steps(marks)
         timeout = self.timeout(marks)
-        if timeout is None:
-            return []
-        stale = {pid: mark for pid, mark in marks.items() if mark[1] in ("computing", "evaluating")
-                 and now - mark[2] > timeout}
+        stale = {}  # pid -> (mark, the time it was allowed)
+        for pid, mark in marks.items():
+            allowed = mark.first_timeout if mark.in_first_step else timeout  # compiling, warming up: a first step
+            if mark.phase in JUDGED and allowed and now - mark.when > allowed:
+                stale[pid] = (mark, allowed)
         if not stale:
             return []
         stopped = {pid for pid in stale if _state(pid) == "T"}
         hung = sorted(stopped)
-        oldest = min(stale, key=lambda pid: stale[pid][2])
-        if not hung and now - stale[oldest][2] > 1.5 * timeout:
+        oldest = min(stale, key=lambda pid: stale[pid][0].when)
+        if not hung and now - stale[oldest][0].when > 1.5 * stale[oldest][1]:
             hung = [oldest]
         for pid in hung:
-            step, phase, when, _ = stale[pid]
+            mark, allowed = stale[pid]
             how = "stopped" if pid in stopped else "no progress"
-            self.finding = (f"hung: {self.host} pid {pid} ({how}; at step {step}, {phase}, for {now - when:.0f} s; "
-                            f"hang timeout {timeout:.0f} s)")
+            which = "its first step, allowed trainer.dist_timeout_s" if mark.in_first_step else "hang timeout"
+            self.finding = (f"hung: {self.host} pid {pid} ({how}; at step {mark.step}, {mark.phase}, for "
+                            f"{now - mark.when:.0f} s; {which} {allowed:.0f} s)")
             log.error("mingpt-torchrun: worker %s on %s made no progress for %.0f s (step %d, %s; %s); its stack, then "
-                      "a restart of the workers:\n%s", pid, self.host, now - when, step, phase, how, stack(pid))
+                      "a restart of the workers:\n%s", pid, self.host, now - mark.when, mark.step, mark.phase, how,
+                      stack(pid))
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         return hung
 
+    def marks(self, pids: list[int]) -> dict[int, progress.Mark]:
+        """The last marks of these workers (of this generation): those that made one."""
+        return {pid: mark for pid in pids if (mark := progress.read(str(self.folder / str(pid)))) is not None}
+
     def timeout(self, marks: dict) -> float | None:
         """The hang timeout the workers asked for, or (auto) the one their step times give; None until known."""
-        configured = max((mark[3] for mark in marks.values()), default=0.0)
+        configured = max((mark.timeout for mark in marks.values()), default=0.0)
         if configured > 0:
             return configured
         if len(self._times) < MEASURED:
@@ -101,7 +111,7 @@ class Watchdog:
         return max(HANG_FLOOR_S, HANG_STEPS * statistics.median(self._times))
 
     def _time_steps(self, marks: dict) -> None:
-        for pid, (step, _, when, _) in marks.items():
+        for pid, (step, _, when, *_) in marks.items():
             last = self._seen.get(pid)
             if last is None or step > last[0]:
                 self._seen[pid] = (step, when)
