@@ -205,6 +205,59 @@ def test_files_of_a_hub_cache_are_versioned_by_their_blob_not_their_download_tim
     assert corpus.list_sources(str(snapshot / "data")) == listed
 
 
+def test_a_shared_hub_cache_is_read_only_through_its_own_blobs(tmp_path, monkeypatch, capsys):
+    """HF_HOME may be a folder every user can write: a link planted there, or a `..` in the URL, must not read
+    a file of this user's that lies outside the repository."""
+    import huggingface_hub.constants
+
+    from mingpt.cli.prepare import main
+
+    cache, secret = tmp_path / "cache", tmp_path / "secret.txt"
+    secret.write_text("this user's secret\n")
+    hub_cache(cache, "org/web", {"data/a.txt": b"a document\n", "data/b.txt": b"another document\n"})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    repo = cache / "datasets--org--web"
+    [snapshot] = (repo / "snapshots").iterdir()
+
+    def refused(url: str, message: str) -> None:
+        assert main(["--corpus", url, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
+        assert not (tmp_path / "out").exists()
+
+    ok = prepare(PrepareConfig(corpus="hf://datasets/org/web/data/*.txt", prepared_dir=tmp_path / "ok"))
+    found = prepared_documents(ok)
+    assert sorted(found["train"] + found["val"]) == ["a document\n", "another document\n"]
+    refused("hf://datasets/org/web/../../../secret.txt", "a Hub path may not hold '..'")
+    refused("hf://datasets/org/web@../../secret.txt", "a Hub path may not hold '..'")
+
+    (snapshot / "data" / "c.txt").symlink_to(secret)  # planted: a link out of the repository
+    refused("hf://datasets/org/web/data/*.txt", f"leads to {secret}, outside its repository")
+    refused(str(snapshot / "data"), f"leads to {secret}, outside its repository")  # the cache named as a folder
+    (snapshot / "data" / "c.txt").unlink()
+    (snapshot / "more").symlink_to(tmp_path)  # a link to a folder outside it
+    refused("hf://datasets/org/web/more/secret.txt", "outside its repository")
+    (snapshot / "more").unlink()
+    os.mkfifo(repo / "blobs" / "fifo")  # not a file: never opened, so never waited on
+    (snapshot / "data" / "c.txt").symlink_to("../../../blobs/fifo")
+    refused("hf://datasets/org/web/data/c.txt", "holds no files")
+    (snapshot / "data" / "c.txt").unlink()
+    if os.getuid() == 0:  # only root can make a file of another user's
+        blob = os.path.realpath(snapshot / "data" / "b.txt")
+        os.chown(blob, 12345, 12345)
+        refused("hf://datasets/org/web/data/*.txt", "owner uid 12345")
+        os.chown(blob, 0, 0)
+
+    # Listed while it was good, then swapped for a link out: reading checks again.
+    [good] = corpus.list_sources(str(snapshot / "data" / "a.txt"))
+    (snapshot / "data" / "a.txt").unlink()
+    (snapshot / "data" / "a.txt").symlink_to(secret)
+    for read in (lambda: corpus.open_source(good), lambda: next(corpus.sample_pieces([good], "text", lambda s, n: True))):
+        with pytest.raises(DataError, match="outside its repository"):
+            read()
+    assert not good.local_plain  # workers get its bytes from the process that checked it
+
+
 @pytest.mark.s3
 def test_parquet_and_zstd_shards_in_s3_prepare_as_local_ones_and_publish_once(tmp_path, s3, small_pieces,
                                                                             three_containers):

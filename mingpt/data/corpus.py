@@ -39,7 +39,8 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import BinaryIO, Callable, Iterator, Sequence
 
-from mingpt.data.formats import ZstdReader, explain_hub_error, from_hub_cache, parquet_batches, parquet_documents
+from mingpt.data.formats import (ZstdReader, check_hub_file, explain_hub_error, from_hub_cache, in_hub_cache,
+                                  open_hub_file, parquet_batches, parquet_documents)
 from mingpt.errors import DataError, MinGPTError
 from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 
@@ -78,8 +79,9 @@ class Source:
 
     @property
     def local_plain(self) -> bool:
-        """A seekable local file: any process on this machine can read a piece of it."""
-        return self.seekable and self.url.startswith("/")
+        """A seekable local file: any process on this machine can read a piece of it. Not one of a Hugging Face
+        cache, which is opened only after checking where its link leads (`open_hub_file`)."""
+        return self.seekable and self.url.startswith("/") and not in_hub_cache(self.url)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "url": redact(self.url)}
@@ -139,7 +141,19 @@ def _expand(entry: str) -> list[Source]:
     if not files:
         raise DataError(f"corpus {what} {redact(entry)} holds no files; check the path (quote a glob, so that the "
                         "shell does not expand it)")
+    for file in files:
+        if local and (in_hub_cache(file.url) or url.startswith("hf://")):
+            _confined(file.url)
     return files
+
+
+def _confined(path: str) -> None:
+    """DataError unless the local `path`, of a Hugging Face cache, leads to a file of its repository (see
+    `check_hub_file`)."""
+    if not in_hub_cache(path):
+        raise DataError(f"corpus file {path} is not in a repository's snapshot of the Hugging Face cache; check "
+                        "HF_HOME, and download the dataset again")
+    check_hub_file(path)
 
 
 def _local_tree(fs, folder: str, above: dict | None = None) -> dict[str, dict]:
@@ -211,6 +225,9 @@ def open_source(source: Source) -> BinaryIO:
     """The content of `source`, decompressed where its name says it is compressed."""
     if source.url == BUILTIN_CORPUS:
         return io.BytesIO(builtin_bytes())
+    if in_hub_cache(source.url):
+        f = open_hub_file(source.url)
+        return ZstdReader(f) if source.url.lower().endswith(".zst") else _decompressed(f, source.url)
     import fsspec
 
     zstd = source.url.lower().endswith(".zst")  # fsspec's zstd reader ends a truncated file in silence
@@ -225,6 +242,19 @@ def open_source(source: Source) -> BinaryIO:
     except Exception as e:
         raise DataError(f"cannot read the corpus {redact(source.url)}: "
                         f"{explain_storage_error(e, setting='data.corpus')}") from None
+
+
+def _decompressed(f: BinaryIO, url: str) -> BinaryIO:
+    """`f`, decompressed where the name `url` says it is (gzip, bz2, xz); closing the result closes `f`."""
+    from fsspec.compression import compr
+    from fsspec.utils import infer_compression
+
+    kind = None if url.lower().endswith(".parquet") else infer_compression(url)
+    if kind is None:
+        return f
+    reader, close = compr[kind](f, mode="rb"), f.close
+    reader.close = lambda: (type(reader).close(reader), close())
+    return reader
 
 
 @dataclass(frozen=True)
@@ -316,7 +346,7 @@ def _read_range(source: Source, offset: int, size: int) -> bytes:
     """`size` bytes of an uncompressed `source` from `offset`: one ranged read on an object store."""
     fs, path = open_fs(source.url)
     try:
-        with fs.open(path, "rb", block_size=size) as f:  # an object store fetches these bytes, not 50 MB
+        with open_hub_file(path) if in_hub_cache(source.url) else fs.open(path, "rb", block_size=size) as f:  # an object store fetches these bytes, not 50 MB
             f.seek(offset)
             return f.read(size)
     except Exception as e:

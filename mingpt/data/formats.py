@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import stat
 from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
@@ -157,11 +158,15 @@ HUB_URL = re.compile(r"^hf://(?P<kind>datasets|spaces)/(?P<repo>[^/@]+/[^/@]+)(@
 def from_hub_cache(url: str) -> str:
     """For an hf:// URL while HF_HUB_OFFLINE is set: the same files in the local Hugging Face cache (a local
     path or glob), as huggingface_hub reads models and datasets offline; otherwise `url` itself."""
-    if not url.startswith("hf://") or not _offline():
+    if not url.startswith("hf://"):
+        return url
+    if ".." in re.split(r"[/@]", url):
+        raise DataError(f"{redact(url)}: a Hub path may not hold '..'; name files inside the repository")
+    found = HUB_URL.match(url)
+    if not _offline():
         return url
     from huggingface_hub import snapshot_download
 
-    found = HUB_URL.match(url)
     if not found:
         raise DataError(f"{redact(url)} is not a Hub dataset URL; write hf://datasets/ORG/NAME/PATH-OR-GLOB")
     repo, path = found["repo"], found["path"] or ""
@@ -173,6 +178,54 @@ def from_hub_cache(url: str) -> str:
                         f"download it first (hf download {repo} --repo-type dataset --include '{path or '*'}') or "
                         "unset HF_HUB_OFFLINE") from None
     return os.path.join(folder, path) if path else folder
+
+
+# A file of a repository in a Hugging Face cache: REPO/snapshots/REVISION/PATH, each file a link into REPO/blobs.
+HUB_SNAPSHOT = re.compile(r"^(?P<repo>/.*/(?:datasets|spaces|models)--[^/]+)/snapshots/[^/]+(?=/)")
+
+
+def in_hub_cache(path: str) -> bool:
+    """Whether the local `path` is a file of a repository's snapshot in a Hugging Face cache."""
+    return HUB_SNAPSHOT.match(path) is not None
+
+
+def check_hub_file(path: str) -> str:
+    """The real path of `path`, a file of a snapshot in a Hugging Face cache; DataError unless it leads into its
+    own snapshot or its repository's blobs, to a regular file of this user's or root's. A cache can be shared
+    with other users (HF_HOME on a folder all can write): a link planted there must not read this user's files."""
+    found = HUB_SNAPSHOT.match(path)
+    repo, snapshot, real = found["repo"], found[0], os.path.realpath(path)
+    inside = [os.path.realpath(snapshot), os.path.realpath(os.path.join(repo, "blobs"))]
+    if inside[1] != os.path.join(os.path.realpath(repo), "blobs") or \
+            not any(real.startswith(folder + "/") for folder in inside):
+        raise DataError(f"corpus file {path} leads to {real}, outside its repository in the Hugging Face cache (a "
+                        "link someone else may have put there); remove it and download the dataset again, into a "
+                        "cache of your own (HF_HOME) if others can write this one")
+    _check_owner(os.lstat(real), path)
+    return real
+
+
+def _check_owner(found: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(found.st_mode) or found.st_uid not in (os.getuid(), 0):
+        raise DataError(f"corpus file {path} in the Hugging Face cache is not a regular file of yours or root's "
+                        f"(mode {stat.filemode(found.st_mode)}, owner uid {found.st_uid}); download the dataset "
+                        "into a cache of your own (HF_HOME)")
+
+
+def open_hub_file(path: str) -> BinaryIO:
+    """`path`, a file of a snapshot in a Hugging Face cache, opened once `check_hub_file` allows it, without
+    following a link it may have become since."""
+    real = check_hub_file(path)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise DataError(f"cannot open corpus file {path} ({real}): {e.strerror}; download the dataset again") from None
+    try:
+        _check_owner(os.fstat(fd), path)
+    except DataError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
 
 
 def _offline() -> bool:
