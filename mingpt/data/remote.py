@@ -34,7 +34,8 @@ from typing import Callable, Iterator
 from mingpt.claim import Claim, Files, GenerationalClaim, ended_here, pids, same_machine, stood_still
 from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
-from mingpt.storage import create_exclusive, explain_storage_error, is_local, open_fs, redact, replace_atomically
+from mingpt.storage import (create_exclusive, explain_storage_error, is_local, open_fs, read_head, redact,
+                            replace_atomically)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class RemoteFolder:
         is of an older format version (prepared again and replaced, as a stale local folder is). DataError
         for the description of a newer version, which is not this version's to replace."""
         try:
-            text = self.fs.cat_file(self._join(META_FILE), start=0, end=MAX_META_BYTES).decode("utf-8", "replace")
+            text = read_head(self.fs, self._join(META_FILE), MAX_META_BYTES).decode("utf-8", "replace")
         except FileNotFoundError:
             return None
         except Exception as e:
