@@ -211,6 +211,25 @@ def test_missing_or_damaged_meta(tmp_path, corpus_file):
         PreparedData(out)
 
 
+def test_a_description_that_contradicts_its_data_is_damaged(tmp_path, corpus_file):
+    """Every field of meta.json that tells how to read the files (which their sha256 do not cover) is checked
+    against them: one line, "damaged", naming the field."""
+    out = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep"))
+    meta = read_meta(out)
+    tampered = {"dtype": ["garbage", "uint8", "uint32", None], "train_tokens": [meta["train_tokens"] + 1, -1, "9"],
+                "val_tokens": [meta["val_tokens"] - 1, 1.5], "eot_id": [meta["eot_id"] - 1, None],
+                "fingerprint": ["0" * 64], "sha256": [{**meta["sha256"], "val.bin": 7}, {}]}
+    for field, values in tampered.items():
+        for value in values:
+            (out / "meta.json").write_text(json.dumps({**meta, field: value}))
+            with pytest.raises(DataError) as e:
+                PreparedData(out)
+            message = str(e.value)
+            assert f"meta.json is damaged: its {field} is {value!r}" in message and "\n" not in message, message
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert PreparedData(out).meta == meta
+
+
 def test_default_out_dir_names(tmp_path, monkeypatch):
     assert str(default_out_dir("python-docs", "char", None)) == os.path.join("data", "python-docs-char")
     remote = default_out_dir("s3://bucket/texts/shakespeare.txt", "bpe", 4096)

@@ -143,6 +143,18 @@ def test_a_claim_whose_beat_stops_is_taken_over_and_a_beating_one_is_waited_for(
     assert taken.generation == 5 and taken.record["released"] is True and taken.record["pids"][0][0] == os.getpid()
 
 
+def test_a_published_description_that_contradicts_itself_is_refused(tmp_path, s3, shared, monkeypatch):
+    """Every hash matches, but its dtype is not what its tokens are: damaged, not replaced, not trained on."""
+    first = prepare(shared(tmp_path / "node-a"))
+    meta = PreparedData(first).meta
+    refuse_to_tokenize(monkeypatch)
+    for dtype in ("uint8", "uint32"):
+        put(s3, "prepared/corpus-char/meta.json", json.dumps({**meta, "dtype": dtype}).encode())
+        with pytest.raises(DataError, match=rf"corpus-char/meta.json is damaged: its dtype is '{dtype}'"):
+            prepare(shared(tmp_path / "node-b"))
+        assert not (tmp_path / "node-b").exists()
+
+
 def test_a_claim_that_cannot_be_read_does_not_hold_the_data(tmp_path, s3, shared, monkeypatch, caplog):
     """Empty, garbage, a silent claim of exactly the largest size read, one byte more: each ends published,
     the readable one after its timeout, the others skipped as no claim. (S3 cannot satisfy a range of an
