@@ -418,7 +418,7 @@ def documents(piece: Piece, form: str, text_field: str, name: str) -> Iterator[t
         yield -1, _decode(piece.data, name, piece.offset)
         return
     if form == "parquet":
-        yield from enumerate(parquet_documents(piece.data, piece.ends), start=piece.first)
+        yield from enumerate(parquet_documents(piece.data, piece.ends, name, piece.offset), start=piece.first)
         return
     start, number = 0, piece.first
     for line in piece.data.split(b"\n"):
@@ -427,16 +427,30 @@ def documents(piece: Piece, form: str, text_field: str, name: str) -> Iterator[t
             continue
         where = f"{name}, the record at byte {offset}"
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            record = json.loads(_decode(line, name, offset))
+        except json.JSONDecodeError as e:
             raise DataError(f"{where} is not a JSON record ({e}); fix or remove that line") from None
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise DataError(f"{where} is nested too deeply to be read as JSON; fix or remove that line") from None
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             fields = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
             raise DataError(f"{where} has no text field {text_field!r}; set data.text_field (--text-field) to the "
                             f"field holding the text (this record has: {fields})")
+        if b"\\u" in line:  # only a JSON escape can make a lone surrogate, which no text holds
+            _check_no_surrogate(text, where)
         yield number, text
         number += 1
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _check_no_surrogate(text: str, where: str) -> None:
+    found = _SURROGATE.search(text)
+    if found:
+        raise DataError(f"{where} is not UTF-8 text: its {found.group()!r} at character {found.start()} is half of a "
+                        "UTF-16 pair (a lone surrogate); fix that record")
 
 
 def _decode(data: bytes, name: str, offset: int) -> str:

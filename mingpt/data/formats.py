@@ -84,6 +84,9 @@ def parquet_batches(f: BinaryIO, name: str, text_field: str, piece_bytes: int,
     if text_field not in columns:
         raise DataError(f"{name} has no column {text_field!r}; set data.text_field (--text-field) to the column "
                         f"holding the text (its columns: {', '.join(columns)})")
+    if columns.count(text_field) > 1:
+        raise DataError(f"{name} has {columns.count(text_field)} columns named {text_field!r}; write the file with "
+                        "one, or set data.text_field (--text-field) to another column")
     _check_text_type(parquet.schema_arrow.field(text_field).type, name, text_field)
     row = 0
     for group in range(parquet.num_row_groups):
@@ -136,11 +139,15 @@ def _texts(column, name: str, text_field: str, first_row: int) -> tuple[bytes, b
     return data, (ends[1:] - start).tobytes()
 
 
-def parquet_documents(data: bytes, ends: bytes) -> Iterator[str]:
-    """The documents of a batch from `parquet_batches`."""
+def parquet_documents(data: bytes, ends: bytes, name: str, first_row: int) -> Iterator[str]:
+    """The documents of a batch from `parquet_batches`, whose first is the row `first_row` of the file `name`."""
     start = 0
-    for end in np.frombuffer(ends, dtype=np.int64).tolist():
-        yield data[start:end].decode("utf-8")  # Arrow checked the UTF-8 when it read the column
+    for row, end in enumerate(np.frombuffer(ends, dtype=np.int64).tolist(), start=first_row):
+        try:  # a writer may store any bytes as a string: Arrow does not check them when it reads
+            yield data[start:end].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"corpus {name}, row {row}, is not UTF-8 text (bad byte at offset {e.start} of its "
+                            "text); fix that row, or write the file again as UTF-8") from None
         start = end
 
 
