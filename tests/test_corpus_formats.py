@@ -166,6 +166,41 @@ def test_content_that_is_not_text_is_one_line_naming_the_file_and_where(tmp_path
     assert found["train"] == ["fine \U0001F600"]
 
 
+def test_compressed_input_is_read_in_bounded_pieces_and_a_record_longer_than_the_bound_is_refused(
+        tmp_path, monkeypatch, capsys):
+    """64 MB of zeros compress to a few KB: they are decompressed a block at a time, never whole; a JSONL line
+    longer than MAX_RECORD_BYTES is one line naming it, compressed or not."""
+    import tracemalloc
+
+    from mingpt.cli.prepare import main
+
+    zeros = tmp_path / "zeros.txt.zst"
+    zeros.write_bytes(zstandard.ZstdCompressor().compress(bytes(64 << 20)))
+    tracemalloc.start()
+    try:
+        read = sum(piece.size for piece in corpus.read_pieces(corpus.list_sources(str(zeros)), "text"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert read == 64 << 20 and peak < 16 << 20, peak
+
+    monkeypatch.setattr(corpus, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(corpus, "MAX_RECORD_BYTES", 20_000)
+    fits, head = json.dumps({"text": "a " * 8_000}) + "\n", json.dumps({"text": "short"}) + "\n"
+    lines = head + fits + json.dumps({"text": "b " * 15_000}) + "\n" + head
+    for name, data in [("long.jsonl", lines.encode()), ("long.jsonl.zst", zstandard.compress(lines.encode()))]:
+        (tmp_path / name).write_bytes(data)
+        assert main(["--corpus", str(tmp_path / name), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert f"{name}, the record at byte {len(head + fits)}, is longer than 20,000 bytes" in err, err
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "fits.jsonl.zst").write_bytes(zstandard.compress((head + fits + head).encode()))
+    found = prepared_documents(prepare(PrepareConfig(corpus=str(tmp_path / "fits.jsonl.zst"), val_fraction=0.0,
+                                                     prepared_dir=tmp_path / "fits")))
+    assert found["train"] == ["short", "a " * 8_000, "short"]
+
+
 class HubStandIn(DirFileSystem):
     """hf:// served from a local folder, for the fsspec path that huggingface_hub's HfFileSystem takes."""
 

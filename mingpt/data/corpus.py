@@ -46,6 +46,7 @@ from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 
 BUILTIN_CORPUS = "python-docs"
 PIECE_BYTES = 1 << 20
+MAX_RECORD_BYTES = 64 << 20  # a JSONL line is read whole: memory is bounded by this, whatever the file
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
@@ -312,7 +313,8 @@ def _pieces(index: int, source: Source, text_field: str, chosen: Callable[[int],
                 yield Piece(index, row, data, len(data), False, len(ends) // 8, ends=ends)
             return
         offset = 0
-        for data, last in _cut(_read_blocks(f, source, PIECE_BYTES), source.records, PIECE_BYTES):
+        for data, last in _cut(_read_blocks(f, source, PIECE_BYTES), source.records, PIECE_BYTES,
+                               redact(source.url)):
             records = sum(1 for line in data.split(b"\n") if line.strip()) if source.records else 0
             yield Piece(index, offset, data, len(data), last, records)
             offset += len(data)
@@ -373,17 +375,22 @@ def _read_blocks(f: BinaryIO, source: Source, size: int) -> Iterator[bytes]:
         yield block
 
 
-def _cut(blocks: Iterator[bytes], by_line: bool, piece_bytes: int) -> Iterator[tuple[bytes, bool]]:
-    """Re-cut `blocks` into pieces of at least `piece_bytes`, each ending at a safe place."""
-    pending = b""
+def _cut(blocks: Iterator[bytes], by_line: bool, piece_bytes: int, name: str) -> Iterator[tuple[bytes, bool]]:
+    """Re-cut `blocks` (of the file `name`) into pieces of at least `piece_bytes`, each ending at a safe place.
+    A text piece is at most 4 pieces long (see `_safe_end`); a record, MAX_RECORD_BYTES."""
+    pending, offset = b"", 0
     for block in blocks:
         pending += block
         while len(pending) >= piece_bytes:
             end = _safe_end(pending, piece_bytes, by_line)
             if end is None:
+                if by_line and len(pending) - piece_bytes > MAX_RECORD_BYTES:  # a line from before piece_bytes
+                    start = offset + pending.rfind(b"\n", 0, piece_bytes - 1) + 1
+                    raise DataError(f"{name}, the record at byte {start}, is longer than {MAX_RECORD_BYTES:,} bytes, "
+                                    "the most one record may hold; split its text into several records")
                 break  # read on: the next block may hold a safe place
             yield pending[:end], False
-            pending = pending[end:]
+            pending, offset = pending[end:], offset + end
     yield pending, True
 
 

@@ -20,45 +20,69 @@ import numpy as np
 from mingpt.errors import DataError
 from mingpt.storage import redact
 
-ZSTD_READ = 1 << 16  # compressed bytes per step: a block decompresses to at most its frame's ratio times this
+ZSTD_MAGIC = 0xFD2FB528
+ZSTD_SKIPPABLE = range(0x184D2A50, 0x184D2A60)  # frames of metadata, not content
 
 
 class ZstdReader(io.RawIOBase):
-    """The decompressed content of a zstd stream of one or more frames. EOFError where the stream ends
-    inside a frame: zstandard's own stream reader ends there in silence, which would drop a truncated
-    file's tail without a word."""
+    """The decompressed content of a zstd stream of one or more frames, one block (at most 128 KiB) at a time.
+
+    The stream is cut into its frames' blocks by their headers (RFC 8878), and the decompressor is given one
+    block at a time: a highly compressed file (a GB of zeros in a few KB) never decompresses all at once.
+    EOFError where the stream ends inside a frame: zstandard's own readers end there in silence, which would
+    drop a truncated file's tail without a word."""
 
     def __init__(self, raw: BinaryIO):
         import zstandard
 
         self.raw, self.new_frame = raw, zstandard.ZstdDecompressor().decompressobj
-        self.frame, self.pending, self.at, self.started = self.new_frame(), b"", 0, False
+        self.blocks, self.pending, self.at = self._blocks(), b"", 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
         while self.at >= len(self.pending):
-            block = self.raw.read(ZSTD_READ)
-            if not block:
-                if self.started and not self.frame.eof:
-                    raise EOFError("the zstd stream ends inside a frame: the file is truncated")
+            block = next(self.blocks, None)
+            if block is None:
                 return 0
-            self.pending, self.at = self._decompress(block), 0
+            self.pending, self.at = block, 0
         count = min(len(buffer), len(self.pending) - self.at)
         buffer[:count] = self.pending[self.at : self.at + count]
         self.at += count
         return count
 
-    def _decompress(self, block: bytes) -> bytes:
-        out = []
-        while block:  # a block may end one frame and start the next
-            if self.frame.eof:
-                self.frame = self.new_frame()
-            out.append(self.frame.decompress(block))
-            self.started = True
-            block = self.frame.unused_data if self.frame.eof else b""
-        return b"".join(out)
+    def _blocks(self) -> Iterator[bytes]:
+        """The decompressed content, a block at a time (an empty one where a piece of a frame holds no content)."""
+        while magic := self.raw.read(4):
+            number = int.from_bytes(magic + self._read(4 - len(magic)), "little")
+            if number in ZSTD_SKIPPABLE:
+                self._read(int.from_bytes(self._read(4), "little"))
+                continue
+            if number != ZSTD_MAGIC:
+                raise ValueError("not a zstd frame where one should start: the file is damaged or not zstd")
+            frame, descriptor = self.new_frame(), self._read(1)
+            flags = descriptor[0]  # content size field, single segment, checksum, dictionary id
+            single = bool(flags & 0x20)
+            header = (not single) + (0, 1, 2, 4)[flags & 3] + (single, 2, 4, 8)[flags >> 6]
+            yield frame.decompress(number.to_bytes(4, "little") + descriptor + self._read(header))
+            last = False
+            while not last:
+                block = self._read(3)
+                value = int.from_bytes(block, "little")
+                last, kind, size = bool(value & 1), (value >> 1) & 3, value >> 3
+                yield frame.decompress(block + self._read(1 if kind == 1 else size))  # kind 1: one byte, repeated
+            if flags & 4:
+                yield frame.decompress(self._read(4))  # the content's checksum
+
+    def _read(self, size: int) -> bytes:
+        data = self.raw.read(size)
+        while len(data) < size:
+            more = self.raw.read(size - len(data))
+            if not more:
+                raise EOFError("the zstd stream ends inside a frame: the file is truncated")
+            data += more
+        return data
 
     def close(self) -> None:
         self.raw.close()
