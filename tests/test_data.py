@@ -230,6 +230,30 @@ def test_a_description_that_contradicts_its_data_is_damaged(tmp_path, corpus_fil
     assert PreparedData(out).meta == meta
 
 
+def test_a_working_folder_that_cannot_be_written_is_one_line_naming_the_setting(tmp_path, corpus_file, monkeypatch,
+                                                                                 capsys):
+    from mingpt.cli.prepare import main
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):  # root writes anywhere, except where the kernel refuses all (/sys)
+        folder = Path("/sys")
+    try:
+        os.mkdir(folder / "data")
+    except OSError:
+        pass
+    else:
+        pytest.skip(f"{folder} can be written here")
+    monkeypatch.chdir(folder)
+    assert main(["--corpus", str(corpus_file)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"cannot write prepared data into {folder / 'data'} (" in err and "set data.prepared_dir (--out" in err
+    monkeypatch.chdir(tmp_path)  # from a folder that can be written, the same command prepares
+    assert main(["--corpus", str(corpus_file)]) == 0
+
+
 def test_default_out_dir_names(tmp_path, monkeypatch):
     assert str(default_out_dir("python-docs", "char", None)) == os.path.join("data", "python-docs-char")
     remote = default_out_dir("s3://bucket/texts/shakespeare.txt", "bpe", 4096)
