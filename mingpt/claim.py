@@ -340,7 +340,7 @@ def _read_small(files: Files, path: str) -> bytes | None:
                 data = os.read(fd, MAX_CLAIM_BYTES + 1)
             finally:
                 os.close(fd)
-    except OSError:  # gone meanwhile, a link (ELOOP), unreadable
+    except OSError:  # gone meanwhile, a link (ELOOP), unreadable, an empty object (whose range S3 cannot satisfy)
         return None
     return data if len(data) <= MAX_CLAIM_BYTES else None
 

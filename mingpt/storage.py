@@ -6,6 +6,7 @@ options (which may hold keys) are never part of a message.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -152,6 +153,17 @@ def explain_storage_error(e: BaseException, local: bool = False, setting: str = 
         return (f"cannot reach the storage endpoint ({detail}); check the network, and AWS_ENDPOINT_URL_S3 or "
                 "storage_options.client_kwargs.endpoint_url for S3-compatible stores")
     return f"{text}; check that {setting} names a reachable folder or bucket prefix"
+
+
+def read_head(fs: AbstractFileSystem, path: str, limit: int) -> bytes:
+    """The first `limit` bytes of `path`, all of a smaller file, in one ranged read. An object store answers a
+    range of an empty object with 416 ("not satisfiable", an OSError): that is an empty file, not a failure."""
+    try:
+        return fs.cat_file(path, start=0, end=limit)
+    except OSError as e:
+        if e.errno == errno.EINVAL and "range" in str(e).lower() and fs.size(path) == 0:
+            return b""
+        raise
 
 
 # -- durable writes ------------------------------------------------------------------------------

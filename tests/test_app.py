@@ -169,7 +169,7 @@ def test_tokenizer_smaller_than_the_data_is_a_data_error(tmp_path, corpus_file, 
     CharTokenizer(list("ab")).save(str(prepared / "tokenizer.json"))  # 3 ids (end-of-text too); the data uses more
     if tampered == "tokenizer and meta":  # now only the ids themselves show it
         meta = json.loads((prepared / "meta.json").read_text())
-        (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": 3}))
+        (prepared / "meta.json").write_text(json.dumps({**meta, "vocab_size": 3, "eot_id": 2}))
     with pytest.raises(DataError) as refused:
         train_here(tmp_path, f"data.corpus={corpus_file}", "trainer.max_steps=5")
     words = ["vocabulary of 3 but the data was prepared with"] if tampered == "tokenizer" \

@@ -131,6 +131,76 @@ def test_a_missing_column_a_damaged_file_and_a_null_are_one_line_each(tmp_path, 
     assert not (tmp_path / "p").exists()
 
 
+def test_content_that_is_not_text_is_one_line_naming_the_file_and_where(tmp_path, capsys):
+    """The policy of every format: text that is not UTF-8 (or a lone surrogate from a JSON escape) is refused,
+    naming the file and the byte, line or row; so is JSON nested too deeply, and a text column named twice."""
+    from mingpt.cli.prepare import main
+
+    pq.write_table(pa.Table.from_arrays([pa.array(["a b"] * 3), pa.array(["c"] * 3)], names=["text", "text"]),
+                   tmp_path / "two.parquet")
+    bad = pa.array([b"good text", b"more", b"bad \xff text"], pa.binary()).view(pa.string())  # stored unchecked
+    pq.write_table(pa.table({"text": bad}), tmp_path / "bad.parquet")
+    ok = json.dumps({"text": "fine \U0001F600"}) + "\n"  # a pair of escapes is one character: text
+    (tmp_path / "deep.jsonl").write_text(ok + "[" * 100_000 + "]" * 100_000 + "\n")
+    (tmp_path / "surrogate.jsonl").write_text(ok + '{"text": "a \\ud800 b"}\n')
+    (tmp_path / "bad.jsonl").write_bytes(ok.encode() + b'{"text": "caf\xe9"}\n')
+    (tmp_path / "bad.txt").write_bytes(b"good\ncaf\xe9\n")
+    cases = [("two.parquet", "has 2 columns named 'text'"),
+             ("bad.parquet", "bad.parquet, row 2, is not UTF-8 text (bad byte at offset 4 of its text)"),
+             ("deep.jsonl", f"deep.jsonl, the record at byte {len(ok)} is nested too deeply"),
+             ("surrogate.jsonl", f"surrogate.jsonl, the record at byte {len(ok.encode())} is not UTF-8 text: its "
+                                 "'\\ud800' at character 2 is half of a UTF-16 pair"),
+             ("bad.jsonl", f"bad.jsonl is not UTF-8 text (bad byte at offset {len(ok.encode()) + 13})"),
+             ("bad.txt", "bad.txt is not UTF-8 text (bad byte at offset 8)")]
+    for name, message in cases:
+        for tokenizer in ("char", "bpe"):
+            args = ["--vocab-size", "300"] if tokenizer == "bpe" else []
+            assert main(["--corpus", str(tmp_path / name), "--out", str(tmp_path / "out"), "--tokenizer", tokenizer,
+                         "--num-workers", "1", *args]) == 2
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1 and message in err, (name, tokenizer, err)
+            assert not (tmp_path / "out").exists()
+    (tmp_path / "good.jsonl").write_text(ok)
+    found = prepared_documents(prepare(PrepareConfig(corpus=str(tmp_path / "good.jsonl"), val_fraction=0.0,
+                                                     prepared_dir=tmp_path / "good")))
+    assert found["train"] == ["fine \U0001F600"]
+
+
+def test_compressed_input_is_read_in_bounded_pieces_and_a_record_longer_than_the_bound_is_refused(
+        tmp_path, monkeypatch, capsys):
+    """64 MB of zeros compress to a few KB: they are decompressed a block at a time, never whole; a JSONL line
+    longer than MAX_RECORD_BYTES is one line naming it, compressed or not."""
+    import tracemalloc
+
+    from mingpt.cli.prepare import main
+
+    zeros = tmp_path / "zeros.txt.zst"
+    zeros.write_bytes(zstandard.ZstdCompressor().compress(bytes(64 << 20)))
+    tracemalloc.start()
+    try:
+        read = sum(piece.size for piece in corpus.read_pieces(corpus.list_sources(str(zeros)), "text"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert read == 64 << 20 and peak < 16 << 20, peak
+
+    monkeypatch.setattr(corpus, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(corpus, "MAX_RECORD_BYTES", 20_000)
+    fits, head = json.dumps({"text": "a " * 8_000}) + "\n", json.dumps({"text": "short"}) + "\n"
+    lines = head + fits + json.dumps({"text": "b " * 15_000}) + "\n" + head
+    for name, data in [("long.jsonl", lines.encode()), ("long.jsonl.zst", zstandard.compress(lines.encode()))]:
+        (tmp_path / name).write_bytes(data)
+        assert main(["--corpus", str(tmp_path / name), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert f"{name}, the record at byte {len(head + fits)}, is longer than 20,000 bytes" in err, err
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "fits.jsonl.zst").write_bytes(zstandard.compress((head + fits + head).encode()))
+    found = prepared_documents(prepare(PrepareConfig(corpus=str(tmp_path / "fits.jsonl.zst"), val_fraction=0.0,
+                                                     prepared_dir=tmp_path / "fits")))
+    assert found["train"] == ["short", "a " * 8_000, "short"]
+
+
 class HubStandIn(DirFileSystem):
     """hf:// served from a local folder, for the fsspec path that huggingface_hub's HfFileSystem takes."""
 
@@ -203,6 +273,59 @@ def test_files_of_a_hub_cache_are_versioned_by_their_blob_not_their_download_tim
     for blob in (tmp_path / "cache" / "datasets--org--web" / "blobs").iterdir():
         os.utime(blob, (1_000_000, 1_000_000))  # downloaded at another time
     assert corpus.list_sources(str(snapshot / "data")) == listed
+
+
+def test_a_shared_hub_cache_is_read_only_through_its_own_blobs(tmp_path, monkeypatch, capsys):
+    """HF_HOME may be a folder every user can write: a link planted there, or a `..` in the URL, must not read
+    a file of this user's that lies outside the repository."""
+    import huggingface_hub.constants
+
+    from mingpt.cli.prepare import main
+
+    cache, secret = tmp_path / "cache", tmp_path / "secret.txt"
+    secret.write_text("this user's secret\n")
+    hub_cache(cache, "org/web", {"data/a.txt": b"a document\n", "data/b.txt": b"another document\n"})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    repo = cache / "datasets--org--web"
+    [snapshot] = (repo / "snapshots").iterdir()
+
+    def refused(url: str, message: str) -> None:
+        assert main(["--corpus", url, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
+        assert not (tmp_path / "out").exists()
+
+    ok = prepare(PrepareConfig(corpus="hf://datasets/org/web/data/*.txt", prepared_dir=tmp_path / "ok"))
+    found = prepared_documents(ok)
+    assert sorted(found["train"] + found["val"]) == ["a document\n", "another document\n"]
+    refused("hf://datasets/org/web/../../../secret.txt", "a Hub path may not hold '..'")
+    refused("hf://datasets/org/web@../../secret.txt", "a Hub path may not hold '..'")
+
+    (snapshot / "data" / "c.txt").symlink_to(secret)  # planted: a link out of the repository
+    refused("hf://datasets/org/web/data/*.txt", f"leads to {secret}, outside its repository")
+    refused(str(snapshot / "data"), f"leads to {secret}, outside its repository")  # the cache named as a folder
+    (snapshot / "data" / "c.txt").unlink()
+    (snapshot / "more").symlink_to(tmp_path)  # a link to a folder outside it
+    refused("hf://datasets/org/web/more/secret.txt", "outside its repository")
+    (snapshot / "more").unlink()
+    os.mkfifo(repo / "blobs" / "fifo")  # not a file: never opened, so never waited on
+    (snapshot / "data" / "c.txt").symlink_to("../../../blobs/fifo")
+    refused("hf://datasets/org/web/data/c.txt", "holds no files")
+    (snapshot / "data" / "c.txt").unlink()
+    if os.getuid() == 0:  # only root can make a file of another user's
+        blob = os.path.realpath(snapshot / "data" / "b.txt")
+        os.chown(blob, 12345, 12345)
+        refused("hf://datasets/org/web/data/*.txt", "owner uid 12345")
+        os.chown(blob, 0, 0)
+
+    # Listed while it was good, then swapped for a link out: reading checks again.
+    [good] = corpus.list_sources(str(snapshot / "data" / "a.txt"))
+    (snapshot / "data" / "a.txt").unlink()
+    (snapshot / "data" / "a.txt").symlink_to(secret)
+    for read in (lambda: corpus.open_source(good), lambda: next(corpus.sample_pieces([good], "text", lambda s, n: True))):
+        with pytest.raises(DataError, match="outside its repository"):
+            read()
+    assert not good.local_plain  # workers get its bytes from the process that checked it
 
 
 @pytest.mark.s3

@@ -211,6 +211,49 @@ def test_missing_or_damaged_meta(tmp_path, corpus_file):
         PreparedData(out)
 
 
+def test_a_description_that_contradicts_its_data_is_damaged(tmp_path, corpus_file):
+    """Every field of meta.json that tells how to read the files (which their sha256 do not cover) is checked
+    against them: one line, "damaged", naming the field."""
+    out = prepare(PrepareConfig(corpus=str(corpus_file), prepared_dir=tmp_path / "prep"))
+    meta = read_meta(out)
+    tampered = {"dtype": ["garbage", "uint8", "uint32", None], "train_tokens": [meta["train_tokens"] + 1, -1, "9"],
+                "val_tokens": [meta["val_tokens"] - 1, 1.5], "eot_id": [meta["eot_id"] - 1, None],
+                "fingerprint": ["0" * 64], "sha256": [{**meta["sha256"], "val.bin": 7}, {}]}
+    for field, values in tampered.items():
+        for value in values:
+            (out / "meta.json").write_text(json.dumps({**meta, field: value}))
+            with pytest.raises(DataError) as e:
+                PreparedData(out)
+            message = str(e.value)
+            assert f"meta.json is damaged: its {field} is {value!r}" in message and "\n" not in message, message
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert PreparedData(out).meta == meta
+
+
+def test_a_working_folder_that_cannot_be_written_is_one_line_naming_the_setting(tmp_path, corpus_file, monkeypatch,
+                                                                                 capsys):
+    from mingpt.cli.prepare import main
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):  # root writes anywhere, except where the kernel refuses all (/sys)
+        folder = Path("/sys")
+    try:
+        os.mkdir(folder / "data")
+    except OSError:
+        pass
+    else:
+        pytest.skip(f"{folder} can be written here")
+    monkeypatch.chdir(folder)
+    assert main(["--corpus", str(corpus_file)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"cannot write prepared data into {folder / 'data'} (" in err and "set data.prepared_dir (--out" in err
+    monkeypatch.chdir(tmp_path)  # from a folder that can be written, the same command prepares
+    assert main(["--corpus", str(corpus_file)]) == 0
+
+
 def test_default_out_dir_names(tmp_path, monkeypatch):
     assert str(default_out_dir("python-docs", "char", None)) == os.path.join("data", "python-docs-char")
     remote = default_out_dir("s3://bucket/texts/shakespeare.txt", "bpe", 4096)

@@ -143,6 +143,45 @@ def test_a_claim_whose_beat_stops_is_taken_over_and_a_beating_one_is_waited_for(
     assert taken.generation == 5 and taken.record["released"] is True and taken.record["pids"][0][0] == os.getpid()
 
 
+def test_a_published_description_that_contradicts_itself_is_refused(tmp_path, s3, shared, monkeypatch):
+    """Every hash matches, but its dtype is not what its tokens are: damaged, not replaced, not trained on."""
+    first = prepare(shared(tmp_path / "node-a"))
+    meta = PreparedData(first).meta
+    refuse_to_tokenize(monkeypatch)
+    for dtype in ("uint8", "uint32"):
+        put(s3, "prepared/corpus-char/meta.json", json.dumps({**meta, "dtype": dtype}).encode())
+        with pytest.raises(DataError, match=rf"corpus-char/meta.json is damaged: its dtype is '{dtype}'"):
+            prepare(shared(tmp_path / "node-b"))
+        assert not (tmp_path / "node-b").exists()
+
+
+def test_a_claim_that_cannot_be_read_does_not_hold_the_data(tmp_path, s3, shared, monkeypatch, caplog):
+    """Empty, garbage, a silent claim of exactly the largest size read, one byte more: each ends published,
+    the readable one after its timeout, the others skipped as no claim. (S3 cannot satisfy a range of an
+    empty object: that is an empty file, not a failure.)"""
+    monkeypatch.setattr(remote, "CLAIM_TIMEOUT_S", 0.3)
+    record = json.dumps({"generation": 1, "host": "node-that-died", "pids": [[7, 1]], "beat": 3, "pad": ""})
+    largest = record.replace('"pad": ""', '"pad": "' + "x" * (claim.MAX_CLAIM_BYTES - len(record)) + '"')
+    assert len(largest) == claim.MAX_CLAIM_BYTES
+    for body, taken_over in [(b"", False), (b"\x00garbage\xff{[", False), (largest.encode(), True),
+                             (largest.encode() + b" ", False)]:
+        for key in s3_keys(s3, "prepared/"):
+            boto3.client("s3", endpoint_url=s3.endpoint).delete_object(Bucket=s3.bucket, Key=key)
+        put(s3, "prepared/corpus-char/claim/gen-000000001.json", body)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mingpt"):
+            out = prepare(shared(tmp_path / f"node-{len(body)}"))
+        assert "prepared/corpus-char/meta.json" in s3_keys(s3, "prepared/"), len(body)
+        assert PreparedData(out).meta["sha256"]
+        assert ("(host node-that-died, pid 7) stopped; preparing it here instead" in caplog.text) == taken_over
+        assert ("is not a claim; skipping it" in caplog.text) != taken_over
+        assert newest_claim(shared(tmp_path).prepared_dir).generation == 2
+    put(s3, "prepared/corpus-char/meta.json", b"")  # an empty description is damaged, not unreadable
+    with pytest.raises(DataError, match=r"meta.json.*damaged") as e:
+        prepare(shared(tmp_path / "node-empty-meta"))
+    assert "OSError" not in str(e.value)
+
+
 @pytest.mark.parametrize("reused", [False, True])
 def test_a_claim_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_path, s3, shared, monkeypatch, reused):
     """Dead by pid and start time: a pid that a new process took since (here: this very process) does not

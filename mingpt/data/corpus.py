@@ -39,12 +39,14 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import BinaryIO, Callable, Iterator, Sequence
 
-from mingpt.data.formats import ZstdReader, explain_hub_error, from_hub_cache, parquet_batches, parquet_documents
+from mingpt.data.formats import (ZstdReader, check_hub_file, explain_hub_error, from_hub_cache, in_hub_cache,
+                                  open_hub_file, parquet_batches, parquet_documents)
 from mingpt.errors import DataError, MinGPTError
 from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 
 BUILTIN_CORPUS = "python-docs"
 PIECE_BYTES = 1 << 20
+MAX_RECORD_BYTES = 64 << 20  # a JSONL line is read whole: memory is bounded by this, whatever the file
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
@@ -78,8 +80,9 @@ class Source:
 
     @property
     def local_plain(self) -> bool:
-        """A seekable local file: any process on this machine can read a piece of it."""
-        return self.seekable and self.url.startswith("/")
+        """A seekable local file: any process on this machine can read a piece of it. Not one of a Hugging Face
+        cache, which is opened only after checking where its link leads (`open_hub_file`)."""
+        return self.seekable and self.url.startswith("/") and not in_hub_cache(self.url)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "url": redact(self.url)}
@@ -139,7 +142,19 @@ def _expand(entry: str) -> list[Source]:
     if not files:
         raise DataError(f"corpus {what} {redact(entry)} holds no files; check the path (quote a glob, so that the "
                         "shell does not expand it)")
+    for file in files:
+        if local and (in_hub_cache(file.url) or url.startswith("hf://")):
+            _confined(file.url)
     return files
+
+
+def _confined(path: str) -> None:
+    """DataError unless the local `path`, of a Hugging Face cache, leads to a file of its repository (see
+    `check_hub_file`)."""
+    if not in_hub_cache(path):
+        raise DataError(f"corpus file {path} is not in a repository's snapshot of the Hugging Face cache; check "
+                        "HF_HOME, and download the dataset again")
+    check_hub_file(path)
 
 
 def _local_tree(fs, folder: str, above: dict | None = None) -> dict[str, dict]:
@@ -211,6 +226,9 @@ def open_source(source: Source) -> BinaryIO:
     """The content of `source`, decompressed where its name says it is compressed."""
     if source.url == BUILTIN_CORPUS:
         return io.BytesIO(builtin_bytes())
+    if in_hub_cache(source.url):
+        f = open_hub_file(source.url)
+        return ZstdReader(f) if source.url.lower().endswith(".zst") else _decompressed(f, source.url)
     import fsspec
 
     zstd = source.url.lower().endswith(".zst")  # fsspec's zstd reader ends a truncated file in silence
@@ -225,6 +243,19 @@ def open_source(source: Source) -> BinaryIO:
     except Exception as e:
         raise DataError(f"cannot read the corpus {redact(source.url)}: "
                         f"{explain_storage_error(e, setting='data.corpus')}") from None
+
+
+def _decompressed(f: BinaryIO, url: str) -> BinaryIO:
+    """`f`, decompressed where the name `url` says it is (gzip, bz2, xz); closing the result closes `f`."""
+    from fsspec.compression import compr
+    from fsspec.utils import infer_compression
+
+    kind = None if url.lower().endswith(".parquet") else infer_compression(url)
+    if kind is None:
+        return f
+    reader, close = compr[kind](f, mode="rb"), f.close
+    reader.close = lambda: (type(reader).close(reader), close())
+    return reader
 
 
 @dataclass(frozen=True)
@@ -282,7 +313,8 @@ def _pieces(index: int, source: Source, text_field: str, chosen: Callable[[int],
                 yield Piece(index, row, data, len(data), False, len(ends) // 8, ends=ends)
             return
         offset = 0
-        for data, last in _cut(_read_blocks(f, source, PIECE_BYTES), source.records, PIECE_BYTES):
+        for data, last in _cut(_read_blocks(f, source, PIECE_BYTES), source.records, PIECE_BYTES,
+                               redact(source.url)):
             records = sum(1 for line in data.split(b"\n") if line.strip()) if source.records else 0
             yield Piece(index, offset, data, len(data), last, records)
             offset += len(data)
@@ -316,7 +348,7 @@ def _read_range(source: Source, offset: int, size: int) -> bytes:
     """`size` bytes of an uncompressed `source` from `offset`: one ranged read on an object store."""
     fs, path = open_fs(source.url)
     try:
-        with fs.open(path, "rb", block_size=size) as f:  # an object store fetches these bytes, not 50 MB
+        with open_hub_file(path) if in_hub_cache(source.url) else fs.open(path, "rb", block_size=size) as f:  # an object store fetches these bytes, not 50 MB
             f.seek(offset)
             return f.read(size)
     except Exception as e:
@@ -343,17 +375,22 @@ def _read_blocks(f: BinaryIO, source: Source, size: int) -> Iterator[bytes]:
         yield block
 
 
-def _cut(blocks: Iterator[bytes], by_line: bool, piece_bytes: int) -> Iterator[tuple[bytes, bool]]:
-    """Re-cut `blocks` into pieces of at least `piece_bytes`, each ending at a safe place."""
-    pending = b""
+def _cut(blocks: Iterator[bytes], by_line: bool, piece_bytes: int, name: str) -> Iterator[tuple[bytes, bool]]:
+    """Re-cut `blocks` (of the file `name`) into pieces of at least `piece_bytes`, each ending at a safe place.
+    A text piece is at most 4 pieces long (see `_safe_end`); a record, MAX_RECORD_BYTES."""
+    pending, offset = b"", 0
     for block in blocks:
         pending += block
         while len(pending) >= piece_bytes:
             end = _safe_end(pending, piece_bytes, by_line)
             if end is None:
+                if by_line and len(pending) - piece_bytes > MAX_RECORD_BYTES:  # a line from before piece_bytes
+                    start = offset + pending.rfind(b"\n", 0, piece_bytes - 1) + 1
+                    raise DataError(f"{name}, the record at byte {start}, is longer than {MAX_RECORD_BYTES:,} bytes, "
+                                    "the most one record may hold; split its text into several records")
                 break  # read on: the next block may hold a safe place
             yield pending[:end], False
-            pending = pending[end:]
+            pending, offset = pending[end:], offset + end
     yield pending, True
 
 
@@ -388,7 +425,7 @@ def documents(piece: Piece, form: str, text_field: str, name: str) -> Iterator[t
         yield -1, _decode(piece.data, name, piece.offset)
         return
     if form == "parquet":
-        yield from enumerate(parquet_documents(piece.data, piece.ends), start=piece.first)
+        yield from enumerate(parquet_documents(piece.data, piece.ends, name, piece.offset), start=piece.first)
         return
     start, number = 0, piece.first
     for line in piece.data.split(b"\n"):
@@ -397,16 +434,30 @@ def documents(piece: Piece, form: str, text_field: str, name: str) -> Iterator[t
             continue
         where = f"{name}, the record at byte {offset}"
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            record = json.loads(_decode(line, name, offset))
+        except json.JSONDecodeError as e:
             raise DataError(f"{where} is not a JSON record ({e}); fix or remove that line") from None
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise DataError(f"{where} is nested too deeply to be read as JSON; fix or remove that line") from None
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             fields = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
             raise DataError(f"{where} has no text field {text_field!r}; set data.text_field (--text-field) to the "
                             f"field holding the text (this record has: {fields})")
+        if b"\\u" in line:  # only a JSON escape can make a lone surrogate, which no text holds
+            _check_no_surrogate(text, where)
         yield number, text
         number += 1
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _check_no_surrogate(text: str, where: str) -> None:
+    found = _SURROGATE.search(text)
+    if found:
+        raise DataError(f"{where} is not UTF-8 text: its {found.group()!r} at character {found.start()} is half of a "
+                        "UTF-16 pair (a lone surrogate); fix that record")
 
 
 def _decode(data: bytes, name: str, offset: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import stat
 from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
@@ -19,45 +20,69 @@ import numpy as np
 from mingpt.errors import DataError
 from mingpt.storage import redact
 
-ZSTD_READ = 1 << 16  # compressed bytes per step: a block decompresses to at most its frame's ratio times this
+ZSTD_MAGIC = 0xFD2FB528
+ZSTD_SKIPPABLE = range(0x184D2A50, 0x184D2A60)  # frames of metadata, not content
 
 
 class ZstdReader(io.RawIOBase):
-    """The decompressed content of a zstd stream of one or more frames. EOFError where the stream ends
-    inside a frame: zstandard's own stream reader ends there in silence, which would drop a truncated
-    file's tail without a word."""
+    """The decompressed content of a zstd stream of one or more frames, one block (at most 128 KiB) at a time.
+
+    The stream is cut into its frames' blocks by their headers (RFC 8878), and the decompressor is given one
+    block at a time: a highly compressed file (a GB of zeros in a few KB) never decompresses all at once.
+    EOFError where the stream ends inside a frame: zstandard's own readers end there in silence, which would
+    drop a truncated file's tail without a word."""
 
     def __init__(self, raw: BinaryIO):
         import zstandard
 
         self.raw, self.new_frame = raw, zstandard.ZstdDecompressor().decompressobj
-        self.frame, self.pending, self.at, self.started = self.new_frame(), b"", 0, False
+        self.blocks, self.pending, self.at = self._blocks(), b"", 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
         while self.at >= len(self.pending):
-            block = self.raw.read(ZSTD_READ)
-            if not block:
-                if self.started and not self.frame.eof:
-                    raise EOFError("the zstd stream ends inside a frame: the file is truncated")
+            block = next(self.blocks, None)
+            if block is None:
                 return 0
-            self.pending, self.at = self._decompress(block), 0
+            self.pending, self.at = block, 0
         count = min(len(buffer), len(self.pending) - self.at)
         buffer[:count] = self.pending[self.at : self.at + count]
         self.at += count
         return count
 
-    def _decompress(self, block: bytes) -> bytes:
-        out = []
-        while block:  # a block may end one frame and start the next
-            if self.frame.eof:
-                self.frame = self.new_frame()
-            out.append(self.frame.decompress(block))
-            self.started = True
-            block = self.frame.unused_data if self.frame.eof else b""
-        return b"".join(out)
+    def _blocks(self) -> Iterator[bytes]:
+        """The decompressed content, a block at a time (an empty one where a piece of a frame holds no content)."""
+        while magic := self.raw.read(4):
+            number = int.from_bytes(magic + self._read(4 - len(magic)), "little")
+            if number in ZSTD_SKIPPABLE:
+                self._read(int.from_bytes(self._read(4), "little"))
+                continue
+            if number != ZSTD_MAGIC:
+                raise ValueError("not a zstd frame where one should start: the file is damaged or not zstd")
+            frame, descriptor = self.new_frame(), self._read(1)
+            flags = descriptor[0]  # content size field, single segment, checksum, dictionary id
+            single = bool(flags & 0x20)
+            header = (not single) + (0, 1, 2, 4)[flags & 3] + (single, 2, 4, 8)[flags >> 6]
+            yield frame.decompress(number.to_bytes(4, "little") + descriptor + self._read(header))
+            last = False
+            while not last:
+                block = self._read(3)
+                value = int.from_bytes(block, "little")
+                last, kind, size = bool(value & 1), (value >> 1) & 3, value >> 3
+                yield frame.decompress(block + self._read(1 if kind == 1 else size))  # kind 1: one byte, repeated
+            if flags & 4:
+                yield frame.decompress(self._read(4))  # the content's checksum
+
+    def _read(self, size: int) -> bytes:
+        data = self.raw.read(size)
+        while len(data) < size:
+            more = self.raw.read(size - len(data))
+            if not more:
+                raise EOFError("the zstd stream ends inside a frame: the file is truncated")
+            data += more
+        return data
 
     def close(self) -> None:
         self.raw.close()
@@ -83,6 +108,9 @@ def parquet_batches(f: BinaryIO, name: str, text_field: str, piece_bytes: int,
     if text_field not in columns:
         raise DataError(f"{name} has no column {text_field!r}; set data.text_field (--text-field) to the column "
                         f"holding the text (its columns: {', '.join(columns)})")
+    if columns.count(text_field) > 1:
+        raise DataError(f"{name} has {columns.count(text_field)} columns named {text_field!r}; write the file with "
+                        "one, or set data.text_field (--text-field) to another column")
     _check_text_type(parquet.schema_arrow.field(text_field).type, name, text_field)
     row = 0
     for group in range(parquet.num_row_groups):
@@ -135,11 +163,15 @@ def _texts(column, name: str, text_field: str, first_row: int) -> tuple[bytes, b
     return data, (ends[1:] - start).tobytes()
 
 
-def parquet_documents(data: bytes, ends: bytes) -> Iterator[str]:
-    """The documents of a batch from `parquet_batches`."""
+def parquet_documents(data: bytes, ends: bytes, name: str, first_row: int) -> Iterator[str]:
+    """The documents of a batch from `parquet_batches`, whose first is the row `first_row` of the file `name`."""
     start = 0
-    for end in np.frombuffer(ends, dtype=np.int64).tolist():
-        yield data[start:end].decode("utf-8")  # Arrow checked the UTF-8 when it read the column
+    for row, end in enumerate(np.frombuffer(ends, dtype=np.int64).tolist(), start=first_row):
+        try:  # a writer may store any bytes as a string: Arrow does not check them when it reads
+            yield data[start:end].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"corpus {name}, row {row}, is not UTF-8 text (bad byte at offset {e.start} of its "
+                            "text); fix that row, or write the file again as UTF-8") from None
         start = end
 
 
@@ -157,11 +189,15 @@ HUB_URL = re.compile(r"^hf://(?P<kind>datasets|spaces)/(?P<repo>[^/@]+/[^/@]+)(@
 def from_hub_cache(url: str) -> str:
     """For an hf:// URL while HF_HUB_OFFLINE is set: the same files in the local Hugging Face cache (a local
     path or glob), as huggingface_hub reads models and datasets offline; otherwise `url` itself."""
-    if not url.startswith("hf://") or not _offline():
+    if not url.startswith("hf://"):
+        return url
+    if ".." in re.split(r"[/@]", url):
+        raise DataError(f"{redact(url)}: a Hub path may not hold '..'; name files inside the repository")
+    found = HUB_URL.match(url)
+    if not _offline():
         return url
     from huggingface_hub import snapshot_download
 
-    found = HUB_URL.match(url)
     if not found:
         raise DataError(f"{redact(url)} is not a Hub dataset URL; write hf://datasets/ORG/NAME/PATH-OR-GLOB")
     repo, path = found["repo"], found["path"] or ""
@@ -173,6 +209,54 @@ def from_hub_cache(url: str) -> str:
                         f"download it first (hf download {repo} --repo-type dataset --include '{path or '*'}') or "
                         "unset HF_HUB_OFFLINE") from None
     return os.path.join(folder, path) if path else folder
+
+
+# A file of a repository in a Hugging Face cache: REPO/snapshots/REVISION/PATH, each file a link into REPO/blobs.
+HUB_SNAPSHOT = re.compile(r"^(?P<repo>/.*/(?:datasets|spaces|models)--[^/]+)/snapshots/[^/]+(?=/)")
+
+
+def in_hub_cache(path: str) -> bool:
+    """Whether the local `path` is a file of a repository's snapshot in a Hugging Face cache."""
+    return HUB_SNAPSHOT.match(path) is not None
+
+
+def check_hub_file(path: str) -> str:
+    """The real path of `path`, a file of a snapshot in a Hugging Face cache; DataError unless it leads into its
+    own snapshot or its repository's blobs, to a regular file of this user's or root's. A cache can be shared
+    with other users (HF_HOME on a folder all can write): a link planted there must not read this user's files."""
+    found = HUB_SNAPSHOT.match(path)
+    repo, snapshot, real = found["repo"], found[0], os.path.realpath(path)
+    inside = [os.path.realpath(snapshot), os.path.realpath(os.path.join(repo, "blobs"))]
+    if inside[1] != os.path.join(os.path.realpath(repo), "blobs") or \
+            not any(real.startswith(folder + "/") for folder in inside):
+        raise DataError(f"corpus file {path} leads to {real}, outside its repository in the Hugging Face cache (a "
+                        "link someone else may have put there); remove it and download the dataset again, into a "
+                        "cache of your own (HF_HOME) if others can write this one")
+    _check_owner(os.lstat(real), path)
+    return real
+
+
+def _check_owner(found: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(found.st_mode) or found.st_uid not in (os.getuid(), 0):
+        raise DataError(f"corpus file {path} in the Hugging Face cache is not a regular file of yours or root's "
+                        f"(mode {stat.filemode(found.st_mode)}, owner uid {found.st_uid}); download the dataset "
+                        "into a cache of your own (HF_HOME)")
+
+
+def open_hub_file(path: str) -> BinaryIO:
+    """`path`, a file of a snapshot in a Hugging Face cache, opened once `check_hub_file` allows it, without
+    following a link it may have become since."""
+    real = check_hub_file(path)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise DataError(f"cannot open corpus file {path} ({real}): {e.strerror}; download the dataset again") from None
+    try:
+        _check_owner(os.fstat(fd), path)
+    except DataError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
 
 
 def _offline() -> bool:

@@ -24,7 +24,7 @@ from mingpt.data import tasks
 from mingpt.data.corpus import Piece, Source, read_pieces
 from mingpt.data.pool import WorkerPool
 from mingpt.data.prepared import (
-    FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, file_sha256, fingerprint,
+    FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, file_sha256, fingerprint, token_dtype,
 )
 from mingpt.data.progress import Progress
 from mingpt.data.resume import PROGRESS_FILE, CorpusChanged, Tokenized
@@ -79,7 +79,7 @@ class Job:
             else:
                 tok = self.make_tokenizer()
                 tok.save(str(tmp / TOKENIZER_FILE))
-            dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+            dtype = np.dtype(token_dtype(tok.vocab_size)).type
             try:
                 counts, digests, read = self.tokenize(tok, dtype, tmp, resume[1] if resume else Tokenized.start(meta))
             except CorpusChanged:  # the tokens kept, and maybe the tokenizer, came from other text

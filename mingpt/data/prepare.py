@@ -14,6 +14,7 @@ temporary name and renamed into place (mingpt.data.scratch), so a reader never s
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -56,7 +57,7 @@ def prepare(config: PrepareConfig) -> Path:
     if matches(out, wanted):
         log.info("reusing prepared data in %s", out)
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(out.parent, config)
     with _machine_lock(out.parent) as locked:  # processes on one machine prepare once; the others wait, then reuse
         if matches(out, wanted):
             log.info("reusing prepared data in %s, prepared by another process", out)
@@ -76,27 +77,27 @@ def _prepare_remote(config: PrepareConfig, remote: RemoteFolder, out: Path) -> P
     while True:
         meta = remote.meta()
         if current(meta):
-            return _copy(remote, meta, out)
+            return _copy(remote, meta, out, config)
         claim = remote.claim(lambda: current(remote.meta()))  # waits while a live node holds it
         if claim is None:
             continue  # published meanwhile
         with claim:
             meta = remote.meta()  # published between the look and the claim?
             if current(meta):
-                return _copy(remote, meta, out)
+                return _copy(remote, meta, out, config)
             log.info("preparing %s here (this node claimed it)", redact(remote.url))
             prepare(replace(config, prepared_dir=str(out), local_copy=None))  # reuses a current local copy
             remote.upload(out, read_meta(out))
         return out
 
 
-def _copy(remote: RemoteFolder, meta: dict, out: Path) -> Path:
+def _copy(remote: RemoteFolder, meta: dict, out: Path, config: PrepareConfig) -> Path:
     """`out`, made a copy of the published data `meta` describes (unless it is one already)."""
     same = lambda: matches(out, {"fingerprint": meta["fingerprint"]})
     if same():
         log.info("reusing the local copy %s of %s", out, redact(remote.url))
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(out.parent, config)
     with _machine_lock(out.parent) as locked:  # processes on one machine copy once
         if same():
             return out
@@ -110,6 +111,18 @@ def _copy(remote: RemoteFolder, meta: dict, out: Path) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _make_folder(folder: Path, config: PrepareConfig) -> None:
+    """`folder`, made where it is not there; DataError, before any work, where this user cannot write there."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        setting = "data.local_copy (--local-copy" if is_remote(config.prepared_dir) else "data.prepared_dir (--out"
+        raise DataError(f"cannot write prepared data into {folder.absolute()} ({e.strerror}); set {setting} of "
+                        "mingpt-prepare) to a folder you can write, or run from one") from None
 
 
 def out_dir(config: PrepareConfig) -> Path:

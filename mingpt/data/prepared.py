@@ -62,21 +62,35 @@ def read_meta(directory: str | os.PathLike) -> dict:
 
 def parse_meta(text: str, path: str, directory: str) -> dict:
     """The description in `text`, read from `path` of the prepared folder `directory`; DataError when
-    it is not a valid one."""
+    it is not a valid one, or contradicts itself."""
     try:
         meta = json.loads(text)
     except json.JSONDecodeError:
         raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise DataError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} description; prepare the data again")
+    damaged = lambda field, why: DataError(f"{path} is damaged: its {field} is {meta.get(field)!r}, {why}; "
+                                           f"delete {directory} and prepare the data again")
     digests = meta.get("sha256")
-    if not isinstance(meta.get("fingerprint"), str) or not isinstance(digests, dict) or set(digests) != set(TOKEN_FILES):
-        raise DataError(f"{path} is damaged (its fingerprint or sha256 entries); delete {directory} and prepare the "
-                        "data again")
+    if not isinstance(digests, dict) or set(digests) != set(TOKEN_FILES) or \
+            not all(isinstance(digest, str) for digest in digests.values()):
+        raise damaged("sha256", f"not a sha256 for each of {', '.join(TOKEN_FILES)}")
+    if meta.get("fingerprint") != fingerprint(digests):
+        raise damaged("fingerprint", "not the one of its sha256 entries")
+    for field in ("vocab_size", "train_tokens", "val_tokens"):
+        if type(meta.get(field)) is not int or meta[field] < 0:
+            raise damaged(field, "not a count")
     if meta.get("dtype") not in TOKEN_DTYPES:
-        raise DataError(f"{path} is damaged: its dtype is {meta.get('dtype')!r}, not one of {', '.join(TOKEN_DTYPES)}; "
-                        f"delete {directory} and prepare the data again")
+        raise damaged("dtype", f"not one of {', '.join(TOKEN_DTYPES)}")
+    if meta["dtype"] != token_dtype(meta["vocab_size"]):
+        raise damaged("dtype", f"but the tokens of a vocabulary of {meta['vocab_size']} are "
+                               f"{token_dtype(meta['vocab_size'])}")
     return meta
+
+
+def token_dtype(vocab_size: int) -> str:
+    """What the token files of a vocabulary are written in: the smallest of TOKEN_DTYPES that holds its ids."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
 class TokenBlocks:
@@ -153,6 +167,22 @@ class PreparedData:
                 f"was prepared with {prepared_with} ({META_FILE}); the folder is damaged: delete {self.directory} "
                 "and prepare the data again"
             )
+        self._check_meta()
+
+    def _check_meta(self) -> None:
+        """DataError where a field of meta.json contradicts the files it describes (which its sha256 cover)."""
+        path, itemsize = self.directory / META_FILE, np.dtype(self.meta["dtype"]).itemsize
+        says = {"eot_id": (self.tokenizer.eot_id, f"but {TOKENIZER_FILE} ends documents with {self.tokenizer.eot_id}")}
+        for split in ("train", "val"):
+            try:
+                size = os.stat(self.directory / f"{split}.bin").st_size
+            except FileNotFoundError:
+                raise DataError(f"token file {self.directory / split}.bin is missing; prepare the data again") from None
+            says[f"{split}_tokens"] = (size / itemsize, f"but {split}.bin holds {size} bytes of {self.meta['dtype']}")
+        for field, (value, why) in says.items():
+            if self.meta.get(field) != value:
+                raise DataError(f"{path} is damaged: its {field} is {self.meta.get(field)!r}, {why}; delete "
+                                f"{self.directory} and prepare the data again")
 
     @property
     def vocab_size(self) -> int:
@@ -169,11 +199,6 @@ class PreparedData:
         if name not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {name!r}")
         blocks = TokenBlocks(self.directory / f"{name}.bin", self.meta["dtype"], block_size, stride, self.vocab_size)
-        if len(blocks.tokens) != self.meta[f"{name}_tokens"]:
-            raise DataError(
-                f"{blocks.path} holds {len(blocks.tokens)} tokens but {self.meta[f'{name}_tokens']} were "
-                f"prepared; the file is damaged: delete {self.directory} and prepare the data again"
-            )
         if len(blocks) == 0:
             raise DataError(
                 f"the {name} split of {self.directory} has {len(blocks.tokens)} tokens, fewer than one "

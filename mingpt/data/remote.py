@@ -34,7 +34,8 @@ from typing import Callable, Iterator
 from mingpt.claim import Claim, Files, GenerationalClaim, ended_here, pids, same_machine, stood_still
 from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
-from mingpt.storage import create_exclusive, explain_storage_error, is_local, open_fs, redact, replace_atomically
+from mingpt.storage import (create_exclusive, explain_storage_error, is_local, open_fs, read_head, redact,
+                            replace_atomically)
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,9 @@ class RemoteFolder:
     def meta(self) -> dict | None:
         """The published description; None where nothing (complete) is published yet, or what is published
         is of an older format version (prepared again and replaced, as a stale local folder is). DataError
-        for the description of a newer version, which is not this version's to replace."""
+        for a damaged description, or one of a newer version, which are not this version's to replace."""
         try:
-            text = self.fs.cat_file(self._join(META_FILE), start=0, end=MAX_META_BYTES).decode("utf-8", "replace")
+            text = read_head(self.fs, self._join(META_FILE), MAX_META_BYTES).decode("utf-8", "replace")
         except FileNotFoundError:
             return None
         except Exception as e:
@@ -71,12 +72,14 @@ class RemoteFolder:
             return parse_meta(text, f"{redact(self.url)}/{META_FILE}", redact(self.url))
         except DataError as e:
             version = _version(text)
-            if version is None or version > FORMAT_VERSION:
+            if version is not None and version < FORMAT_VERSION:
+                log.info("%s/%s is of the older format version %d; preparing it again", redact(self.url), META_FILE,
+                         version)
+                return None
+            if version is not None and version > FORMAT_VERSION:
                 raise DataError(f"{e} (it is of version {version}, newer than this mingpt-elastic's "
-                                f"{FORMAT_VERSION}: upgrade it)" if version else str(e)) from None
-            log.info("%s/%s is of the older format version %d; preparing it again", redact(self.url), META_FILE,
-                     version)
-            return None
+                                f"{FORMAT_VERSION}: upgrade it)") from None
+            raise  # not a description of ours, or a damaged one: not this node's to replace
 
     # -- the claim -------------------------------------------------------------------------------
 
