@@ -89,7 +89,8 @@ def test_a_typo_in_a_setting_is_one_line_with_the_closest_match_and_exit_2(tmp_p
 
 def test_the_gpt2_fineweb_edu_recipe_is_gpt2_124m_with_half_a_million_tokens_a_step_and_stays_overridable():
     cfg = config("recipe=gpt2-fineweb-edu", "trainer.max_steps=100", "data.corpus=/copy/*.parquet")
-    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (12, 12, 768)
+    shape = cfg.model.build(50257, cfg.data.block_size)
+    assert (shape.n_layer, shape.n_head, shape.n_embd) == (12, 12, 768)
     assert cfg.model.build(50257, cfg.data.block_size).block_size == 1024 and cfg.data.tokenizer == "gpt2"
     assert cfg.trainer.global_batch_size * cfg.data.block_size == 524_288
     assert (cfg.trainer.lr, cfg.trainer.warmup_steps, cfg.trainer.weight_decay) == (6e-4, 700, 0.1)
@@ -97,6 +98,35 @@ def test_the_gpt2_fineweb_edu_recipe_is_gpt2_124m_with_half_a_million_tokens_a_s
     assert abs(config("recipe=gpt2-fineweb-edu").trainer.max_steps * 524_288 - 10e9) < 524_288  # decay to 10B tokens
     with pytest.raises(ConfigError, match=r"recipe=gpt2-fineweb is no recipe option \(did you mean gpt2-fineweb-edu"):
         config("recipe=gpt2-fineweb")
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_group_options_and_settings_on_the_command_line_win_over_the_recipe(before):
+    """Before the recipe or after it: what the command line says wins over what the recipe says."""
+    mine = ["model=gpt-nano", "data=python-docs-bpe", "trainer.lr=1e-3", "snapshot.every=7"]
+    cfg = config(*(mine + ["recipe=gpt2-fineweb-edu"] if before else ["recipe=gpt2-fineweb-edu"] + mine))
+    assert cfg.model.name == "gpt-nano" and cfg.model.build(300, 32).n_layer == 3
+    assert cfg.data.tokenizer == "bpe" and cfg.data.corpus == "python-docs"
+    assert (cfg.trainer.lr, cfg.snapshot.every) == (1e-3, 7)
+    assert cfg.trainer.warmup_steps == 700  # the rest is the recipe's
+
+
+def test_the_users_own_config_folder_is_searched_for_options(tmp_path):
+    """--config-dir (or hydra.searchpath) adds the user's own group options, and groups; the typo check knows
+    them, and the configuration composed before Hydra starts (mingpt-torchrun's) reads the flag as Hydra does."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.yaml").write_text("corpus: mine.txt\n")
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "tiny.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: 7\n")
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "seeded.yaml").write_text("# @package _global_\nseed: 5\n")
+    for flags in (["--config-dir", str(tmp_path)], [f"-cd={tmp_path}"], [f"hydra.searchpath=[file://{tmp_path}]"]):
+        cfg = config(*flags, "data=mine", "recipe=tiny", "+extra=seeded")
+        assert (cfg.data.corpus, cfg.trainer.max_steps, cfg.seed) == ("mine.txt", 7, 5)
+    with pytest.raises(ConfigError, match="data=mines is no data option .did you mean mine.*python-docs"):
+        config("--config-dir", str(tmp_path), "data=mines")
+    with pytest.raises(ConfigError, match="data=mine is no data option"):
+        config("data=mine")  # without the folder
 
 
 @pytest.mark.multiproc

@@ -160,6 +160,38 @@ def test_every_command_says_its_version_and_shows_its_defaults(command, capsys):
     assert done.value.code == 0 and "--version" in capsys.readouterr().out
 
 
+def test_mingpt_train_version_is_mingpts_with_torchs_and_hydras(capsys, monkeypatch):
+    import hydra
+
+    import mingpt
+    from mingpt.cli import train
+
+    monkeypatch.setattr(sys, "argv", ["mingpt-train", "model=gpt-nano", "--version"])
+    with pytest.raises(SystemExit) as done:
+        train.main()
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith(f"mingpt-train {mingpt.__version__} (torch ")
+    assert out.endswith(f", Hydra {hydra.__version__})\n") and out.count("\n") == 1
+
+
+def test_mingpt_torchrun_reads_the_scripts_config_dir_as_hydra_does(tmp_path, monkeypatch):
+    """The configuration mingpt-torchrun composes before its node joins (to prepare the data) comes from the
+    script's own flags too: --config-dir is a folder of the user's configs, not an override."""
+    from mingpt.cli import torchrun
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)  # main sets it: undone after the test
+    (tmp_path / "mine" / "data").mkdir(parents=True)
+    (tmp_path / "mine" / "data" / "mine.yaml").write_text("corpus: my-corpus.txt\n")
+    prepared, started = [], []
+    monkeypatch.setattr(torchrun, "prepare_data", lambda cfg: prepared.append(cfg) or tmp_path)
+    monkeypatch.setattr(torchrun.run, "run", started.append)
+    script = ["--config-dir", str(tmp_path / "mine"), "data=mine", "model=gpt-nano"]
+    assert torchrun.main(["--standalone", "--nproc-per-node=1", str(REPO / "train" / "main.py"), *script]) == 0
+    assert [cfg.data.corpus for cfg in prepared] == ["my-corpus.txt"] and prepared[0].model.name == "gpt-nano"
+    assert started[0].training_script_args == script  # the script gets its flags as they were given
+
+
 def test_mingpt_torchrun_help_says_first_what_it_adds_to_torchrun(capsys):
     from mingpt.cli import torchrun
 

@@ -5,6 +5,7 @@ mingpt-rendezvous) are in test_trainer.py.
 """
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -212,3 +213,38 @@ def test_plain_torchrun_standalone_warns_once_and_trains_and_waits_for_a_peer_st
     text = output(job)
     assert text.count(ADVICE) == 1 and "done: step 4" in text and (for_rank(1) / "meta.json").exists()
     assert re.search(r"waiting for 1 process\(es\) to prepare their data: rank 1 on \S+", text), text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_node_with_other_data_is_refused_and_the_job_trains_on_without_it(tmp_path, procs):
+    """A node started with another corpus of the same characters (the same vocabulary, other tokens) comes
+    to a running job: its workers are refused in one line naming both fingerprints, and the job goes on,
+    on its own data only."""
+    port = free_port()
+    rendezvous(procs, port)
+    node = torchrun("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=other-data", f"--rdzv-conf={RDZV_CONF},is_host=false")
+    corpora = {name: tmp_path / f"{name}.txt" for name in ("one", "two")}
+    corpora["one"].write_text("abcdefgh " * 400)
+    corpora["two"].write_text("hgfedcba " * 400)
+
+    def data(name):
+        return [f"data.corpus={corpora[name]}", f"data.prepared_dir={tmp_path / name}"]
+
+    job = procs.start(node + _job(tmp_path, 100_000) + data("one") + ["snapshot.every=10"], "job")
+    wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first snapshot", [job])
+    other = procs.start(node + _job(tmp_path, 100_000) + data("two") + ["snapshot.every=10"], "other")
+    assert other.wait(timeout=180) != 0
+    refused = [line for line in output(other).splitlines() if "is not the job's" in line]
+    ours = json.loads((tmp_path / "one" / "meta.json").read_text())["fingerprint"]
+    theirs = json.loads((tmp_path / "two" / "meta.json").read_text())["fingerprint"]
+    assert refused and f"fingerprint {theirs[:12]}" in refused[0] and f"fingerprint {ours[:12]}" in refused[0]
+    worker_said, ended, _ = output(other).partition("failed (exitcode: 2)")  # the worker's end, as its agent says
+    assert ended and "Traceback" not in worker_said
+    after = latest_step(tmp_path / "snap")
+    wait_for(lambda: latest_step(tmp_path / "snap") >= after + 10, 120, "snapshots after the refusal", [job])
+    job.send_signal(signal.SIGTERM)
+    job.wait(timeout=90)
+    assert "train on other data" in output(job)
+    assert {m["data_fingerprint"] for m in manifests(tmp_path / "snap")} == {ours}
+    assert {m["world_size"] for m in manifests(tmp_path / "snap")} == {1}

@@ -14,8 +14,23 @@ import torch
 
 from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, assert_equal_weights, env, free_port, kill_node,
                     latest_step, metrics, output, overrides, rendezvous, torchrun, wait_for, weights, worker)
+from mingpt.errors import DataError
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
+from mingpt.training.live import LiveAgreement
 
+
+def test_a_group_with_other_data_than_the_first_groups_is_refused_naming_both(monkeypatch):
+    """The groups of a live job meet in mingpt-rendezvous's store: the first group's data is the job's."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "data-check")
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups = [LiveAgreement.__new__(LiveAgreement) for _ in range(3)]
+    for group in groups:
+        group.rendezvous = store
+    groups[0]._check_data("a" * 64)
+    groups[1]._check_data("a" * 64)
+    with pytest.raises(DataError) as refused:
+        groups[2]._check_data("b" * 64)
+    assert f"fingerprint {'b' * 12}" in str(refused.value) and f"fingerprint {'a' * 12}" in str(refused.value)
 
 
 # -- the transport a joining node heals through ----------------------------------------------------------------

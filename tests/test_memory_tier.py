@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from launch import REPO, wait_for
-from mingpt.checkpoint.memory import MemoryTier
+from mingpt.checkpoint.memory import MemoryTier, unusable
 
 
 def newest(tier: MemoryTier):
@@ -151,6 +151,30 @@ def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp
         writer.finish(release=True)
 
 
+@pytest.mark.parametrize("kind", ["a file", "missing", "a link to a file", "read-only"])
+def test_memory_on_where_no_tier_can_be_kept_is_one_line_before_the_data_work(tmp_path, kind):
+    """An explicit snapshot.memory=on that cannot work is refused (auto turns the tier off with a warning)."""
+    from launch import train_here
+    from mingpt.errors import ConfigError
+
+    place = tmp_path / "memory"
+    if kind == "a file":
+        place.write_text("not a folder")
+    elif kind == "a link to a file":
+        (tmp_path / "file").write_text("not a folder")
+        place.symlink_to(tmp_path / "file")
+    elif kind == "read-only":
+        if os.getuid() == 0:
+            pytest.skip("root writes in any folder")
+        place.mkdir(mode=0o500)
+    with pytest.raises(ConfigError) as refused:
+        train_here(tmp_path, "snapshot.memory=on", f"snapshot.memory_dir={place}")
+    message = str(refused.value)
+    assert "\n" not in message and f"snapshot.memory_dir={place}" in message and "snapshot.memory=auto" in message
+    assert not (tmp_path / "prepared").exists() and unusable(str(place))
+    assert unusable(str(tmp_path)) is None
+
+
 # -- hostile ground: /dev/shm is writable by every user of the machine ---------------------------------------
 
 NOBODY = 65534
@@ -260,7 +284,7 @@ def test_a_tier_with_no_room_left_turns_itself_off_instead_of_killing_the_proces
     """A sparse buffer in a full tmpfs would kill the process (SIGBUS) at its first page without room."""
     code = textwrap.dedent("""
         import sys, torch
-        from mingpt.checkpoint.memory import MemoryTier
+        from mingpt.checkpoint.memory import MemoryTier, unusable
         tier = MemoryTier("run", "job-1", root=sys.argv[1])
         tier.start()
         tier.save({"w": torch.ones(2**18)}, 1, {})  # 1 MiB

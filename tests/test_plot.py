@@ -132,3 +132,27 @@ def test_steps_are_whole_numbers_close_marks_share_a_label_and_the_output_folder
     run = write_metrics(tmp_path / "run", [progress(10 * i, float(i)) for i in range(1, 101)])
     assert plot_command.main([str(run), "-o", str(tmp_path / "new" / "folder" / "loss.png")]) == 0
     assert (tmp_path / "new" / "folder" / "loss.png").read_bytes().startswith(PNG)
+
+
+def test_non_finite_and_absurd_numbers_are_not_drawn_and_the_rest_is(tmp_path, capsys):
+    """Infinity and NaN (which Python's json reads), 1e400, absurd sizes and the wrong types in any field
+    leave their point out; the rest of the run is drawn."""
+    lines = [json.dumps(progress(10 * i, float(i))) for i in range(1, 11)] + [
+        '{"time": 11.0, "step": 110, "train_loss": 2.9, "tokens_per_s": Infinity, "world_size": 1}',
+        '{"time": NaN, "step": 120, "train_loss": NaN, "tokens_per_s": -Infinity, "world_size": 1}',
+        '{"time": 13.0, "step": 130, "train_loss": 1e400, "val_loss": 1e300, "tokens_per_s": 1e308}',
+        '{"time": 14.0, "step": 140, "train_loss": true, "other_s": Infinity, "tokens_per_s": 1000.0}',
+        '{"time": 15.0, "step": 1e400, "train_loss": 2.5}',
+        '{"time": 16.0, "step": 100000000000000000000000, "train_loss": 2.5}',
+        '{"step": 150, "process_times": [{"process": "a", "data_ms": Infinity, "compute_ms": 1.0}, 7]}',
+        '{"step": 160, "process_times": [{"process": "a", "data_ms": 1.0, "compute_ms": 2.0}]}',
+    ]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    data = plot.curves(plot.read_records(str(run)))
+    assert sorted(data.train_loss) == [10 * i for i in range(1, 12)] and data.val_loss == {}
+    assert sorted(data.tokens_per_s) == [10 * i for i in range(1, 11)] + [140]
+    assert data.own_ms == {"a": {160: 3.0}}
+    assert plot_command.main([str(run), "-o", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes().startswith(PNG)

@@ -37,6 +37,7 @@ import math
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -61,6 +62,19 @@ ALIGN = 64  # bytes: every tensor starts at a multiple, so any dtype can be view
 MAX_HEADER = 64 * 2**20  # bytes: a larger description is not ours
 DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
 SLOTS = ("own-0", "own-1", "peer-0", "peer-1")
+
+
+def unusable(root: str) -> str | None:
+    """Why this user cannot keep a memory tier in the folder `root` (snapshot.memory_dir), or None: it can."""
+    try:
+        found = os.stat(root)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if not stat.S_ISDIR(found.st_mode):
+        return "it is not a folder"
+    if not os.access(root, os.W_OK | os.X_OK):
+        return "this user cannot write in it"
+    return None
 
 
 @dataclass

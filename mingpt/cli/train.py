@@ -12,8 +12,12 @@ import logging
 import os
 import signal
 import sys
+from importlib import metadata
+
 import hydra
 from omegaconf import DictConfig
+
+import mingpt
 
 from mingpt.cli import configure_logging
 from mingpt.errors import MinGPTError, PeerLeft
@@ -82,7 +86,15 @@ def check_overrides(args: list[str]) -> None:
         sys.exit(2)
 
 
+def print_version(args: list[str]) -> None:
+    """--version: mingpt's version (Hydra's flag would print Hydra's own), with torch's and Hydra's, then exit 0."""
+    if "--version" in args:
+        print(f"mingpt-train {mingpt.__version__} (torch {metadata.version('torch')}, Hydra {hydra.__version__})")
+        sys.exit(0)
+
+
 def main() -> None:
+    print_version(sys.argv[1:])
     refuse_multirun(sys.argv[1:])
     check_overrides(sys.argv[1:])
     try:

@@ -8,6 +8,7 @@ Needs matplotlib: pip install -e ".[plot]".
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -53,24 +54,35 @@ def read_records(run: str) -> list[dict]:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= LARGEST:
             records.append(record)
     return records
+
+
+LARGEST = 1e15  # what no step, loss, rate or time of a run reaches: a larger number is not one a run wrote
+
+
+def _number(value) -> float | None:
+    """`value` where it is a finite number a run could have written (not a bool, NaN, an infinity or an absurd
+    size); else None, and the point is not drawn."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and abs(value) <= LARGEST else None
 
 
 def curves(records: list[dict]) -> Curves:
     result = Curves()
     for record in records:  # in file order, so a later record of a step replaces an earlier one
         for key in ("train_loss", "val_loss", "tokens_per_s"):
-            if isinstance(record.get(key), (int, float)):
+            if _number(record.get(key)) is not None:
                 getattr(result, key)[record["step"]] = float(record[key])
         times = record.get("process_times")
         for process in times if isinstance(times, list) else []:
-            try:
-                own = float(process["data_ms"]) + float(process["compute_ms"])
-                result.own_ms.setdefault(str(process["process"]), {})[record["step"]] = own
-            except (KeyError, TypeError, ValueError):  # not a record this version wrote
-                continue
+            parts = [_number(process.get(part)) for part in ("data_ms", "compute_ms")] if isinstance(process, dict) \
+                else [None]
+            if None not in parts and "process" in process:  # else not a record this version wrote
+                result.own_ms.setdefault(str(process["process"]), {})[record["step"]] = sum(parts)
     result.marks = find_marks(records)
     return result
 
@@ -125,13 +137,13 @@ def _unexplained_pause(before: dict, after: dict, per_step: float | None) -> flo
 
 def _other(record: dict) -> float:
     """Seconds of evaluation and snapshots that a record's tokens/s leaves out."""
-    other = record.get("other_s")
-    return float(other) if isinstance(other, (int, float)) and other >= 0 else 0.0
+    other = _number(record.get("other_s"))
+    return other if other is not None and other >= 0 else 0.0
 
 
 def _timed(a: dict, b: dict) -> bool:
-    numbers = (a.get("time"), b.get("time"), b.get("tokens_per_s"))
-    return all(isinstance(x, (int, float)) for x in numbers) and b["tokens_per_s"] > 0
+    numbers = [_number(x) for x in (a.get("time"), b.get("time"), b.get("tokens_per_s"))]
+    return None not in numbers and numbers[2] > 0
 
 
 LABEL_GAP = 0.025  # of the steps drawn: a label's width, at the picture's size and font

@@ -7,6 +7,7 @@ in Hydra's ConfigStore; the YAML files live beside the application, in `train/co
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass, field
 from functools import reduce
 from pathlib import Path
 
@@ -33,15 +34,76 @@ def register() -> None:
         store.store(group="model", name=preset, node=ModelConfig(name=preset))
 
 
+# Hydra's own flags that take a value (hydra/_internal/utils.py's parser), and the config ones among them.
+VALUED_FLAGS = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c", "--package",
+                "-p", "--experimental-rerun"}
+
+
+@dataclass
+class Command:
+    """An application's command line as Hydra reads it: where its configs are, and the overrides."""
+
+    conf_dir: Path  # the primary config folder (--config-path, else the application's)
+    name: str = "config"  # --config-name
+    searchpath: list[str] = field(default_factory=list)  # where else Hydra looks: --config-dir, hydra.searchpath
+    overrides: list[str] = field(default_factory=list)  # the settings and group options, without hydra.searchpath
+
+    @property
+    def folders(self) -> list[Path]:
+        """The config folders Hydra searches (not the packages of a pkg:// entry)."""
+        return [self.conf_dir] + [Path(entry.removeprefix("file://")) for entry in self.searchpath
+                                  if "://" not in entry.removeprefix("file://")]
+
+    def for_compose(self) -> list[str]:
+        """The overrides for Hydra's compose API, which has no flags: --config-dir joins hydra.searchpath."""
+        return self.overrides + ([f"hydra.searchpath=[{','.join(self.searchpath)}]"] if self.searchpath else [])
+
+
+def read_command(conf_dir: Path, args: list[str]) -> Command:
+    """`args` split into Hydra's flags (those about configs kept) and the overrides."""
+    command = Command(Path(conf_dir))
+    args = list(args)
+    while args:
+        arg = args.pop(0)
+        flag, equals, value = arg.partition("=")
+        if not arg.startswith("-"):
+            if flag.lstrip("+") == "hydra.searchpath":  # a list of folders (file://, or plain) and packages (pkg://)
+                command.searchpath += [e.strip().strip("'\"") for e in value.strip("[]").split(",") if e.strip()]
+            else:
+                command.overrides.append(arg)
+            continue
+        if flag not in VALUED_FLAGS:
+            continue
+        if not equals:
+            value = args.pop(0) if args else ""
+        if flag in ("--config-path", "-cp") and value:  # Hydra: relative to the file of @hydra.main (mingpt.cli.train)
+            command.conf_dir = CONF_DIR.parent / "cli" / value
+        elif flag in ("--config-name", "-cn") and value:
+            command.name = value
+        elif flag in ("--config-dir", "-cd") and value:
+            command.searchpath.append(f"file://{Path(value).resolve()}")
+    return command
+
+
+def group_options(command: Command) -> dict[str, list[str]]:
+    """Every config group's options, in every folder Hydra searches: the model's presets, and each group folder's
+    YAML files (the application's own, and the user's through --config-dir)."""
+    options: dict[str, set[str]] = {"model": set(PRESETS), "data": set(), "recipe": set()}
+    for folder in command.folders:
+        for group in (path for path in Path(folder).glob("*") if path.is_dir()):
+            options.setdefault(group.name, set()).update(path.stem for path in group.glob("*.yaml"))
+    return {group: sorted(names) for group, names in options.items()}
+
+
 def check_overrides(conf_dir: Path, args: list[str]) -> None:
     """ConfigError, in one line with the closest match, for a setting or a group option that does not
     exist, or a setting deleted (`~key`): Hydra's own errors for these take seven lines and advise `+key`.
     What Hydra's parser cannot read, Hydra's flags, and `hydra.*` are left to Hydra."""
-    options = {"model": sorted(PRESETS), **{group: sorted(path.stem for path in (Path(conf_dir) / group).glob("*.yaml"))
-                                             for group in ("data", "recipe")}}
+    command = read_command(conf_dir, args)
+    options = group_options(command)
     parser = OverridesParser.create()
-    for arg in args:
-        if arg.startswith("-") or not ("=" in arg or arg.startswith("~")):
+    for arg in command.overrides:
+        if not ("=" in arg or arg.startswith("~")):
             continue
         try:
             [override] = parser.parse_overrides([arg])
@@ -64,14 +126,16 @@ def check_overrides(conf_dir: Path, args: list[str]) -> None:
             check_known(nested)
 
 
-def compose_config(conf_dir: Path, overrides: list[str]) -> Config:
-    """The validated Config that the application in `conf_dir`'s folder runs with under `overrides`;
-    ConfigError, in Hydra's words, for what Hydra refuses."""
+def compose_config(conf_dir: Path, args: list[str]) -> Config:
+    """The validated Config that the application whose configs are in `conf_dir` runs with under its command
+    line `args` (overrides, and Hydra's flags); ConfigError, in Hydra's words, for what Hydra refuses."""
     register()
-    check_overrides(conf_dir, overrides)
+    check_overrides(conf_dir, args)
+    command = read_command(conf_dir, args)
+    overrides = command.for_compose()
     try:
-        with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
-            raw = compose(config_name="config", overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(command.conf_dir.resolve()), version_base="1.3"):
+            raw = compose(config_name=command.name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(" ".join(str(e).split())) from None
     cfg = from_hydra(raw)

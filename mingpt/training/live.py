@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mingpt.errors import ConfigError, TrainingError, one_line
+from mingpt.errors import ConfigError, DataError, TrainingError, one_line
 from mingpt.training.agreement import Outcome, Share
 from mingpt.training.distributed import World
 
@@ -61,6 +61,7 @@ LIGHTHOUSE_KEY = "mingpt/lighthouse"  # the key under which mingpt-rendezvous pu
 STATE_KEY = "mingpt"  # the name of the run's state among what torchft sends a healing group
 JOINS_KEY = "mingpt/live/joins/"  # + job id: the counter that names groups in the order they join
 HEALERS_KEY = "mingpt/live/healers/"  # + job id / local rank: the addresses groups serve their state at
+DATA_KEY = "mingpt/live/data/"  # + job id: the fingerprint of the prepared data of the job's first group
 
 
 def enabled() -> bool:
@@ -113,6 +114,7 @@ class LiveAgreement:
         self.rendezvous = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                         timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
         self.healers = f"{HEALERS_KEY}{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{world.rank}"
+        self._check_data(checkpointer.data_fingerprint)
         self.name = group_name(world, self.rendezvous)
         self.manager = self._new_manager()
         self.min_groups = self.settings.min_nodes
@@ -120,6 +122,17 @@ class LiveAgreement:
         self.groups = 0  # groups in the step's quorum
         self.failed_since: float | None = None  # when steps stopped being committed (monotonic), while they are
         self.counted = 0  # the groups of the last committed step (0: none yet)
+
+    def _check_data(self, fingerprint: str) -> None:
+        """Every group trains on the job's data, the first group's: a group that comes with other data (a node
+        started with another corpus) is refused in one line."""
+        job_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        job = self.rendezvous.compare_set(DATA_KEY + job_id, "", fingerprint).decode()
+        if job != fingerprint:
+            raise DataError(f"this node's prepared data (fingerprint {fingerprint[:12]}) is not that of live job "
+                            f"{job_id} (fingerprint {job[:12]}, as its first node prepared it): start every node of a "
+                            "job with the same data settings and corpus; to train on other data, start another job "
+                            "(another --rdzv-id)")
 
     def _new_manager(self):
         """torchft's Manager for this worker, on a store of the group's own that its first worker hosts: a new

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from mingpt.checkpoint.lease import job_identity
-from mingpt.checkpoint.memory import Held, MemoryTier
+from mingpt.checkpoint.memory import Held, MemoryTier, unusable
 from mingpt.checkpoint.packing import assemble
 from mingpt.errors import ConfigError
 from mingpt.training import distributed
@@ -36,6 +35,16 @@ OVERHEAD = 0.03  # the share of the step time that the copies may take (snapshot
 MEASURED_AT = 4  # the step of a generation at which snapshot.memory_every=0 is chosen, from the copies before
 
 
+def check_memory_dir(cfg: SnapshotConfig) -> None:
+    """snapshot.memory=on asks for a tier: a snapshot.memory_dir that cannot hold one is refused before any work
+    (with auto, the tier turns itself off with a warning)."""
+    problem = unusable(cfg.memory_dir) if cfg.memory == "on" else None
+    if problem:
+        raise ConfigError(f"snapshot.memory=on keeps the state in snapshot.memory_dir={cfg.memory_dir}, but {problem} "
+                          "on this machine; give a folder this user can write (/dev/shm), or use snapshot.memory=auto "
+                          "or off")
+
+
 class MemoryCopies:
     """This process's part in the memory tiers of a generation. Every process makes one where the memory
     tier is wanted (the same decision everywhere: the copies and their exchange are collective)."""
@@ -43,12 +52,9 @@ class MemoryCopies:
     def __init__(self, cfg: SnapshotConfig, topology: Topology, run: str, replica: Replica):
         self.world, self.replica = topology.world, replica
         self.tier = MemoryTier(run, job_identity(), cfg.memory_dir, topology.piece)
-        if not os.access(cfg.memory_dir, os.W_OK):
-            if cfg.memory == "on":
-                raise ConfigError(f"snapshot.memory=on keeps the state in snapshot.memory_dir={cfg.memory_dir}, "
-                                  "which this machine lacks or this user cannot write; use snapshot.memory=auto or "
-                                  "off, or another snapshot.memory_dir")
-            self.tier.turn_off(f"snapshot.memory_dir={cfg.memory_dir} cannot be written")
+        problem = unusable(cfg.memory_dir)  # (snapshot.memory=on was refused for it before any work: check_memory_dir)
+        if problem:
+            self.tier.turn_off(f"snapshot.memory_dir={cfg.memory_dir}: {problem}")
         # fsdp across nodes: no other node holds this process's shard. Send it to the next node.
         self.peers = topology.neighbours
         self.group = dist.new_group(backend="gloo") if topology.piece[1] > topology.per_node else None

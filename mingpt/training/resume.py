@@ -5,12 +5,18 @@ for a new run, else nothing (a new run from the seed's weights)."""
 from __future__ import annotations
 
 import logging
+import socket
+from collections import Counter
 from dataclasses import dataclass, field
 
+from mingpt.checkpoint.store import Snapshot
+from mingpt.errors import DataError, PeerLeft
 from mingpt.interop.pretrained import Pretrained
 from mingpt.storage import redact
+from mingpt.training import distributed
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.distributed import World
+from mingpt.training.launcher import PEER_LOST
 from mingpt.training.state import Replica
 from mingpt.training.stopflag import StopFlag
 
@@ -29,6 +35,7 @@ def resume(checkpointer: Checkpointer, replica: Replica, world: World, pretraine
            stop: StopFlag) -> Resumed:
     """Load the newest state into `replica` (see the module's description). Every process calls it."""
     snapshot = checkpointer.latest()
+    agree_on_data(checkpointer, world, snapshot)
     memory = checkpointer.load_newer_from_memory(snapshot)
     resumed = Resumed()
     if snapshot is None and memory is None:
@@ -58,6 +65,34 @@ def resume(checkpointer: Checkpointer, replica: Replica, world: World, pretraine
     if before is not None and before != now:
         resumed.events.append(("world_size_change", f"{before} -> {now} processes at step {state.step}"))
     return resumed
+
+
+def agree_on_data(checkpointer: Checkpointer, world: World, snapshot: Snapshot | None) -> None:
+    """Every process of a generation must train on the same prepared data (its fingerprint). The job's data is
+    the run's snapshot's where some process has it, else that of most processes (of the first, in a tie);
+    a process with other data (a node started with another corpus) is refused in one line, and the others
+    end the generation as for a lost peer, so that their agents go on without it."""
+    if not world.distributed:
+        return
+    data = checkpointer.cfg.data
+    everyone = distributed.all_gather_object((checkpointer.data_fingerprint, socket.gethostname(), data.corpus), world)
+    fingerprints = [fingerprint for fingerprint, _, _ in everyone]
+    if len(set(fingerprints)) == 1:
+        return
+    saved = snapshot.manifest.get("data_fingerprint") if snapshot else None
+    job = saved if saved in fingerprints else Counter(fingerprints).most_common(1)[0][0]
+    _, job_host, job_corpus = everyone[fingerprints.index(job)]
+    others = [rank for rank, fingerprint in enumerate(fingerprints) if fingerprint != job]
+    if checkpointer.data_fingerprint != job:
+        raise DataError(
+            f"this node's prepared data (fingerprint {checkpointer.data_fingerprint[:12]}, data.corpus={redact(data.corpus)}) "
+            f"is not the job's (fingerprint {job[:12]}, data.corpus={redact(job_corpus)} on {job_host}): start every node "
+            "of a job with the same data settings and corpus")
+    _log(world, "rank(s) %s on %s train on other data (fingerprint %s, not the job's %s): refused; this generation "
+         "ends without them", ", ".join(map(str, others)), ", ".join(sorted({everyone[r][1] for r in others})),
+         fingerprints[others[0]][:12], job[:12])
+    raise PeerLeft(f"rank(s) {', '.join(map(str, others))} train on other data and were refused; this process goes "
+                   "on in the next round of the job", PEER_LOST)
 
 
 def _log(world: World, message: str, *args) -> None:

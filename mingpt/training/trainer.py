@@ -43,6 +43,7 @@ from mingpt.training.launcher import PEER_STOPPED
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
 from mingpt.training.progress import Progress
+from mingpt.training.recovery import check_memory_dir
 from mingpt.training.report import Report, describe_windows
 from mingpt.training.resume import resume
 from mingpt.training.schedule import set_lr
@@ -82,6 +83,7 @@ def _train(cfg: Config) -> TrainResult:
     meeting = generation.meet(cfg.trainer.dist_timeout_s)  # first: peers wait for this process while it prepares
     store = snapshot_store(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
+    check_memory_dir(cfg.snapshot)
     # The leader of this generation claims the run before any data work: a second job started
     # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
     # can no longer commit (see mingpt.checkpoint.lease).
