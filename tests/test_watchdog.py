@@ -78,6 +78,13 @@ def test_a_frozen_worker_then_a_frozen_leader_are_named_with_their_stacks_and_th
     assert any("process_times" in m for m in metrics(snap))
 
 
+def fake_kill(monkeypatch, ended: list) -> None:
+    """os.kill records the made-up pids (101, 102) instead of signalling them; it is one function for the whole test
+    process, where other tests' threads may signal their own processes meanwhile."""
+    real = os.kill
+    monkeypatch.setattr(watchdog.os, "kill", lambda pid, sig: ended.append(pid) if pid in (101, 102) else real(pid, sig))
+
+
 def marks(tmp_path, records: dict, hang_timeout_s: float = 0.0, first: int = 0) -> list[int]:
     """Progress files as workers write them: pid -> (step, phase, seconds since), each having started computing
     at step `first`, its first step allowed 300 s (trainer.dist_timeout_s)."""
@@ -102,7 +109,7 @@ def test_auto_hang_timeout_waits_for_step_times_then_takes_20_median_steps_at_le
         # A worker marked 50 s ago, the other 45 s ago, neither stopped: the older one, once past 1.5 x 40 s.
         ended = []
         monkeypatch.setattr(watchdog, "stack", lambda pid: "  (a stack)")
-        monkeypatch.setattr(watchdog.os, "kill", lambda pid, sig: ended.append(pid))
+        fake_kill(monkeypatch, ended)
         marks(tmp_path, {101: (20, "computing", 50), 102: (20, "computing", 45)})
         assert dog.check(pids) == []
         marks(tmp_path, {101: (20, "computing", 61), 102: (20, "saving", 100)})  # saving: left to the store
@@ -118,7 +125,7 @@ def test_the_first_step_of_a_generation_is_allowed_the_collective_timeout_not_th
     trainer.dist_timeout_s it is; and the step after it has the hang timeout again."""
     ended = []
     monkeypatch.setattr(watchdog, "stack", lambda pid: "  (a stack)")
-    monkeypatch.setattr(watchdog.os, "kill", lambda pid, sig: ended.append(pid))
+    fake_kill(monkeypatch, ended)
     dog = watchdog.Watchdog()
     own, dog.folder = dog.folder, tmp_path
     try:
