@@ -436,9 +436,13 @@ def test_a_local_commit_is_on_the_disk_before_its_manifest_appears(tmp_path, mon
     name, fsynced, and linked into place: a power cut never leaves a manifest without its bytes."""
     events = []
     real_fsync, real_link = os.fsync, os.link
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 real_fsync(fd)))
-    monkeypatch.setattr(os, "link", lambda src, dst: (events.append(("link", dst)), real_link(src, dst)))
+
+    def note(kind: str, path: str) -> None:  # this test's files only: os is the test process's, other threads use it
+        if path.startswith(str(tmp_path)):
+            events.append((kind, path))
+
+    monkeypatch.setattr(os, "fsync", lambda fd: (note("fsync", os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(os, "link", lambda src, dst: (note("link", dst), real_link(src, dst)))
     store = SnapshotStore(str(tmp_path / "snaps"))
     save(store, 10)
     folder = str(tmp_path / "snaps" / "step-000000010")
