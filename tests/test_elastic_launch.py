@@ -234,13 +234,13 @@ def test_a_node_with_other_data_is_refused_and_the_job_trains_on_without_it(tmp_
     job = procs.start(node + _job(tmp_path, 100_000) + data("one") + ["snapshot.every=10"], "job")
     wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first snapshot", [job])
     other = procs.start(node + _job(tmp_path, 100_000) + data("two") + ["snapshot.every=10"], "other")
-    assert other.wait(timeout=180) != 0
+    assert other.wait(timeout=180) == 2
     refused = [line for line in output(other).splitlines() if "is not the job's" in line]
     ours = json.loads((tmp_path / "one" / "meta.json").read_text())["fingerprint"]
     theirs = json.loads((tmp_path / "two" / "meta.json").read_text())["fingerprint"]
     assert refused and f"fingerprint {theirs[:12]}" in refused[0] and f"fingerprint {ours[:12]}" in refused[0]
-    worker_said, ended, _ = output(other).partition("failed (exitcode: 2)")  # the worker's end, as its agent says
-    assert ended and "Traceback" not in worker_said
+    assert "failed (exitcode: 2)" in output(other) and "Traceback" not in output(other)  # the worker's line,
+    assert output(other).rstrip().endswith("(exit 2): their line above says what")  # then its agent's
     after = latest_step(tmp_path / "snap")
     wait_for(lambda: latest_step(tmp_path / "snap") >= after + 10, 120, "snapshots after the refusal", [job])
     job.send_signal(signal.SIGTERM)

@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from torch.distributed import TCPStore, run
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     except agent.RestartsUsedUp as e:
         print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
         return e.status
+    except ChildFailedError as e:
+        if {failure.exitcode for failure in e.failures.values()} != {2}:
+            raise  # a crash: torch's report of each failure, with its traceback
+        print("mingpt-torchrun: this node's workers stopped on bad input or configuration (exit 2): their line "
+              "above says what", file=sys.stderr, flush=True)
+        return 2
     finally:
         if own_logs:
             shutil.rmtree(args.log_dir, ignore_errors=True)
