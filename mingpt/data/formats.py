@@ -253,6 +253,10 @@ def open_hub_file(path: str) -> BinaryIO:
         raise DataError(f"cannot open corpus file {path} ({real}): {e.strerror}; download the dataset again") from None
     try:
         _check_owner(os.fstat(fd), path)
+        opened = os.readlink(f"/proc/self/fd/{fd}")  # a folder on the way swapped for a link since: elsewhere
+        if opened != real:
+            raise DataError(f"corpus file {path} changed while it was opened (it now leads to {opened}); remove "
+                            "it and download the dataset again, into a cache of your own (HF_HOME)")
     except DataError:
         os.close(fd)
         raise
