@@ -112,27 +112,32 @@ def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
 
 @contextlib.contextmanager
 def taken_port_after_a_free_one():
-    """A port this test holds, whose port below is free (for the store)."""
-    for _ in range(20):
-        with socket.socket() as taken:
-            taken.bind(("0.0.0.0", 0))
-            port = taken.getsockname()[1]
-            if not port_listens(port - 1):
-                taken.listen()
-                yield port
-                return
-    raise AssertionError("no free port below a taken one")
+    """(port, below): a port this test holds, listening, and the port below it, bound but not listening, which the
+    test closes for the store to take (only checked as not listening, another process's connection could have it)."""
+    for _ in range(50):
+        with socket.socket() as below, socket.socket() as taken:
+            below.bind(("0.0.0.0", 0))
+            port = below.getsockname()[1] + 1
+            try:
+                taken.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            taken.listen()
+            yield port, below
+            return
+    raise AssertionError("no two free ports in a row")
 
 
 def test_a_taken_lighthouse_port_is_refused_where_it_was_asked_for_and_passed_over_where_it_was_not(procs):
     """The Lighthouse serves live jobs only: where its default port (--port + 1) is taken, the store is served
     alone, with a warning; a --lighthouse-port given and taken is one line and exit 2."""
-    with taken_port_after_a_free_one() as port:
+    with taken_port_after_a_free_one() as (port, below):
         asked = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={free_port()}", f"--lighthouse-port={port}"],
                             "asked")
         assert asked.wait(timeout=60) == 2
         assert output(asked).strip() == (f"error: cannot start the Lighthouse of live jobs on port {port} (Address "
                                          "already in use (os error 98)): choose another port with --lighthouse-port")
+        below.close()  # for the store
         alone = procs.start([str(BIN / "mingpt-rendezvous"), f"--port={port - 1}"], "alone")
         wait_for(lambda: "listening" in output(alone), 60, "the store", [alone])
     assert "serving the store alone (mingpt-torchrun --live will refuse it)" in output(alone)
