@@ -59,8 +59,8 @@ def test_a_copy_cut_short_by_a_kill_is_never_loaded(tmp_path):
             writer.kill()
             writer.wait()
     tier = MemoryTier("run", "job-1", root=str(tmp_path))
-    [written] = tier.folders()  # the writer's, named after its launcher (this process) and its piece
-    assert written.name.endswith(f"-{os.getpid()}-0of1")
+    [written] = tier.folders()  # the writer's, named after its launcher (itself: it was started without torchrun)
+    assert written.name.endswith(f"-{writer.pid}-0of1")
     # Step 3 went to own-0, over step 1: its first tensor is there, and nothing describes the slot.
     assert torch.equal(torch.from_file(str(written / "own-0.bin"), size=4096, dtype=torch.float32),
                        torch.full((4096,), 3.0))
@@ -70,6 +70,9 @@ def test_a_copy_cut_short_by_a_kill_is_never_loaded(tmp_path):
     state = MemoryTier.unpack(tier.read(held), held.header)
     assert state["step"] == 2 and torch.equal(state["a"], torch.full((4096,), 2.0))
     assert torch.equal(state["b"], torch.full((4096,), 2.0))
+    # Its parent (this process) lives on; the next job to start on this machine removes the dead writer's tier.
+    MemoryTier("another run", "job-2", root=str(tmp_path)).start()
+    assert not written.exists()
 
 
 def test_a_tier_of_another_job_is_never_used_and_is_removed_when_a_job_starts(tmp_path):

@@ -3,6 +3,7 @@ worker processes, so that a restart resumes from it rather than from the last du
 failure costs at most the step in flight.
 
     <snapshot.memory_dir>/mingpt-<hash of snapshot.dir>-<pid of the launcher>-<piece>of<pieces>/
+                                  (the launcher: torchrun's agent, or the process itself without one)
         own-0.bin, own-1.bin      this process's piece of the state, two buffers written in turn:
                                   one always holds a complete copy
         own-0.json, own-1.json    what a buffer holds (job, run, step, piece, where each tensor lies)
@@ -98,7 +99,7 @@ class MemoryTier:
     def __init__(self, run: str, job: str, root: str = "/dev/shm", piece: tuple[int, int] = (0, 1)):
         self.job, self.piece = job, piece
         self.root, self.prefix = Path(root), f"mingpt-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
-        self.launcher = f"{self.prefix}-{os.getppid()}"
+        self.launcher = f"{self.prefix}-{_launcher()}"
         self.folder = self.root / f"{self.launcher}-{piece[0]}of{piece[1]}"  # what this process writes
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
@@ -407,6 +408,13 @@ def _well_described(header: dict) -> bool:
 
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _launcher() -> int:
+    """The pid a tier is named after: torchrun's agent, which outlives its workers (the restarted ones resume from
+    the tier); a process started without one is its own launcher, so that once it dies (a SIGKILL) its tier goes
+    at the next job's start, rather than when the shell it was started from ends."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
 
 
 def _launcher_gone(folder: Path) -> bool:
