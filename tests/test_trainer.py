@@ -25,7 +25,7 @@ def test_killed_workers_cost_at_most_a_step_and_the_run_stays_bitwise_identical(
     """A worker that is not the leader is SIGKILLed between periodic snapshots: the leader saves the step it
     reached (the rescue snapshot), the restarted workers resume there, and the run stays bitwise that of an
     uninterrupted one. (A killed leader, which cannot save for itself, resumes from the memory tier: see
-    test_watchdog's frozen leader under ddp and test_fsdp's three kills of the leader.)"""
+    test_watchdog's frozen leader under ddp and test_fsdp's two kills of the leader.)"""
     snap = tmp_path / "killed"
     tier = MemoryTier(str(snap), "")  # to read what the job's tier records
     every_step = [*HEAVIER, *KEEP_ALL, "snapshot.memory=on", "snapshot.memory_every=1"]  # steps of tens of ms
