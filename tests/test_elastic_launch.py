@@ -112,8 +112,8 @@ def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
 
 @contextlib.contextmanager
 def taken_port_after_a_free_one():
-    """(port, below): a port this test holds, listening, and the port below it, bound but not listening, which the
-    test closes for the store to take (only checked as not listening, another process's connection could have it)."""
+    """(port, below): a port this test holds, listening, and the port below it, held too (bound, not listening) until
+    the test closes it for the store: a port that is merely not listening may be another connection's."""
     for _ in range(50):
         with socket.socket() as below, socket.socket() as taken:
             below.bind(("0.0.0.0", 0))
