@@ -146,9 +146,10 @@ def torchrun(*args: str) -> list[str]:
     return [str(BIN / "mingpt-torchrun"), *args, MAIN]
 
 
-def plain_torchrun(*args: str) -> list[str]:
-    """The trainer under torch's own torchrun, as copied from the PyTorch docs."""
-    return [sys.executable, "-m", "torch.distributed.run", *args, MAIN]
+def plain_torchrun(logs: Path, *args: str) -> list[str]:
+    """The trainer under torch's own torchrun, as copied from the PyTorch docs, but for --log-dir=`logs`: else
+    torch leaves a torchelastic_* folder of its workers' error files in /tmp for each agent."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--log-dir={logs}", *args, MAIN]
 
 
 def rendezvous(procs: "Processes", port: int, lighthouse_port: int | None = None) -> subprocess.Popen:

@@ -82,8 +82,9 @@ def _job(tmp_path, steps):
 
 def test_plain_torchrun_on_two_agents_stops_at_once_with_one_line(tmp_path, procs):
     port = free_port()
-    agent = plain_torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
-                           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shared-store", f"--rdzv-conf={RDZV_CONF}")
+    agent = plain_torchrun(tmp_path / "logs", "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0",
+                           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shared-store",
+                           f"--rdzv-conf={RDZV_CONF}")
     nodes = [procs.start(agent + _job(tmp_path, 1000), f"node-{i}") for i in range(2)]
     advice = []
     for node in nodes:
@@ -213,7 +214,7 @@ def test_plain_torchrun_standalone_warns_once_and_trains_and_waits_for_a_peer_st
     overrides = [*SMALL, f"data.corpus={corpus}", "data.num_workers=1", "trainer.dist_timeout_s=2",
                  "trainer.max_steps=4", f"snapshot.dir={tmp_path / 'snap'}",
                  f"data.prepared_dir={tmp_path}/prepared-${{oc.env:LOCAL_RANK}}"]  # a folder per rank
-    job = procs.start(plain_torchrun("--standalone", "--nproc-per-node=2") + overrides, "job")
+    job = procs.start(plain_torchrun(tmp_path / "logs", "--standalone", "--nproc-per-node=2") + overrides, "job")
     assert job.wait(timeout=180) == 0, output(job)[-3000:]
     text = output(job)
     assert text.count(ADVICE) == 1 and "done: step 4" in text and (for_rank(1) / "meta.json").exists()
