@@ -54,13 +54,23 @@ def own_file(path: Path) -> os.stat_result:
     return found
 
 
+def open_own_file(path: Path, flags: int) -> int:
+    """A descriptor of `path` opened with `flags` (O_CREAT makes it 0600), never through a link, never waiting on a
+    FIFO; OSError unless it is a regular file of this user's."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file of this user's")
+    return fd
+
+
 def read_own_file(path: Path, limit: int) -> bytes:
     """The bytes of a regular file of this user's, at most `limit`; never through a link, never waiting on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = open_own_file(path, os.O_RDONLY)
     try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid() or found.st_size > limit:
-            raise OSError(f"not a regular file of this user's of at most {limit} bytes")
+        if os.fstat(fd).st_size > limit:
+            raise OSError(f"{path} holds more than {limit} bytes")
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read(limit)
     finally:
@@ -70,11 +80,8 @@ def read_own_file(path: Path, limit: int) -> bytes:
 def allocate(path: Path, nbytes: int) -> None:
     """Make `path` a regular file of `nbytes` whose memory is reserved now: a sparse file in a full /dev/shm
     would kill the process (SIGBUS) at the first page that finds no room, instead of failing here."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fd = open_own_file(path, os.O_RDWR | os.O_CREAT)
     try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
-            raise OSError(f"{path} is not a regular file of this user's")
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
     finally:

@@ -17,13 +17,12 @@ import faulthandler
 import logging
 import os
 import signal
-import stat
 import struct
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from mingpt.checkpoint.shm import private_folder, read_own_file
+from mingpt.checkpoint.shm import open_own_file, private_folder, read_own_file
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +87,10 @@ def _open_mark_file(folder: Path) -> int | None:
     is not one an agent of this user's made or the file is not a regular file of this user's."""
     why = None if private_folder(folder) else "not a folder of this user's alone (mode 0700, not a link)"
     if why is None:
-        try:  # never through a link, never waiting on a FIFO
-            fd = os.open(folder / str(os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-        except OSError as e:
-            why = f"cannot write a file in it ({e.strerror or e})"
-        else:
-            found = os.fstat(fd)
-            if stat.S_ISREG(found.st_mode) and found.st_uid == os.getuid():
-                return fd
-            os.close(fd)
-            why = "its file for this process is not a regular file of this user's"
+        try:
+            return open_own_file(folder / str(os.getpid()), os.O_WRONLY | os.O_CREAT)
+        except OSError as e:  # a link, a FIFO, another user's file, or no room
+            why = f"cannot use a file of this user's in it ({e.strerror or e})"
     log.warning("%s=%s: %s; this process's progress is not reported, and its agent's watchdog cannot tell if it "
                 "hangs", PROGRESS_DIR, folder, why)
     return None
