@@ -280,7 +280,7 @@ def run_until(procs, args, name, snap, step, timeout=180):
 
 def stop(job):
     job.send_signal(signal.SIGTERM)
-    job.wait(timeout=90)  # torchrun itself may exit non-zero on SIGTERM; the workers' snapshot is what counts
+    job.wait(timeout=90)  # torchrun exits non-zero on SIGTERM (mingpt-torchrun 143); the workers' snapshot counts
 
 
 def manifest_at(snap, step):

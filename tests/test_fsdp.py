@@ -263,3 +263,19 @@ def test_ddp_that_cannot_fit_names_the_numbers_and_fsdp():
     assert parallel.choose("auto", params, world)[0] == "fsdp"
     assert parallel.choose("auto", 1000, world)[0] == "ddp"
     assert parallel.choose("fsdp", 1000, world)[0] == "fsdp"
+
+
+def test_a_live_node_shards_within_itself_only():
+    """Under mingpt-torchrun --live the world is one node, whose model the other nodes replicate: auto shards
+    within the node (hsdp), and fsdp (over every node) is refused naming hsdp."""
+    class Distributed(World):
+        distributed = True
+
+    world = Distributed(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), per_node=2)
+    params = int(parallel.memory_per_process(world) / parallel.STATE_BYTES_PER_PARAM) * 2
+    mode, why = parallel.choose("auto", params, world, live=True)
+    assert mode == "hsdp" and "within the node" in why
+    assert parallel.choose("auto", 1000, world, live=True)[0] == "ddp"
+    assert parallel.choose("hsdp", 1000, world, live=True)[0] == "hsdp"
+    with pytest.raises(ConfigError, match="use trainer.parallelism=hsdp"):
+        parallel.choose("fsdp", 1000, world, live=True)

@@ -2,6 +2,7 @@
 processes. Real mingpt-torchrun nodes around a real mingpt-rendezvous (store and Lighthouse) on 127.0.0.1;
 unit tests of the healing transport over real HTTP."""
 
+import json
 import shutil
 import signal
 import subprocess
@@ -9,11 +10,14 @@ import threading
 import urllib.request
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 
 from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, assert_equal_weights, env, free_port, kill_node,
                     latest_step, metrics, output, overrides, rendezvous, torchrun, wait_for, weights, worker)
+from mingpt.checkpoint.memory import MemoryTier
+from mingpt.checkpoint.packing import pack
 from mingpt.errors import DataError
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
 from mingpt.training.live import LiveAgreement
@@ -119,14 +123,14 @@ def test_a_healer_refuses_a_damaged_state_and_gets_it_from_another_group():
 # -- whole jobs ------------------------------------------------------------------------------------------------
 
 
-def live_node(procs, tmp_path, port, name, machine):
+def live_node(procs, tmp_path, port, name, machine, workers=1, extra=()):
     """A node of the live job `live` (one worker), logging to NAME.log, on `machine`: the memory it keeps its
     memory tier in."""
     (tmp_path / machine).mkdir(exist_ok=True)
-    args = torchrun("--live", "--nnodes=2:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=live")
+    args = torchrun("--live", "--nnodes=2:4", f"--nproc-per-node={workers}", "--max-restarts=0",
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=live")
     args += overrides(tmp_path, "live", ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL, "snapshot.memory_every=1",
-                                                                f"snapshot.memory_dir={tmp_path / machine}"])
+                                                                f"snapshot.memory_dir={tmp_path / machine}", *extra])
     return procs.start(args, name)
 
 
@@ -199,6 +203,71 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
     seen, expected = ledger(snap), ledger(uninterrupted)
     assert [step for step in range(1, compared + 1) if seen.get(step) != expected[step]] == []
     assert_equal_weights(weights(uninterrupted, compared), weights(snap, compared))
+
+
+def tier_states(machine) -> dict[tuple[int, int], tuple[int, list[torch.Tensor]]]:
+    """(step, piece) -> (examples seen, every tensor) of the copies a node's memory tier holds."""
+    found = {}
+    for description in machine.glob("mingpt-*/own-*.json"):
+        header = json.loads(description.read_text())
+        buffer = torch.from_numpy(np.fromfile(description.with_suffix(".bin"), dtype=np.uint8))
+        tensors: list[torch.Tensor] = []
+        pack(MemoryTier.unpack(buffer, header), tensors)
+        found[(header["step"], header["piece"][0])] = (header["samples_seen"], tensors)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # four workers and a joiner's two on two cores
+def test_hsdp_nodes_shard_within_heal_shard_by_shard_and_refuse_another_layout(tmp_path, procs, reference):
+    """Two live nodes of two workers, the model sharded within each node (hsdp) and replicated across them.
+    1. A node of one worker is refused in one line: its workers would have no counterparts.
+    2. A node of two joins, and each of its workers heals its shard from the worker of its place on a live
+       node.
+    3. The first node is SIGKILLed: the others go on, with the same processes, the writer's snapshots sharded.
+    4. Both die, their memory kept: the shards the joiner's tier holds are bitwise those of the other node's,
+       optimizer state included, at the same step. Every step's samples are those of an uninterrupted run."""
+    hsdp = ["trainer.parallelism=hsdp"]
+    port, lighthouse = free_port(), free_port()
+    rendezvous(procs, port, lighthouse)
+    first = live_node(procs, tmp_path, port, "first", "machine-a", workers=2, extra=hsdp)
+    second = live_node(procs, tmp_path, port, "second", "machine-b", workers=2, extra=hsdp)
+    snap = tmp_path / "live"
+    wait_for(lambda: max(ledger(snap), default=0) >= 5, 120, "step 5", [first, second])
+
+    odd = live_node(procs, tmp_path, port, "odd", "machine-c", workers=1, extra=hsdp)  # 1.
+    assert odd.wait(timeout=120) == 2
+    assert "ERROR this node runs 1 worker(s) per node, ddp, where live job live runs 2 worker(s) per node, hsdp (as " \
+        "its first node started): start every node of a job with the same --nproc-per-node and " \
+        "trainer.parallelism" in output(odd)
+
+    third = live_node(procs, tmp_path, port, "third", "machine-c", workers=2, extra=hsdp)  # 2.
+    wait_for(lambda: "healed from a live peer" in output(third), 120, "the heal", [first, second, third])
+    survivors = {node: [worker(node.pid, rank) for rank in (0, 1)] for node in (second, third)}
+    kill_node(first)  # 3.
+    first.wait(timeout=30)
+    killed_at = max(ledger(snap))
+    compared = (killed_at // 10 + 2) * 10
+    wait_for(lambda: latest_step(snap) >= compared, 180, f"the step-{compared} snapshot", [second, third])
+    assert {node: [worker(node.pid, rank) for rank in (0, 1)] for node in (second, third)} == survivors
+    assert {path.name for path in (snap / f"step-{compared:09d}" / "state").iterdir()} == \
+        {".metadata", "__0_0.distcp", "__1_0.distcp"}  # each of the writer's workers its shard
+    for node in (second, third):  # 4.
+        kill_node(node)
+    for node in (second, third):
+        node.wait(timeout=30)
+    assert "Traceback" not in output(second) + output(third)
+
+    joiner, other = tier_states(tmp_path / "machine-c"), tier_states(tmp_path / "machine-b")
+    step = max(step for step, piece in joiner.keys() & other.keys() if (step, 1 - piece) in joiner.keys() & other.keys())
+    assert step >= compared
+    for piece in (0, 1):
+        (seen, ours), (theirs_seen, theirs) = joiner[step, piece], other[step, piece]
+        assert seen == theirs_seen and len(ours) == len(theirs)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"piece {piece} of step {step} differs"
+    uninterrupted = reference.at(compared)
+    seen, expected = ledger(snap), ledger(uninterrupted)
+    assert [step for step in range(1, compared + 1) if seen.get(step) != expected[step]] == []
 
 
 def test_live_needs_mingpt_rendezvous_and_says_so(tmp_path):

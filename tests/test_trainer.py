@@ -168,7 +168,9 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     # The newcomer leaves. Both nodes snapshot the step they reached; the survivor goes on alone, in a
     # new round, instead of taking the shared stop for the end of the job.
     newcomer.send_signal(signal.SIGTERM)
-    newcomer.wait(timeout=90)  # its workers snapshot and exit; torchrun itself exits non-zero on SIGTERM
+    assert newcomer.wait(timeout=90) == 128 + signal.SIGTERM  # its workers snapshot and exit; then it, in a line
+    assert output(newcomer).strip().splitlines()[-1] == \
+        "mingpt-torchrun: stopped by SIGTERM; the workers' lines above say where they stopped"
     left_at = latest_step(snap)
     wait_for(lambda: [m for m in by_world(1) if m["step"] > left_at], 120, "a snapshot from the survivor alone",
              [survivor])

@@ -28,8 +28,7 @@ def pack(obj: Any, tensors: list[torch.Tensor], shared: dict[tuple, int] | None 
     packed before (tied weights) is packed once: safetensors refuses two tensors on one storage."""
     if isinstance(obj, DTensor):
         [chunk] = obj.__create_chunk_list__()  # what DCP records of a shard: its offsets in the whole
-        tensors.append(obj.to_local())
-        return {"tensor": len(tensors) - 1, "shape": list(obj.shape), "offsets": list(chunk.offsets)}
+        return {**pack(obj.to_local(), tensors, shared), "shape": list(obj.shape), "offsets": list(chunk.offsets)}
     if isinstance(obj, torch.Tensor):
         key = (obj.data_ptr(), obj.dtype, tuple(obj.shape), tuple(obj.stride()))
         if shared is None or key not in shared:
@@ -73,3 +72,25 @@ def assemble(trees: list[Any]) -> Any:
     if isinstance(first, (list, tuple)):
         return type(first)(assemble([tree[i] for tree in trees]) for i in range(len(first)))
     return first
+
+
+def placed_like(tree: Any, template: Any) -> Any:
+    """The unpacked state `tree`, each Chunk made the DTensor that `template` (a state of this process's)
+    holds at its place: a state sent by a process that holds the same pieces as this one (hsdp: the process
+    of this one's place on another node). ValueError where a piece is not the one this process holds."""
+    if isinstance(tree, Chunk):
+        mine = template.__create_chunk_list__()[0] if isinstance(template, DTensor) else None
+        if mine is None or tree.shape != list(template.shape) or tree.offsets != list(mine.offsets) or \
+                tuple(tree.local.shape) != tuple(mine.sizes):
+            held = f"{list(mine.offsets)} of {list(template.shape)}" if mine is not None else "a whole tensor"
+            raise ValueError(f"a shard at {tree.offsets} of {tree.shape} where this process holds {held}")
+        local = tree.local.to(template.to_local().device)
+        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                                  shape=template.shape, stride=template.stride())
+    if isinstance(template, DTensor):
+        raise ValueError(f"a whole tensor where this process holds a shard of {list(template.shape)}")
+    if isinstance(tree, dict) and isinstance(template, dict):
+        return {key: placed_like(value, template.get(key)) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)) and isinstance(template, (list, tuple)) and len(tree) == len(template):
+        return type(tree)(placed_like(value, mine) for value, mine in zip(tree, template))
+    return tree

@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from torch.distributed import TCPStore, run
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     except agent.RestartsUsedUp as e:
         print(f"mingpt-torchrun: {e}", file=sys.stderr, flush=True)
         return e.status
+    except SignalException as e:  # SIGTERM or SIGINT: the agent stopped its workers, which saved their step
+        print(f"mingpt-torchrun: stopped by {e.sigval.name}; the workers' lines above say where they stopped",
+              file=sys.stderr, flush=True)
+        return 128 + e.sigval
     except ChildFailedError as e:
         if {failure.exitcode for failure in e.failures.values()} != {2}:
             raise  # a crash: torch's report of each failure, with its traceback

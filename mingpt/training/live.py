@@ -1,7 +1,8 @@
 """The live mode (`mingpt-torchrun --live`): a node's death or arrival restarts nobody else.
 
-Each node is one torchft replica group: its own torchrun with K workers, which replicate the model
-(ddp). torchft's Manager, in every worker, forms a quorum of the groups at every step through the
+Each node is one torchft replica group: its own torchrun with K workers, which hold the whole model
+(ddp) or shard it among themselves (hsdp); across groups the model is replicated, each worker exchanging
+with the worker of its place in every other group (so every node runs as many). torchft's Manager, in every worker, forms a quorum of the groups at every step through the
 Lighthouse that mingpt-rendezvous serves, reconfigures the cross-group process group in place when the
 quorum changes, heals a group that is behind from a live peer (mingpt.training.healing), and votes on
 every step: a step that failed anywhere (a group died mid-collective) is not committed, and is done
@@ -11,8 +12,8 @@ The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepA
 1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch
    is split by that place (the group's position in the quorum, then the worker's within its group), so
    step s trains the same samples whichever groups commit it;
-2. exchange: the gradients, averaged over every process of the step (within the group, then across
-   groups on torchft's process group), and the step's numbers: its loss, this group's stops (a group
+2. exchange: the gradients, averaged over every process of the step (within the group, by FSDP's
+   reduce-scatter where sharded, then across groups on torchft's process group), and the step's numbers: its loss, this group's stops (a group
    asked to stop leaves; the others go on), whether the writer's saves keep failing, and the writer's
    lease generation (which marks the memory tiers' copies);
 3. commit (`should_commit`): only a committed step updates the weights and advances the data.
@@ -31,7 +32,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from mingpt.errors import ConfigError, DataError, TrainingError, one_line
 from mingpt.training.agreement import Outcome, Share
 from mingpt.training.distributed import World
 
+if TYPE_CHECKING:  # FSDP's modules: the launcher, which reads this module's names, need not import them
+    from mingpt.training.parallel import Topology
+
 log = logging.getLogger(__name__)
 
 # Every timeout of the live mode, in one place.
@@ -47,7 +51,10 @@ HEARTBEAT_TIMEOUT_MS = 1000  # Lighthouse: a group silent this long is left out 
 JOIN_TIMEOUT_MS = 1000  # Lighthouse: how long a quorum waits for live groups that have not asked yet
 QUORUM_TICK_MS = 100  # Lighthouse: how often it looks whether a quorum can form
 COLLECTIVE_TIMEOUT_S = 10.0  # a cross-group collective, the commit vote, a heal's transfer (Manager's timeout)
-QUORUM_TIMEOUT_S = 5.0  # forming a quorum (about a heartbeat timeout after a death): past it, the Lighthouse is lost
+# Forming a quorum: it waits for every live group, one of which may still be in a collective that times out
+# (COLLECTIVE_TIMEOUT_S) or starting; past it, the group meets the Lighthouse again under a new Manager. A
+# stopped Lighthouse is found at once (its port refuses the quorum), not by this timeout.
+QUORUM_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 10.0  # reaching the Lighthouse or another group's manager
 LIGHTHOUSE_WAIT_S = 300.0  # how long a lost Lighthouse is waited for (mingpt-rendezvous restarting)
 
@@ -62,6 +69,7 @@ STATE_KEY = "mingpt"  # the name of the run's state among what torchft sends a h
 JOINS_KEY = "mingpt/live/joins/"  # + job id: the counter that names groups in the order they join
 HEALERS_KEY = "mingpt/live/healers/"  # + job id / local rank: the addresses groups serve their state at
 DATA_KEY = "mingpt/live/data/"  # + job id: the fingerprint of the prepared data of the job's first group
+LAYOUT_KEY = "mingpt/live/layout/"  # + job id: the workers per group and the parallelism of the job's first group
 
 
 def enabled() -> bool:
@@ -102,12 +110,13 @@ def group_name(world: World, rendezvous: dist.Store) -> str:
 class LiveAgreement:
     """This process's part in the live step protocol (see the module's description)."""
 
-    def __init__(self, world: World, replica, checkpointer, global_batch_size: int,
+    def __init__(self, topology: Topology, replica, checkpointer, global_batch_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None]):
         # torchft logs each failed collective with its traceback, and each reconfiguration; this module says
         # in a line when steps stop and start counting.
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
         self.settings = Settings.from_environment()
+        world, self.sharded = topology.world, topology.sharded
         self.world, self.replica, self.checkpointer = world, replica, checkpointer
         self.global_batch_size, self.state, self.load = global_batch_size, state, load
         host, port = self.settings.rendezvous.rsplit(":", 1)
@@ -115,6 +124,7 @@ class LiveAgreement:
                                         timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
         self.healers = f"{HEALERS_KEY}{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{world.rank}"
         self._check_data(checkpointer.data_fingerprint)
+        self._check_layout(f"{world.world_size} worker(s) per node, {topology.mode}")
         self.name = group_name(world, self.rendezvous)
         self.manager = self._new_manager()
         self.min_groups = self.settings.min_nodes
@@ -133,6 +143,16 @@ class LiveAgreement:
                             f"{job_id} (fingerprint {job[:12]}, as its first node prepared it): start every node of a "
                             "job with the same data settings and corpus; to train on other data, start another job "
                             "(another --rdzv-id)")
+
+    def _check_layout(self, layout: str) -> None:
+        """Each process exchanges gradients with, and heals from, the process of its place in the other groups:
+        a group with another number of workers, or that splits the model otherwise, is refused in one line."""
+        job_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        job = self.rendezvous.compare_set(LAYOUT_KEY + job_id, "", layout).decode()
+        if job != layout:
+            raise ConfigError(f"this node runs {layout}, where live job {job_id} runs {job} (as its first node "
+                              "started): start every node of a job with the same --nproc-per-node and "
+                              "trainer.parallelism")
 
     def _new_manager(self):
         """torchft's Manager for this worker, on a store of the group's own that its first worker hosts: a new
@@ -192,8 +212,13 @@ class LiveAgreement:
             except Exception as e:  # the Lighthouse stopped answering (TimeoutError, or a refused connection)
                 self._meet_again(e)
         # Until the vote, this group's state is that of the step: a healer whose source failed it may ask here.
-        self.transport.offer(self.manager.current_step(),
-                             lambda: {"user": {STATE_KEY: self.state()}, "torchft": self.manager.state_dict()})
+        # Made here, on the training thread, and read by the transport's: FSDP's state-dict hooks swap the
+        # model's parameters, which a forward pass must not see. Not before the first step: no group heals
+        # to step 0, and the state-dict API would make the optimizer's state by taking a step.
+        step = self.manager.current_step()
+        if step > 0:
+            offered = {"user": {STATE_KEY: self.state()}, "torchft": self.manager.state_dict()}
+            self.transport.offer(step, lambda: offered)
         self.position, self.groups = self.manager.participating_rank(), self.manager.num_participants()
         if self.position is None or self.groups < self.min_groups:  # a step that cannot count: nothing to compute
             return Share(0, 0)
@@ -204,15 +229,21 @@ class LiveAgreement:
         """The gradients, averaged over every process of the step, and the step's numbers; then the vote.
         A stop concerns this group alone: it leaves, and the others go on."""
         params = [p for p in self.replica.model.parameters() if p.requires_grad]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        for p in params:
+            if p.grad is None:  # no share of this step: nothing to add, but the exchange needs every process
+                p.grad = torch.zeros_like(p)
+        # hsdp: this process's shard of each gradient, which FSDP has averaged over the group already.
+        grads = [p.grad.to_local() if self.sharded else p.grad for p in params]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
         # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one
         # lost to another job stops the writer's group there, when it claims the run again.
         saves_failing, _ = self.checkpointer.problems()
         numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing)], dtype=torch.float64)
         generation = torch.tensor([float(self.checkpointer.lease_generation() or 0)], dtype=torch.float64)
         if self.world.distributed:  # within the group first
-            dist.all_reduce(flat)
-            flat /= self.world.world_size
+            if not self.sharded:
+                dist.all_reduce(flat)
+                flat /= self.world.world_size
             dist.all_reduce(numbers)
             dist.all_reduce(generation, op=dist.ReduceOp.MAX)
         stops = int(numbers[1])
@@ -221,9 +252,9 @@ class LiveAgreement:
         # The newest lease (while the writer changes hands, the old one may not have let go yet).
         self.manager.allreduce(generation, reduce_op=dist.ReduceOp.MAX).wait()
         offset = 0
-        for p in params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
         committed = self.manager.should_commit()
         self._say_what_changed(committed)
         loss, _, failing = numbers.tolist()

@@ -65,8 +65,20 @@ class Topology:
         return (rank + self.per_node) % size, (rank - self.per_node) % size
 
 
-def choose(wanted: str, params: int, world: World) -> tuple[str, str]:
-    """The mode to train in and why; ConfigError when ddp would not fit."""
+def choose(wanted: str, params: int, world: World, live: bool = False) -> tuple[str, str]:
+    """The mode to train in and why; ConfigError when ddp would not fit. `live`: the world is one node of a
+    live job (mingpt.training.live), whose nodes replicate the model: the shards stay within the node."""
+    if live and wanted == "fsdp":
+        raise ConfigError("mingpt-torchrun --live replicates the model across nodes, so it cannot shard it over "
+                          "all of them (trainer.parallelism=fsdp): use trainer.parallelism=hsdp, which shards it "
+                          "within each node")
+    mode, why = _choose(wanted, params, world)
+    if live and mode == "fsdp":  # auto
+        return "hsdp", f"{why}, within the node (--live: replicated across nodes)"
+    return mode, why
+
+
+def _choose(wanted: str, params: int, world: World) -> tuple[str, str]:
     need = params * STATE_BYTES_PER_PARAM
     room = memory_per_process(world)
     fits = f"{_gb(need)} of weights, gradients and AdamW state against {_gb(room)} per process"
@@ -154,7 +166,7 @@ def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
 
 def _mesh(topology: Topology) -> DeviceMesh:
     world = topology.world
-    if topology.mode == "fsdp":
+    if topology.mode == "fsdp" or world.world_size == topology.per_node:  # (hsdp on one node is fsdp)
         return init_device_mesh(world.device.type, (world.world_size,))
     return init_device_mesh(world.device.type, (world.world_size // topology.per_node, topology.per_node),
                             mesh_dim_names=("replicate", "shard"))

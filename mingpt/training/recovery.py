@@ -61,8 +61,8 @@ class MemoryCopies:
         self.every = cfg.memory_every
         self.generation: int | None = None  # of the run's lease, known to every process
         self.reached = 0  # the furthest step any node recorded before this start (0: unknown)
-        self._state: dict | None = None  # the replica's state_dict: live tensors, made once
         self._steps = 0  # of this generation
+        self._room_checked = False  # whether the tier's room for the state was looked at
         self._last_step_at: float | None = None
         self._step_seconds = 0.0
         self._waited = 0.0  # by the training thread, for the copy before the last optimizer step
@@ -122,11 +122,10 @@ class MemoryCopies:
             self.tier.mark_reached(step)
         if step % self._every() != 0 or not (self.tier.writes or self.group):
             return
-        if self._state is None:  # its tensors are the live ones: made once, it stays current
-            self._state = self.replica.state_dict()
-            if self.tier.writes and not self.tier.has_room(self._state, 4 if self.group else 2):
-                self.tier.turn_off(f"{self.tier.root} has no room for the copies of the state")
-        state = {**self._state, "scaler": self.replica.scaler.state_dict() if self.replica.scaler else None}
+        state = self.replica.state_dict()
+        if not self._room_checked and self.tier.writes and not self.tier.has_room(state, 4 if self.group else 2):
+            self.tier.turn_off(f"{self.tier.root} has no room for the copies of the state")
+        self._room_checked = True
         started = time.monotonic()
         self.tier.save(state, step, {"samples_seen": self.replica.state.samples_seen,
                                      "world_size": self.world.world_size, "generation": self.generation},

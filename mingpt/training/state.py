@@ -8,7 +8,7 @@ the memory tiers) is the checkpointer's concern; what a snapshot must match to b
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
@@ -39,10 +39,16 @@ class Replica:
     scaler: torch.amp.GradScaler | None  # fp16 only: the loss scale it found is part of the state
     state: TrainState
 
+    _tensors: tuple[dict, dict] | None = field(default=None, init=False, repr=False)
+
     def state_dict(self) -> dict:
         """{model, optimizer, scaler}: tensors keyed by parameter name, this process's shards where sharded.
-        The live tensors, not copies."""
-        model, optimizer = get_state_dict(self.model, self.optimizer)
+        The live tensors, not copies: made once (on the training thread: FSDP's state-dict hooks swap the
+        model's parameters), they stay current as training updates them in place, until `load` replaces
+        them. The scaler's numbers are read at each call."""
+        if self._tensors is None:
+            self._tensors = get_state_dict(self.model, self.optimizer)
+        model, optimizer = self._tensors
         return {"model": model, "optimizer": optimizer,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
@@ -57,6 +63,7 @@ class Replica:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
+        self._tensors = None  # the optimizer's state is new tensors now
         self.state.step, self.state.samples_seen = step, samples_seen
         return _apply_configured(self.optimizer, configured)
 
@@ -68,6 +75,7 @@ class Replica:
 
             state = self.state_dict()
             del state["scaler"]  # fp16 is never sharded
+            self._tensors = None  # DCP reads into these dicts, and may put new values in them
             read_shards(snapshot, state)
             return state, False
         optimizer = snapshot.load_tensors("optimizer.pt")

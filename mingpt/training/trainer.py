@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt import torch_internals
 from mingpt.checkpoint.load import snapshot_store
+from mingpt.checkpoint.packing import placed_like
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import WindowOrder, micro_batches, shard, window_order
@@ -146,14 +147,11 @@ class Trainer:
         model = GPT(model_config)  # in host memory: to the device whole (ddp), or shard by shard (fsdp)
         precision, self.precision_reason = choose_precision(t.precision, world.device, model_config.n_embd)
         self.autocast, scaler = autocast_for(precision, world.device)
-        mode, self.parallelism_reason = parallel.choose(t.parallelism, model.num_params(False), world)
+        self.live = live.enabled()
+        mode, self.parallelism_reason = parallel.choose(t.parallelism, model.num_params(False), world, self.live)
         if scaler is not None and mode != "ddp":
             raise ConfigError(f"trainer.precision=fp16 works with trainer.parallelism=ddp only (it needs a loss "
                               f"scaler across shards); use bf16 with {mode}")
-        self.live = live.enabled()
-        if self.live and mode != "ddp":
-            raise ConfigError(f"mingpt-torchrun --live replicates the whole model on every worker (ddp); "
-                              f"trainer.parallelism={t.parallelism} chose {mode}: set trainer.parallelism=ddp")
         self.topology = parallel.Topology(world, mode)
         parallel.place(model, self.topology, compute_dtype(self.autocast))
         optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -162,7 +160,7 @@ class Trainer:
         self.ddp: DDP | None = None
         self.checkpointer = Checkpointer(cfg, self.topology, store, data.tokenizer, data.fingerprint, self.replica)
         if self.live:
-            self.agreement = live.LiveAgreement(world, self.replica, self.checkpointer, t.global_batch_size,
+            self.agreement = live.LiveAgreement(self.topology, self.replica, self.checkpointer, t.global_batch_size,
                                                 self._state_for_a_peer, self._heal)
         else:
             self.agreement = StepAgreement(world, self.checkpointer, t.global_batch_size)
@@ -260,7 +258,9 @@ class Trainer:
 
     def _heal(self, received: dict) -> None:
         train = received.pop("train")
-        self.replica.load(received, False, train["step"], train["samples_seen"])  # a whole replica, as this one
+        # The peer's shards where sharded (a process heals from the process of its place in another node).
+        state = placed_like(received, self.replica.state_dict())
+        self.replica.load(state, False, train["step"], train["samples_seen"])
         log.info("healed from a live peer: step %d, %d examples seen", train["step"], train["samples_seen"])
     def _wrap_model(self) -> None:
         """torch.compile where chosen, and DDP where the model is replicated."""
