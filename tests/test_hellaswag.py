@@ -4,15 +4,14 @@ through transformers on the exported weights, `mingpt-eval hellaswag`, the metri
 small files in HellaSwag's format."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import offline_env
-from launch import MAIN, REPO, SMALL, env, metrics, run, standalone, train_here
+from conftest import TEXT
+from launch import REPO, SMALL, env, metrics, run, standalone, train_here
 from mingpt.cli import eval as eval_command
 from mingpt.errors import MinGPTError
 from mingpt.metrics import hellaswag, plot
@@ -30,7 +29,8 @@ RECORDS = [
      "label": 2},
     {"activity_label": "Section 1", "ctx_a": "the cat jumps over 40 lazy dogs, doesn't it?", "ctx_b": "the owl",
      "endings": ["jumps.", "counts 7 coins.", "is lazy.", "owns a café."], "label": 1},
-    {"activity_label": "Section 12", "ctx_a": " ".join(["the émeu jumps over 9 lazy dogs."] * 6), "ctx_b": "naïve owls",
+    {"activity_label": "Section 12", "ctx_a": " ".join(["the émeu jumps over 9 lazy dogs."] * 6),
+     "ctx_b": "naïve owls",
      "endings": ["are counted.", "jump over the owl.", "sit.", "are lazy, aren't they?"], "label": 3},
     {"activity_label": "Section 5", "ctx_a": "naïve café owners count 35 coins.", "ctx_b": "section 6",
      "endings": ["is the next one.", "counts dogs.", "jumps over the fox.", "the owl."], "label": 0,
@@ -209,3 +209,63 @@ def test_mingpt_eval_chooses_as_the_reference_scorer_on_the_exported_weights(tmp
     one_by_one = [score(model, [e], torch.device("cpu"))[0] for e in encoded]
     flat = lambda rows: [x for row in rows for x in row]
     assert flat(s.logprobs for s in one_by_one) == pytest.approx(flat(s["logprobs"] for s in ours), rel=1e-5)
+
+
+# -- during training -------------------------------------------------------------------------------------------------
+
+
+def hellaswag_records(snap) -> dict[int, tuple]:
+    return {m["step"]: (m["hellaswag_acc"], m["hellaswag_acc_norm"], m["hellaswag_examples"]) for m in metrics(snap)
+            if "hellaswag_acc" in m}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_training_scores_hellaswag_every_n_steps_alike_at_world_sizes_1_and_2_and_plots_it(tmp_path, procs):
+    """Two processes (torchrun) and one train the same job with the metric on; every N steps and at the end each
+    logs the same accuracies over all the examples (to metrics.jsonl and TensorBoard), and mingpt-plot draws the
+    panel. Not in tokens/s: the progress record after one counts its time apart (other_s; no snapshot, no val loss
+    in between)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    data = write_data(tmp_path / "hellaswag_val.jsonl", RECORDS * 3)  # 18 examples, 6 batches of 1 at micro-batch 4
+    settings = [f"data.corpus={tmp_path / 'corpus.txt'}", f"data.prepared_dir={tmp_path / 'prepared'}",
+                "data.tokenizer=bpe", "data.vocab_size=300", "trainer.max_steps=12", "snapshot.every=100",
+                "trainer.hellaswag_every=5", f"trainer.hellaswag_data={data}"]
+    run(procs, standalone(2), [*SMALL, *settings, f"snapshot.dir={tmp_path / 'two'}",
+                               "trainer.loggers=[jsonl,tensorboard]"], "two")
+    text = train_here(tmp_path, *settings, f"snapshot.dir={tmp_path / 'one'}")
+    one, two = hellaswag_records(tmp_path / "one"), hellaswag_records(tmp_path / "two")
+    assert sorted(one) == [5, 10, 12] and one == two
+    assert all(count == 18 for _, _, count in one.values())
+    assert next(m for m in metrics(tmp_path / "one") if m["step"] == 10 and "train_loss" in m)["other_s"] > 0
+    assert f"step 12 | hellaswag acc_norm {one[12][1]:.4f} | acc {one[12][0]:.4f} | 18 examples" in text
+    board = EventAccumulator(str(tmp_path / "two" / "tensorboard"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("eval/hellaswag_acc_norm")] == \
+        [(step, pytest.approx(values[1])) for step, values in sorted(two.items())]
+
+    from mingpt.cli import plot as plot_command
+
+    assert plot_command.main([str(tmp_path / "two"), "-o", str(tmp_path / "loss.png")]) == 0
+    drawn = plot.figure(plot.curves(plot.read_records(str(tmp_path / "two"))), "run", plot.pyplot())
+    panel = drawn.axes[1]
+    assert panel.get_ylabel() == "hellaswag"
+    assert [tuple(xy) for xy in panel.lines[0].get_xydata()] == [(s, two[s][1]) for s in sorted(two)]
+    assert panel.lines[1].get_ydata()[0] == plot.GPT2_124M_ACC_NORM
+
+
+def test_offline_without_the_file_a_job_says_where_to_put_it_in_one_line_and_trains(tmp_path, closed_port,
+                                                                                      monkeypatch):
+    """A URL that cannot be reached (a closed port on this machine: nothing leaves it) and no copy in the cache: one
+    warning line naming the cache path, and the job trains to the end without the metric."""
+    monkeypatch.setattr(hellaswag, "cache_folder", lambda: tmp_path / "cache")  # (not XDG_CACHE_HOME: MFU's probe)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    url = f"http://127.0.0.1:{closed_port}/hellaswag_val.jsonl"
+    text = train_here(tmp_path, f"data.corpus={tmp_path / 'corpus.txt'}", "trainer.max_steps=3",
+                      "trainer.hellaswag_every=1", f"trainer.hellaswag_data={url}")
+    warnings = [line for line in text.splitlines() if "HellaSwag" in line]
+    assert len(warnings) == 1 and f"put the file at {hellaswag.cache_path(url)}" in warnings[0], warnings
+    assert str(tmp_path / "cache") in warnings[0] and "training goes on without the HellaSwag metric" in warnings[0]
+    assert not hellaswag_records(tmp_path / "snap") and max(m["step"] for m in metrics(tmp_path / "snap")) == 3

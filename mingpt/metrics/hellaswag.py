@@ -171,8 +171,8 @@ def _check_cache_folder(folder: Path) -> None:
     found = os.lstat(folder)
     if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
         raise MinGPTError(f"the cache folder {folder} is not a folder of this user's alone (mode "
-                          f"{stat.filemode(found.st_mode)}, owner uid {found.st_uid}); remove it, or set XDG_CACHE_HOME "
-                          "to a folder of your own")
+                          f"{stat.filemode(found.st_mode)}, owner uid {found.st_uid}); remove it, or set "
+                          "XDG_CACHE_HOME to a folder of your own")
 
 
 def _read_cached(path: Path) -> bytes | None:
