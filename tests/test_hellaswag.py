@@ -107,8 +107,8 @@ def test_a_url_is_fetched_once_into_a_private_cache_and_checked(tmp_path, monkey
     with pytest.raises(MinGPTError, match="cannot read the cached copy"):
         hellaswag.load_examples(url)
     cached.unlink()
-    folder.chmod(0o755)
-    with pytest.raises(MinGPTError, match="not a folder of this user's alone"):
+    folder.chmod(0o775)
+    with pytest.raises(MinGPTError, match="not a folder that only this user can write"):
         hellaswag.load_examples(url)
     assert hellaswag.KNOWN_SHA256[hellaswag.PUBLIC_URL] == \
         "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
@@ -222,25 +222,27 @@ def hellaswag_records(snap) -> dict[int, tuple]:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_training_scores_hellaswag_every_n_steps_alike_at_world_sizes_1_and_2_and_plots_it(tmp_path, procs):
-    """Two processes (torchrun) and one train the same job with the metric on; every N steps and at the end each
+    """Two processes (torchrun, the model sharded) and one train the same job with the metric on; every N steps and at the end each
     logs the same accuracies over all the examples (to metrics.jsonl and TensorBoard), and mingpt-plot draws the
     panel. Not in tokens/s: the progress record after one counts its time apart (other_s; no snapshot, no val loss
     in between)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (tmp_path / "corpus.txt").write_text(TEXT)
-    data = write_data(tmp_path / "hellaswag_val.jsonl", RECORDS * 3)  # 18 examples, 6 batches of 1 at micro-batch 4
+    # 17 examples, batches of 1 at micro-batch 4: 9 and 8 under fsdp, where the second process runs one more
+    # (its forward is a collective) that counts nothing.
+    data = write_data(tmp_path / "hellaswag_val.jsonl", (RECORDS * 3)[:17])
     settings = [f"data.corpus={tmp_path / 'corpus.txt'}", f"data.prepared_dir={tmp_path / 'prepared'}",
                 "data.tokenizer=bpe", "data.vocab_size=300", "trainer.max_steps=12", "snapshot.every=100",
                 "trainer.hellaswag_every=5", f"trainer.hellaswag_data={data}"]
     run(procs, standalone(2), [*SMALL, *settings, f"snapshot.dir={tmp_path / 'two'}",
-                               "trainer.loggers=[jsonl,tensorboard]"], "two")
+                               "trainer.loggers=[jsonl,tensorboard]", "trainer.parallelism=fsdp"], "two")
     text = train_here(tmp_path, *settings, f"snapshot.dir={tmp_path / 'one'}")
     one, two = hellaswag_records(tmp_path / "one"), hellaswag_records(tmp_path / "two")
     assert sorted(one) == [5, 10, 12] and one == two
-    assert all(count == 18 for _, _, count in one.values())
+    assert all(count == 17 for _, _, count in one.values())
     assert next(m for m in metrics(tmp_path / "one") if m["step"] == 10 and "train_loss" in m)["other_s"] > 0
-    assert f"step 12 | hellaswag acc_norm {one[12][1]:.4f} | acc {one[12][0]:.4f} | 18 examples" in text
+    assert f"step 12 | hellaswag acc_norm {one[12][1]:.4f} | acc {one[12][0]:.4f} | 17 examples" in text
     board = EventAccumulator(str(tmp_path / "two" / "tensorboard"))
     board.Reload()
     assert [(e.step, e.value) for e in board.Scalars("eval/hellaswag_acc_norm")] == \

@@ -2,7 +2,7 @@
 reads them.
 
 The file is the public JSONL of the HellaSwag authors (one JSON object a line: activity_label, ctx_a, ctx_b,
-endings, label). A local path is read as it is. A URL is fetched once into a folder of this user's alone
+endings, label). A local path is read as it is. A URL is fetched once into a folder that only this user can write
 (`cache_folder`), checked against the file's known sha256 where it is known, and read from there afterwards.
 
 Each example becomes a query and its choices exactly as lm-evaluation-harness's lm_eval/tasks/hellaswag/utils.py
@@ -132,7 +132,7 @@ def _read_local(source: str) -> bytes:
     return data
 
 
-# -- the cache: a folder of this user's alone, no link followed ------------------------------------------------------
+# -- the cache: a folder only this user can write, no link followed --------------------------------------------------
 
 
 def cache_folder() -> Path:
@@ -162,15 +162,16 @@ def cached_copy(url: str) -> bytes:
 
 
 def _check_cache_folder(folder: Path) -> None:
-    """Make the folder (0700) where it is missing; MinGPTError unless it is a folder of this user's alone."""
+    """Make the folder (0700) where it is missing; MinGPTError unless it is a folder (not a link) of this user's
+    that no one else can write (one made by hand with mkdir, 0755, will do: the file is public, and checked)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         folder.mkdir(mode=0o700)
     except FileExistsError:
         pass
     found = os.lstat(folder)
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
-        raise MinGPTError(f"the cache folder {folder} is not a folder of this user's alone (mode "
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o022:
+        raise MinGPTError(f"the cache folder {folder} is not a folder that only this user can write (mode "
                           f"{stat.filemode(found.st_mode)}, owner uid {found.st_uid}); remove it, or set "
                           "XDG_CACHE_HOME to a folder of your own")
 
