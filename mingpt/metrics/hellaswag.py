@@ -192,16 +192,16 @@ def _read_cached(path: Path) -> bytes | None:
 
 
 def _fetch(url: str, path: Path) -> bytes:
-    where = (f"put the file at {path}, or give the path of a copy (trainer.hellaswag_data, or mingpt-eval's --data)")
+    """The file at `url`; HellaSwagUnavailable where it cannot be had (a URL that cannot be used at all, an unknown
+    protocol, is a MinGPTError: a mistake to fix, not a network to wait for)."""
+    fs, remote = open_fs(url)
     try:
-        fs, remote = open_fs(url)
         with fs.open(remote, "rb") as f:
             return f.read(MAX_BYTES + 1)
-    except MinGPTError as e:
-        raise HellaSwagUnavailable(f"HellaSwag: {e}; {where}") from None
     except Exception as e:  # no network, a proxy, HTTP 404: every storage client raises its own types
-        reason = redact(one_line(e))
-        raise HellaSwagUnavailable(f"HellaSwag: cannot fetch {redact(url)} ({reason}); {where}") from None
+        raise HellaSwagUnavailable(f"HellaSwag: cannot fetch {redact(url)} ({redact(one_line(e))}); put the file at "
+                                   f"{path}, or give the path of a copy (trainer.hellaswag_data, or mingpt-eval's "
+                                   "--data)") from None
 
 
 def _check_digest(data: bytes, url: str, what: str, advice: str) -> None:

@@ -116,12 +116,13 @@ def score(model: GPT, batch: list[Encoded], device: torch.device, autocast=None)
         tokens[row, : len(window) - 1] = torch.tensor(window[:-1])
     with autocast or nullcontext():
         logits, _ = model(tokens.to(device))
-    sums = []
+    rows = []
     for row, (window, count) in enumerate(zip(windows, (n for e in batch for n in e.continuation_tokens))):
         end = len(window) - 1
         logprobs = F.log_softmax(logits[row, end - count : end].float(), dim=-1)
         targets = torch.tensor(window[-count:], device=logprobs.device)
-        sums.append(logprobs.gather(1, targets[:, None]).sum().item())
+        rows.append(logprobs.gather(1, targets[:, None]).sum())
+    sums = torch.stack(rows).tolist()  # one copy from the device for the batch
     scored, first = [], 0
     for example in batch:
         mine = tuple(sums[first : first + len(example.windows)])

@@ -207,8 +207,8 @@ class Trainer:
                 # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
                 if (t.eval_every and state.step % t.eval_every == 0) or (last and not outcome.stops):
                     self.evaluate()
-                if self.hellaswag and (state.step % t.hellaswag_every == 0 or (last and not outcome.stops)):
-                    self.score_hellaswag()
+                if self.hellaswag and not outcome.stops and (state.step % t.hellaswag_every == 0 or last):
+                    self.score_hellaswag()  # not on a stop request: it takes longer than a val loss
             periodic = outcome.committed and state.step % cfg.snapshot.every == 0
             if (periodic or last) and self.agreement.writes:
                 self.save()
