@@ -107,7 +107,8 @@ def test_the_launcher_and_the_snapshot_commands_leave_the_sharding_machinery_uni
     """FSDP, DCP and DTensor cost about 0.7 s of CPU to import: every torchrun agent, and every command
     that reads a snapshot, would pay it for nothing unless the model or the snapshot is sharded."""
     heavy = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor")
-    code = ("import sys, mingpt.cli.torchrun, mingpt.cli.sample, mingpt.cli.export, mingpt.cli.snapshot; "
+    code = ("import sys, mingpt.cli.torchrun, mingpt.cli.sample, mingpt.cli.export, mingpt.cli.snapshot, "
+            "mingpt.cli.eval; "
             f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -145,7 +145,7 @@ def test_a_sample_ends_where_the_model_ends_its_document(capsys):
     assert capsys.readouterr().out == "aab\n"
 
 
-@pytest.mark.parametrize("command", ["export", "plot", "prepare", "rendezvous", "sample", "snapshot"])
+@pytest.mark.parametrize("command", ["eval", "export", "plot", "prepare", "rendezvous", "sample", "snapshot"])
 def test_every_command_says_its_version_and_shows_its_defaults(command, capsys):
     import importlib
 
@@ -205,7 +205,7 @@ def test_mingpt_torchrun_help_says_first_what_it_adds_to_torchrun(capsys):
 
 def test_the_commands_answer_help_without_importing_torch():
     """torch takes over a second to import: the commands import it once their flags are read."""
-    commands = ["export", "plot", "prepare", "rendezvous", "sample", "snapshot", "train"]
+    commands = ["eval", "export", "plot", "prepare", "rendezvous", "sample", "snapshot", "train"]
     code = (f"import sys; [__import__('mingpt.cli.' + c) for c in {commands!r}]; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -36,7 +36,9 @@ PACKAGES = {"jsonl": (None, None), "tensorboard": ("tensorboard", "tensorboard")
 
 # Record keys -> dashboard names; the "loss/" and "perf/" prefixes make sections in both dashboards.
 TAGS = {"train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "tokens_per_s": "perf/tokens_per_s",
-        "mfu": "perf/mfu", "peak_memory_mb": "perf/peak_memory_mb", "world_size": "perf/world_size"}
+        "mfu": "perf/mfu", "peak_memory_mb": "perf/peak_memory_mb", "world_size": "perf/world_size",
+        "hellaswag_acc": "eval/hellaswag_acc", "hellaswag_acc_norm": "eval/hellaswag_acc_norm",
+        "hellaswag_examples": "eval/hellaswag_examples"}
 
 
 def check_loggers(names: Sequence[str]) -> None:

@@ -1,7 +1,7 @@
 """A run's loss from its metrics.jsonl, as a picture (`mingpt-plot`): train and val loss against step,
 tokens/s on a second axis, and a vertical line where the run restarted or its world size changed; below,
-where the run recorded them, each process's own time per step (mingpt.training.stragglers), so that a slow
-one stands out.
+where the run recorded them, HellaSwag's acc_norm with GPT-2 124M's line, and each process's own time per step
+(mingpt.training.stragglers), so that a slow one stands out.
 Needs matplotlib: pip install -e ".[plot]".
 """
 
@@ -31,6 +31,7 @@ class Curves:
     train_loss: dict[int, float] = field(default_factory=dict)
     val_loss: dict[int, float] = field(default_factory=dict)
     tokens_per_s: dict[int, float] = field(default_factory=dict)
+    hellaswag: dict[int, float] = field(default_factory=dict)  # acc_norm
     marks: list[Mark] = field(default_factory=list)
     own_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # process -> step -> its own ms a step
 
@@ -74,9 +75,10 @@ def _number(value) -> float | None:
 def curves(records: list[dict]) -> Curves:
     result = Curves()
     for record in records:  # in file order, so a later record of a step replaces an earlier one
-        for key in ("train_loss", "val_loss", "tokens_per_s"):
+        for key, curve in (("train_loss", result.train_loss), ("val_loss", result.val_loss),
+                           ("tokens_per_s", result.tokens_per_s), ("hellaswag_acc_norm", result.hellaswag)):
             if _number(record.get(key)) is not None:
-                getattr(result, key)[record["step"]] = float(record[key])
+                curve[record["step"]] = float(record[key])
         times = record.get("process_times")
         for process in times if isinstance(times, list) else []:
             parts = [_number(process.get(part)) for part in ("data_ms", "compute_ms")] if isinstance(process, dict) \
@@ -170,16 +172,18 @@ def draw(data: Curves, title: str, out: str, plt) -> None:
 
 
 def figure(data: Curves, title: str, plt):
-    """The picture: losses and tokens/s against step, restarts and world-size changes marked, and each
-    process's own time below where it was measured."""
+    """The picture: losses and tokens/s against step, restarts and world-size changes marked; below, HellaSwag's
+    acc_norm and each process's own time, where the run recorded them."""
     from matplotlib.ticker import MaxNLocator
 
+    ratios = [3] + [1.6] * bool(data.hellaswag) + [1.3] * bool(data.own_ms)
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(8, 4.5 + 1.5 * sum(ratios[1:])), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": ratios})
+    loss_axis, *below = axes[:, 0]
+    if data.hellaswag:
+        _draw_hellaswag(below.pop(0), data.hellaswag)
     if data.own_ms:
-        fig, (loss_axis, process_axis) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
-                                                      gridspec_kw={"height_ratios": [3, 1.3]})
-        _draw_processes(process_axis, data.own_ms)
-    else:
-        fig, loss_axis = plt.subplots(figsize=(8, 4.5))
+        _draw_processes(below.pop(0), data.own_ms)
     rate_axis = loss_axis.twinx()
     if data.tokens_per_s:
         steps = sorted(data.tokens_per_s)
@@ -194,8 +198,7 @@ def figure(data: Curves, title: str, plt):
             loss_axis.plot(steps, [points[s] for s in steps], style, lw=1.2, ms=3, label=name)
     _draw_marks(loss_axis, data)
     loss_axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: never 2.5
-    if not data.own_ms:
-        loss_axis.set_xlabel("step")
+    axes[-1, 0].set_xlabel("step")
     loss_axis.set_ylabel("loss")
     loss_axis.set_title(title, fontsize=10)
     loss_axis.grid(alpha=0.3)
@@ -232,6 +235,21 @@ def _draw_marks(axis, data: Curves) -> None:
                       fontsize=7, color=color[step])
 
 
+# GPT-2 124M's HellaSwag acc_norm under lm-evaluation-harness, as llm.c's dev/data/hellaswag.py quotes it
+# ("eleuther harness reports acc 28.92%, acc_norm 31.14%"): the line the recipe gpt2-fineweb-edu is judged by.
+GPT2_124M_ACC_NORM = 0.3114
+
+
+def _draw_hellaswag(axis, acc_norm: dict[int, float]) -> None:
+    """HellaSwag acc_norm against step, with GPT-2 124M's line."""
+    steps = sorted(acc_norm)
+    axis.plot(steps, [acc_norm[s] for s in steps], "o-", color="tab:green", lw=1.2, ms=3, label="hellaswag acc_norm")
+    axis.axhline(GPT2_124M_ACC_NORM, color="0.4", ls="--", lw=1, label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.4f})")
+    axis.set_ylabel("hellaswag")
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right", fontsize=7)
+
+
 def _draw_processes(axis, own_ms: dict[str, dict[int, float]]) -> None:
     """Each process's own time a step (data and computing), a line per process: a straggler lies above."""
     for process in sorted(own_ms):
@@ -239,7 +257,6 @@ def _draw_processes(axis, own_ms: dict[str, dict[int, float]]) -> None:
         axis.plot(steps, [own_ms[process][s] for s in steps], lw=0.9, label=process)
     axis.set_ylim(bottom=0)
     axis.set_ylabel("own ms a step")
-    axis.set_xlabel("step")
     axis.grid(alpha=0.3)
     if len(own_ms) <= 8:
         axis.legend(loc="upper right", fontsize=7)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mingpt.data.prepare import PrepareConfig
 from mingpt.errors import ConfigError
+from mingpt.metrics.hellaswag import PUBLIC_URL
 from mingpt.metrics.loggers import check_loggers
 from mingpt.shape import PRESETS, GPTConfig
 from mingpt.storage import redact
@@ -72,6 +73,11 @@ class TrainerConfig:
     parallelism: str = "auto"
     eval_every: int = 100  # steps; 0 disables periodic evaluation
     eval_samples: int = 128  # validation examples per evaluation, shared among the processes
+    # HellaSwag accuracy (mingpt.metrics.scoring) every this many steps and at the end, shared among the
+    # processes; 0 disables it. Its data: HellaSwag's validation JSONL, a path or a URL (fetched once into
+    # ~/.cache/mingpt/hellaswag, the public file checked against its sha256).
+    hellaswag_every: int = 0
+    hellaswag_data: str = PUBLIC_URL
     log_every: int = 10
     # Where metrics go, from jsonl (metrics.jsonl beside the snapshots), tensorboard, wandb (see mingpt.metrics).
     loggers: List[str] = field(default_factory=lambda: ["jsonl"])
@@ -194,6 +200,8 @@ def validate(cfg: Config) -> None:
         ("trainer.parallelism", t.parallelism in ("auto", "ddp", "fsdp", "hsdp"), "auto, ddp, fsdp or hsdp"),
         ("trainer.eval_every", t.eval_every >= 0, ">= 0 (0 disables evaluation)"),
         ("trainer.eval_samples", t.eval_samples > 0, "a positive integer"),
+        ("trainer.hellaswag_every", t.hellaswag_every >= 0, ">= 0 (0 disables it)"),
+        ("trainer.hellaswag_data", bool(t.hellaswag_data), "a path or URL of HellaSwag's validation JSONL"),
         ("trainer.log_every", t.log_every > 0, "a positive integer"),
         ("trainer.dist_timeout_s", t.dist_timeout_s > 0, "a positive number of seconds"),
         ("trainer.hang_timeout_s", t.hang_timeout_s == 0 or 5 <= t.hang_timeout_s < t.dist_timeout_s,

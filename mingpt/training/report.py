@@ -15,6 +15,7 @@ import torch
 
 from mingpt.data.prepared import TokenBlocks
 from mingpt.metrics.loggers import Loggers
+from mingpt.metrics.scoring import Tally
 from mingpt.model import GPT
 from mingpt.rundir import RunDir
 from mingpt.training.config import Config
@@ -30,8 +31,8 @@ RECENT = 64  # steps whose samples a new writer logs again: those its predecesso
 
 
 class Report:
-    """One generation's reporting. `start` once training begins, `step` after every step, `evaluation`
-    after every evaluation; `excluding()` leaves evaluations and saves out of the tokens/s."""
+    """One generation's reporting. `start` once training begins, `step` after every step, `evaluation` and
+    `hellaswag` after every evaluation; `excluding()` leaves evaluations and saves out of the tokens/s."""
 
     def __init__(self, cfg: Config, world: World, run: RunDir, model: GPT, compute_dtype: torch.dtype,
                  speaks: bool):
@@ -99,6 +100,12 @@ class Report:
     def evaluation(self, step: int, val_loss: float) -> None:
         self.say("step %d | val loss %.4f", step, val_loss)
         self.metrics.log(step, {"val_loss": val_loss})
+
+    def hellaswag(self, step: int, tally: Tally) -> None:
+        self.say("step %d | hellaswag acc_norm %.4f | acc %.4f | %d examples", step, tally.acc_norm, tally.acc,
+                 tally.count)
+        self.metrics.log(step, {"hellaswag_acc": tally.acc, "hellaswag_acc_norm": tally.acc_norm,
+                                "hellaswag_examples": tally.count})
 
     def excluding(self) -> AbstractContextManager:
         return self.throughput.excluding()

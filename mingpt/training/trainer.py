@@ -37,6 +37,7 @@ from mingpt.training import distributed, parallel
 from mingpt.training import generation
 from mingpt.training import live
 from mingpt.training.agreement import Outcome, Share, StepAgreement
+from mingpt.training.benchmark import HellaSwag, agree, load_hellaswag
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
@@ -94,10 +95,11 @@ def _train(cfg: Config) -> TrainResult:
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         data = PreparedData(prepare_data(cfg, pretrained))
         model_config = _model_config(cfg, data, pretrained)
+        hellaswag = load_hellaswag(cfg.trainer, data.tokenizer, model_config.block_size)
         world = generation.start(cfg.trainer.dist_timeout_s, meeting)
         try:
             with StopFlag() as stop, _a_lost_peer_ends_the_generation():
-                result = Trainer(cfg, world, store, data, model_config, pretrained).run(stop)
+                result = Trainer(cfg, world, store, data, model_config, pretrained, hellaswag).run(stop)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the last snapshot is committed: only leaving is left
             distributed.barrier(world)  # leave together: a process torn down while a peer still talks to it aborts
         finally:
@@ -138,7 +140,7 @@ class Trainer:
     checkpointer (resume, snapshots, memory tiers), the step's agreement, the report."""
 
     def __init__(self, cfg: Config, world: World, store: SnapshotStore, data: PreparedData, model_config: GPTConfig,
-                 pretrained: Pretrained | None = None):
+                 pretrained: Pretrained | None = None, hellaswag: HellaSwag | None = None):
         t = cfg.trainer
         self.cfg, self.data, self.pretrained = cfg, data, pretrained
         self.train_blocks = data.split("train", cfg.data.block_size)
@@ -167,6 +169,7 @@ class Trainer:
         self.report = Report(cfg, world, store.run, model, compute_dtype(self.autocast),
                              speaks=world.is_leader and not self.live)
         self.progress = Progress(t.hang_timeout_s, t.dist_timeout_s)  # for the agent's watchdog (training.watchdog)
+        self.hellaswag = agree(hellaswag, world, self.report.speaks) if t.hellaswag_every else None
         self.train_loss: float | None = None
         self.val_loss: float | None = None
         self._split = (0.0, 0.0)  # the last step's seconds waiting for data and computing on its own
@@ -202,6 +205,8 @@ class Trainer:
                 # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
                 if (t.eval_every and state.step % t.eval_every == 0) or (last and not outcome.stops):
                     self.evaluate()
+                if self.hellaswag and not outcome.stops and (state.step % t.hellaswag_every == 0 or last):
+                    self.score_hellaswag()  # not on a stop request: it takes longer than a val loss
             periodic = outcome.committed and state.step % cfg.snapshot.every == 0
             if (periodic or last) and self.agreement.writes:
                 self.save()
@@ -356,6 +361,13 @@ class Trainer:
             self.val_loss = evaluate(self.model, self.val_blocks, self.cfg, self.topology, self.autocast,
                                      lambda: self.progress.mark(step, "evaluating"))
         self.report.evaluation(step, self.val_loss)
+
+    def score_hellaswag(self) -> None:
+        step = self.replica.state.step
+        with self.report.excluding():
+            tally = self.hellaswag.score(self.model, self.topology, self.autocast,
+                                         lambda: self.progress.mark(step, "evaluating"))
+        self.report.hellaswag(step, tally)
 
     def save(self) -> None:
         self.progress.mark(self.replica.state.step, "saving")

@@ -1,0 +1,94 @@
+"""HellaSwag during training (`trainer.hellaswag_every`): the examples, read and tokenized once per start, scored
+by every process together.
+
+The examples are cut into fixed batches by their place in the file, and each process scores a contiguous share
+of the batches by its place in the generation; the counts are summed over all processes. A batch is the same
+computation at any world size, so any world size gives the same accuracy on the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from mingpt.data.sampler import micro_batches, shard
+from mingpt.metrics.hellaswag import HellaSwagUnavailable, load_examples
+from mingpt.metrics.scoring import Encoded, Tally, encode_all, score
+from mingpt.model import GPT
+from mingpt.storage import redact
+from mingpt.tokenizers import Tokenizer
+from mingpt.training import distributed
+from mingpt.training.config import TrainerConfig
+from mingpt.training.parallel import Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HellaSwag:
+    """The examples this job scores, in tokens, and how many go in one forward pass."""
+
+    examples: list[Encoded]
+    batch_examples: int
+
+    def score(self, model: GPT, topology: Topology, autocast, tick: Callable[[], None] = lambda: None) -> Tally:
+        """Every process's share scored, and the counts of all; `tick()` after each batch (the watchdog's mark).
+        A sharded model's forward is a collective: there every process runs as many batches as the one with the
+        most, the extra ones counting nothing."""
+        world = topology.world
+        batches = micro_batches(len(self.examples), self.batch_examples)
+        mine = batches[shard(len(batches), world.world_size, world.rank)]
+        runs = math.ceil(len(batches) / world.world_size) if topology.sharded else len(mine)
+        tally = Tally()
+        model.eval()
+        for i in range(runs):
+            batch = mine[i] if i < len(mine) else batches[0]
+            for scored in score(model, self.examples[batch], world.device, autocast):
+                if i < len(mine):
+                    tally.add(scored)
+            tick()
+        model.train()
+        correct, correct_norm, count = distributed.all_reduce_sum([tally.correct, tally.correct_norm, tally.count],
+                                                                   world)
+        return Tally(round(correct), round(correct_norm), round(count))
+
+
+def load_hellaswag(t: TrainerConfig, tokenizer: Tokenizer, block_size: int) -> HellaSwag | None:
+    """The job's HellaSwag examples where `trainer.hellaswag_every` asks for them; None, and one warning line,
+    where the file cannot be had (offline without a copy): the job goes on without the metric. A file that is not
+    HellaSwag's is an error (MinGPTError)."""
+    if not t.hellaswag_every:
+        return None
+    try:
+        examples = load_examples(t.hellaswag_data)
+    except HellaSwagUnavailable as e:
+        _warn_if_leading("%s; training goes on without the HellaSwag metric", e)
+        return None
+    encoded, skipped = encode_all(examples, tokenizer, block_size)
+    if skipped:
+        _warn_if_leading("HellaSwag: %d of %d examples of %s are left out: their text has characters the tokenizer "
+                         "(%s) cannot encode, or an ending longer than the block", skipped, len(examples),
+                         redact(t.hellaswag_data), tokenizer.describe())
+    return HellaSwag(encoded, max(1, t.micro_batch_size // 4)) if encoded else None
+
+
+def agree(hellaswag: HellaSwag | None, world: distributed.World, speaks: bool) -> HellaSwag | None:
+    """`hellaswag` where every process of the generation has the same number of examples, else None for all (one
+    warning line): the scoring is a collective, which all must run alike."""
+    have = [1.0, len(hellaswag.examples)] if hellaswag else [0.0, 0.0]
+    processes, examples = distributed.all_reduce_sum(have, world)
+    if processes == world.world_size and examples == world.world_size * have[1]:
+        return hellaswag
+    if speaks and processes:
+        log.warning("HellaSwag: %d of %d processes have its examples, or they differ in number; training goes on "
+                    "without the HellaSwag metric: give every node the same trainer.hellaswag_data",
+                    processes, world.world_size)
+    return None
+
+
+def _warn_if_leading(message: str, *args) -> None:
+    """A warning before the generation's roles are known: from the process that will lead it."""
+    if distributed.leads_this_generation():
+        log.warning(message, *args)
