@@ -15,6 +15,7 @@ import torch
 from launch import MAIN, SMALL, Processes, env, output
 from mingpt import torch_internals
 from mingpt.checkpoint.compiled import MANIFEST, CompiledCaches
+from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.rundir import RunDir
 from mingpt.shape import GPTConfig
@@ -63,6 +64,18 @@ def test_committed_caches_read_back_and_only_the_newest_key_stays(run):
         [MANIFEST, blob_path(run).name])
     manifest = json.loads(Path(run.compile_cache, MANIFEST).read_text())
     assert manifest["sha256"] == hashlib.sha256(b"compiled").hexdigest() and manifest["writer"]["job"] == lease.job
+
+
+def test_a_writer_whose_lease_a_newer_generation_took_writes_nothing(run):
+    run, lease = run
+    newer = RunLease(run, 60.0, job=lease.job)  # the next generation of the same job takes the run at once
+    newer.acquire()
+    try:
+        with pytest.raises(LeaseLostError):
+            CompiledCaches(run).commit(KEY, b"compiled", {}, lease)
+        assert not Path(run.compile_cache).exists() or not any(Path(run.compile_cache).iterdir())
+    finally:
+        newer.release()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bit flipped", "no writer"])
@@ -117,6 +130,18 @@ def test_a_kernel_goes_beside_the_local_ones_never_over_one(tmp_path):
     assert compile_cache._put_kernel(str(tmp_path), name, b"other") == 0
     assert (tmp_path / "ab" / "cabcdefghijklmnopqrstuvwxyz.main.so").read_bytes() == b"theirs"
     assert [p.name for p in (tmp_path / "ab").iterdir()] == ["cabcdefghijklmnopqrstuvwxyz.main.so"]  # no leftovers
+
+
+def test_the_kernels_that_travel_are_the_graphs_libraries_and_the_cpu_probes(tmp_path):
+    kernel, probe, other = "cab" + "k" * 49, "ccd" + "p" * 49, "cef" + "o" * 49
+    for key, source in [(kernel, "a kernel"), (probe, next(iter(torch_internals.cpu_probe_sources()))),
+                        (other, "another model's kernel")]:
+        (tmp_path / key[1:3]).mkdir()
+        (tmp_path / key[1:3] / f"{key}.main.cpp").write_text(source)
+        (tmp_path / key[1:3] / f"{key}.main.so").write_bytes(b"ELF")
+    found = compile_cache.kernel_files(str(tmp_path), {kernel})
+    assert found == {f"kernels/ab/{kernel}.main.so": str(tmp_path / "ab" / f"{kernel}.main.so"),
+                     f"kernels/cd/{probe}.main.so": str(tmp_path / "cd" / f"{probe}.main.so")}
 
 
 def test_only_the_training_job_can_reach_the_loading_of_compile_caches():

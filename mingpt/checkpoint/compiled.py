@@ -18,7 +18,7 @@ import json
 import logging
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 from mingpt.checkpoint.lease import RunLease
 from mingpt.rundir import RunDir
@@ -43,24 +43,25 @@ class CompiledCaches:
         self.folder = run.compile_cache
         self.url = run.url_of(RunDir.COMPILE_CACHE)
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, say: Callable[..., None] = log.log) -> bytes | None:
         """The committed caches of `key`, checked against the manifest's size and sha256; None where there are
-        none, they are another key's (INFO), or they cannot be read or trusted (one WARNING)."""
+        none, they are another key's (INFO), or they cannot be read or trusted (one WARNING). `say(level,
+        message, *args)` logs it (the trainer: one process per node at these levels)."""
         try:
             manifest = self._manifest()
             if manifest is None:
                 log.debug("no compile caches in %s", self.url)
                 return None
             if manifest["key"] != key:
-                log.info("the compile caches in %s are for another torch, device, model or precision (key %s, "
+                say(logging.INFO, "the compile caches in %s are for another torch, device, model or precision (key %s, "
                          "this job's %s): not loaded, left alone; compiling from scratch", self.url,
                          manifest["key"][:12], key[:12])
                 return None
             return self._blob(manifest)
         except _Untrusted as e:
-            log.warning("the compile caches in %s are not loaded (%s); compiling from scratch", self.url, e)
+            say(logging.WARNING, "the compile caches in %s are not loaded (%s); compiling from scratch", self.url, e)
         except Exception as e:
-            log.warning("cannot read the compile caches in %s (%s); compiling from scratch", self.url,
+            say(logging.WARNING, "cannot read the compile caches in %s (%s); compiling from scratch", self.url,
                         explain_storage_error(e, self.run.local))
         return None
 
@@ -78,9 +79,9 @@ class CompiledCaches:
         sha = hashlib.sha256(blob).hexdigest()
         name = f"{key}.{sha[:16]}.zip"
         path = f"{self.folder}/{name}"
+        lease.check()
         if self.run.local:
             self.fs.makedirs(self.folder, exist_ok=True)
-        lease.check()
         self._write(path, blob)
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "key": key, "file": name, "bytes": len(blob),
                     "sha256": sha, "describes": describes, "writer": lease.writer(),
@@ -116,6 +117,7 @@ class CompiledCaches:
 
     def _manifest(self) -> dict | None:
         path = f"{self.folder}/{MANIFEST}"
+        self.fs.invalidate_cache(self.folder)  # an object store's listing may predate the last commit
         try:
             info = self.fs.info(path)
         except FileNotFoundError:

@@ -79,7 +79,7 @@ class CompileCache:
     def __init__(self, run: RunDir, describes: dict, announce: bool):
         self.caches = CompiledCaches(run)
         self.describes, self.key = describes, key_of(describes)
-        self.announce = announce  # the generation's leader says what happened; others log at DEBUG
+        self.announce = announce  # one process per node says what happened; the others log at DEBUG
         self._saved = 0  # artifacts (torch's and kernels) the run folder holds for this key, as far as known
         self._steps = 0
         self._thread: threading.Thread | None = None
@@ -94,14 +94,14 @@ class CompileCache:
             self.key = ""
             return
         started = time.perf_counter()
-        blob = self.caches.read(self.key)
+        blob = self.caches.read(self.key, self._say)
         if blob is None:
             return
         try:
             counts = install(blob)
         except Exception as e:  # a blob its writer could not have meant: compile as if there were none
-            log.warning("the compile caches in %s are not loaded (%s); compiling from scratch", self.caches.url,
-                        explain_storage_error(e))
+            self._say(logging.WARNING, "the compile caches in %s are not loaded (%s: %s); compiling from scratch",
+                      self.caches.url, type(e).__name__, e)
             return
         self._saved = sum(counts.values())
         self._say(logging.INFO, "compile caches loaded from %s in %.2fs: %s", self.caches.url,
@@ -112,31 +112,35 @@ class CompileCache:
         and at each snapshot (evaluation compiles too), the lease's holder saves what torch compiled, in
         the background, where it holds more than the run folder has."""
         self._steps += 1
+        if not self.key:  # this torch lacks what they need
+            return
         if self._steps == 1:
             self._say(logging.INFO, "torch.compile caches: %s", ", ".join(
                 f"{name} {count}" for name, count in torch_internals.compile_counters().items()))
-        if not self.key or lease is None or lease.lost or not (self._steps == 1 or snapshot):
+        if lease is None or lease.lost or not (self._steps == 1 or snapshot):
             return
         if self._thread is not None and self._thread.is_alive():
             return  # the next snapshot tries again
         started = time.perf_counter()
-        saved = torch.compiler.save_cache_artifacts()  # quick (its bytes are appended as torch compiles)
+        saved = torch.compiler.save_cache_artifacts()  # quick: its bytes are appended to as torch compiles
         if saved is None:
             return
-        mega, info = saved
-        kernels = kernel_files(torch_internals.inductor_cache_dir())
-        count = sum(len(keys) for keys in info.artifacts.values()) + len(kernels)
+        artifacts = sum(len(keys) for keys in saved[1].artifacts.values())
+        keys = torch_internals.compiled_kernel_keys()  # here: the training thread's compiles add to them
         log.debug("torch's compile caches serialized in %.1f ms", (time.perf_counter() - started) * 1e3)
-        if count <= self._saved:
-            return
-        self._thread = threading.Thread(target=self._commit, args=(mega, kernels, count, lease),
+        self._thread = threading.Thread(target=self._commit, args=(saved[0], artifacts, keys, lease),
                                         name="compile-cache", daemon=True)
         self._thread.start()
 
-    def _commit(self, mega: bytes, kernels: dict[str, str], count: int, lease: RunLease) -> None:
+    def _commit(self, mega: bytes, artifacts: int, keys: set[str], lease: RunLease) -> None:
+        """In the background: the kernels to go with torch's caches, and the commit where they hold more than
+        the run folder has."""
         try:
+            kernels = kernel_files(torch_internals.inductor_cache_dir(), keys)
+            if artifacts + len(kernels) <= self._saved:
+                return
             self.caches.commit(self.key, pack(mega, kernels), self.describes, lease)
-            self._saved = count
+            self._saved = artifacts + len(kernels)
         except LeaseLostError as e:
             log.info("compile caches not saved: %s", e)
         except Exception as e:  # the job goes on: the caches are a start-up's saving, not the run's state
@@ -155,11 +159,11 @@ class CompileCache:
 # -- what travels ---------------------------------------------------------------------------------------------
 
 
-def kernel_files(root: str) -> dict[str, str]:
-    """The C++ libraries this process's compiled graphs load, and Inductor's probes of the compiler and CPU,
-    under Inductor's cache folder `root`: {name in the zip: path}."""
+def kernel_files(root: str, keys: set[str]) -> dict[str, str]:
+    """The C++ libraries of `keys` (those this process's compiled graphs load), and Inductor's probes of the
+    compiler and CPU, under Inductor's cache folder `root`: {name in the zip: path}."""
     found = {}
-    for key in torch_internals.compiled_kernel_keys():
+    for key in keys:
         folder = os.path.join(root, key[1:3])
         for name in _names(folder):
             if name.startswith(key) and name.endswith(".so"):
