@@ -37,6 +37,16 @@ def run(tmp_path):
     lease.release()
 
 
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def any_run(request, tmp_path):
+    """A run folder on local disk or S3 (moto on 127.0.0.1), and the lease on it."""
+    url = str(tmp_path / "run") if request.param == "local" else f"s3://{request.getfixturevalue('s3').bucket}/run"
+    store = SnapshotStore(url)
+    lease = store.claim(60.0)
+    yield store.run, lease
+    lease.release()
+
+
 def blob_path(run: RunDir) -> Path:
     manifest = json.loads(Path(run.compile_cache, MANIFEST).read_text())
     return Path(run.compile_cache, manifest["file"])
@@ -52,18 +62,18 @@ def test_the_key_changes_with_what_makes_compiled_code_valid():
     assert len({KEY, *map(key_of, others)}) == 6
 
 
-def test_committed_caches_read_back_and_only_the_newest_key_stays(run):
-    run, lease = run
+def test_committed_caches_read_back_and_only_the_newest_key_stays(any_run):
+    run, lease = any_run
     caches = CompiledCaches(run)
     assert caches.read(KEY) is None  # none yet: nothing said above DEBUG
     caches.commit("a" * 32, b"old caches", {}, lease)
-    old = blob_path(run)
     caches.commit(KEY, b"compiled", {"torch": "x"}, lease)
-    assert caches.read(KEY) == b"compiled"
-    assert not old.exists() and sorted(p.name for p in Path(run.compile_cache).iterdir()) == sorted(
-        [MANIFEST, blob_path(run).name])
-    manifest = json.loads(Path(run.compile_cache, MANIFEST).read_text())
+    assert CompiledCaches(run).read(KEY) == b"compiled"
+    manifest = json.loads(run.fs.cat_file(f"{run.compile_cache}/{MANIFEST}"))
     assert manifest["sha256"] == hashlib.sha256(b"compiled").hexdigest() and manifest["writer"]["job"] == lease.job
+    run.fs.invalidate_cache(run.compile_cache)
+    names = sorted(path.rsplit("/", 1)[-1] for path in run.fs.ls(run.compile_cache, detail=False))
+    assert names == sorted([MANIFEST, manifest["file"]])  # the old key's caches are gone
 
 
 def test_a_writer_whose_lease_a_newer_generation_took_writes_nothing(run):
