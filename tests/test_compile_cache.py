@@ -181,24 +181,19 @@ def train_with_cache(procs: Processes, root: Path, cache: Path, name: str, *over
 
 
 @pytest.mark.slow
-@pytest.mark.multiproc
-def test_a_worker_on_a_new_machine_compiles_from_the_runs_caches(tmp_path):
+def test_a_worker_on_a_new_machine_compiles_from_the_runs_caches(tmp_path, procs):
     # One layer: fewer kernels to build cold (as tests/test_performance.py's compile test).
-    procs = Processes(tmp_path)
-    try:
-        first = train_with_cache(procs, tmp_path, tmp_path / "machine-1", "first", "trainer.max_steps=2")
-        assert "fxgraph_cache_miss 2" in first and "compile caches committed" in first
-        manifest = json.loads((tmp_path / "snap" / "compile-cache" / MANIFEST).read_text())
-        assert manifest["describes"]["model"]["n_layer"] == 1 and manifest["describes"]["device"] == "cpu"
-        blob = (tmp_path / "snap" / "compile-cache" / manifest["file"]).read_bytes()
-        assert hashlib.sha256(blob).hexdigest() == manifest["sha256"]
-        with zipfile.ZipFile(io.BytesIO(blob)) as z:
-            assert any(name.endswith(".so") for name in z.namelist())  # Inductor's C++ kernels travel too
+    first = train_with_cache(procs, tmp_path, tmp_path / "machine-1", "first", "trainer.max_steps=2")
+    assert "fxgraph_cache_miss 2" in first and "compile caches committed" in first
+    manifest = json.loads((tmp_path / "snap" / "compile-cache" / MANIFEST).read_text())
+    assert manifest["describes"]["model"]["n_layer"] == 1 and manifest["describes"]["device"] == "cpu"
+    blob = (tmp_path / "snap" / "compile-cache" / manifest["file"]).read_bytes()
+    assert hashlib.sha256(blob).hexdigest() == manifest["sha256"]
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        assert any(name.endswith(".so") for name in z.namelist())  # Inductor's C++ kernels travel too
 
-        second = train_with_cache(procs, tmp_path, tmp_path / "machine-2", "second", "trainer.max_steps=4")
-        assert "compile caches loaded from" in second
-        # Every graph came from the caches: none compiled here; and what the run holds is not written again.
-        assert "fxgraph_cache_hit 2, fxgraph_cache_miss 0, autograd_cache_hit 1, autograd_cache_miss 0" in second
-        assert "compile caches committed" not in second
-    finally:
-        procs.close()
+    second = train_with_cache(procs, tmp_path, tmp_path / "machine-2", "second", "trainer.max_steps=4")
+    assert "compile caches loaded from" in second
+    # Every graph came from the caches: none compiled here; and what the run holds is not written again.
+    assert "fxgraph_cache_hit 2, fxgraph_cache_miss 0, autograd_cache_hit 1, autograd_cache_miss 0" in second
+    assert "compile caches committed" not in second
