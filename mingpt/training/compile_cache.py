@@ -147,7 +147,7 @@ class CompileCache:
             log.warning("could not save the compile caches to %s: %s", self.caches.url,
                         explain_storage_error(e, self.caches.run.local))
 
-    def finish(self, timeout_s: float = 30.0) -> None:
+    def finish(self, timeout_s: float = 10.0) -> None:
         """Let a save in flight end (bounded: leaving on SIGTERM must stay quick)."""
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -231,10 +231,11 @@ def _put_kernel(root: str, name: str, data: bytes) -> int:
     sub, filename = _KERNEL.match(name)[1], _KERNEL.match(name)[2]
     folder = os.path.join(root, sub)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        log.debug("skipping kernel %s: %s is not a folder of this user's", filename, folder)
-        return 0
+    for place in (root, folder):  # /tmp/torchinductor_$USER, torch's default, is in a folder every user writes
+        info = os.lstat(place)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            log.debug("skipping kernel %s: %s is not a folder of this user's", filename, place)
+            return 0
     try:  # written whole under a temporary name, then linked: another process never sees a part of it
         create_exclusive(fsspec.filesystem("file"), os.path.join(folder, filename), data)
     except FileExistsError:
