@@ -140,6 +140,10 @@ def test_a_kernel_goes_beside_the_local_ones_never_over_one(tmp_path):
     assert compile_cache._put_kernel(str(tmp_path), name, b"other") == 0
     assert (tmp_path / "ab" / "cabcdefghijklmnopqrstuvwxyz.main.so").read_bytes() == b"theirs"
     assert [p.name for p in (tmp_path / "ab").iterdir()] == ["cabcdefghijklmnopqrstuvwxyz.main.so"]  # no leftovers
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "cd").symlink_to(tmp_path / "elsewhere")  # planted: the kernel would land where the link points
+    assert compile_cache._put_kernel(str(tmp_path), "kernels/cd/ccdefghijklmnopqrstuvwxyz.so", b"ELF") == 0
+    assert not any((tmp_path / "elsewhere").iterdir())
 
 
 def test_the_kernels_that_travel_are_the_graphs_libraries_and_the_cpu_probes(tmp_path):
