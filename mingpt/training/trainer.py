@@ -276,7 +276,8 @@ class Trainer:
             self.compile_cache.load()
         if self.compiled:
             # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
-            # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds.
+            # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds; the
+            # run's compile caches, loaded above, do that on any machine.
             self.model.compile()
         # Live mode: gradients are averaged by the step's agreement, over the processes the quorum has.
         self.ddp = None if self.live else parallel.replicate(self.model, self.topology)
