@@ -2,6 +2,7 @@
 
     <dir>/step-000001200/   a snapshot (mingpt.checkpoint.store); a folder per step
     <dir>/owner/            the run's lease: which job may write here (mingpt.checkpoint.lease)
+    <dir>/compile-cache/    torch.compile's caches, for workers on any machine (mingpt.checkpoint.compiled)
     <dir>/metrics.jsonl     one JSON record per progress line (mingpt.metrics)
     <dir>/wandb_run.json    the W&B run this run logs to, so restarts continue it
     <dir>/tensorboard/      TensorBoard event files; a run on an object store keeps them on this
@@ -23,6 +24,7 @@ class RunDir:
     """One run folder: its file system, its path there, and the places of what a run writes."""
 
     OWNER = "owner"
+    COMPILE_CACHE = "compile-cache"
     METRICS = "metrics.jsonl"
     WANDB_STATE = "wandb_run.json"
     TENSORBOARD = "tensorboard"
@@ -47,6 +49,10 @@ class RunDir:
     @property
     def owner(self) -> str:
         return self.join(self.OWNER)
+
+    @property
+    def compile_cache(self) -> str:
+        return self.join(self.COMPILE_CACHE)
 
     @property
     def metrics(self) -> str:

@@ -5,7 +5,9 @@ torch promises nothing about names that start with an underscore, and mingpt nee
   assigning ranks), its count of restarts left and its worker processes (`ElasticAgent`);
 - the dynamic rendezvous: who is in the round, leaving it, and how long a waiting agent sleeps;
 - two helpers of torchrun's command line, so that mingpt-torchrun reads it as torch does;
-- DCP's fsspec reader and writer, and the private classes that its index (a pickle) names.
+- DCP's fsspec reader and writer, and the private classes that its index (a pickle) names;
+- Inductor's local cache folder, its C++ code caches, its CPU feature probes and its counters, which
+  carry compile caches between machines (mingpt.training.compile_cache).
 
 `check()` looks each one up, on a real rendezvous handler and a real agent where they are fields, and fails
 in one line that names torch's version and what is missing. mingpt-torchrun checks the launcher's names
@@ -32,6 +34,11 @@ INSTALL = "pip install torch==2.13.0"
 RENDEZVOUS = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 RENDEZVOUS_UTILS = "torch.distributed.elastic.rendezvous.utils"
 DCP_FSSPEC = "torch.distributed.checkpoint._fsspec_filesystem"
+INDUCTOR_CODECACHE = "torch._inductor.codecache"
+INDUCTOR_CACHE_DIR = "torch._inductor.runtime.cache_dir_utils"
+INDUCTOR_VEC_ISA = "torch._inductor.cpu_vec_isa"
+DYNAMO_UTILS = "torch._dynamo.utils"
+COMPILER_CACHE = "torch.compiler._cache"
 
 # Private classes that DCP's index of a sharded snapshot names, which its unpickler must allow.
 DCP_INDEX_CLASSES = (
@@ -49,6 +56,12 @@ LAUNCHER_NAMES = (
 SHARDED_NAMES = (
     (DCP_FSSPEC, "FileSystem"), (DCP_FSSPEC, "FsspecReader"), (DCP_FSSPEC, "FsspecWriter"),
     *DCP_INDEX_CLASSES,
+)
+
+COMPILED_NAMES = (
+    (INDUCTOR_CODECACHE, "CppCodeCache"), (INDUCTOR_CACHE_DIR, "cache_dir"), (INDUCTOR_VEC_ISA, "VecISA"),
+    (DYNAMO_UTILS, "counters"), (COMPILER_CACHE, "CacheArtifactManager"),
+    (COMPILER_CACHE, "AppendingByteSerializer"), (COMPILER_CACHE, "_deserialize_single_cache"),
 )
 
 # The agent's private steps that mingpt's agent overrides, with their parameters (after self).
@@ -80,10 +93,12 @@ def _find(module: str, name: str) -> Any:
         return None
 
 
-def check(launcher: bool = True, sharded: bool = True) -> None:
+def check(launcher: bool = True, sharded: bool = True, compiled: bool = False) -> None:
     """Raise TorchInternalsError, in one line, where the torch that runs lacks a name that mingpt's launcher
-    (its agent and rendezvous) or its sharded runs (DCP) rely on."""
+    (its agent and rendezvous), its sharded runs (DCP) or its compile caches (`compiled`: slow to import;
+    the trainer goes without compile caches where they are missing, see `compiled_names_missing`) rely on."""
     names = (LAUNCHER_NAMES if launcher else ()) + (SHARDED_NAMES if sharded else ())
+    names += COMPILED_NAMES if compiled else ()
     missing = [f"{module}.{name}" for module, name in names if _find(module, name) is None]
     missing += _check_objects() if launcher else []
     if missing:
@@ -249,3 +264,62 @@ def _absent(module: str, name: str) -> type:
         raise _missing_error([f"{module}.{name}"])
 
     return type(name, (), {"__init__": refuse})
+
+
+# -- Inductor's caches ----------------------------------------------------------------------------------------
+
+
+def compiled_names_missing() -> list[str]:
+    """The names of COMPILED_NAMES that this torch lacks."""
+    return [f"{module}.{name}" for module, name in COMPILED_NAMES if _find(module, name) is None]
+
+
+def inductor_cache_dir() -> str:
+    """The local folder of Inductor's caches (TORCHINDUCTOR_CACHE_DIR, or torch's default), created."""
+    return _find(INDUCTOR_CACHE_DIR, "cache_dir")()
+
+
+def compiled_kernel_keys() -> set[str]:
+    """The keys of the C++ libraries that Inductor built or loaded in this process: each is the file
+    `<cache dir>/<key[1:3]>/<key>*.so`, named after a hash of its source and compiler command."""
+    keys, classes = set(), [_find(INDUCTOR_CODECACHE, "CppCodeCache")]
+    while classes:
+        cls = classes.pop()
+        keys |= set(cls.__dict__.get("cache", {}))  # each class keeps its own
+        classes += cls.__subclasses__()
+    return keys
+
+
+def cpu_probe_sources() -> set[str]:
+    """The C++ programs with which Inductor checks, once per cache folder, what the compiler and CPU can
+    do (VecISA's dry compiles, cached as libraries named after a hash of program, compiler and flags)."""
+    sources, classes = set(), [_find(INDUCTOR_VEC_ISA, "VecISA")]
+    while classes:
+        cls = classes.pop()
+        sources |= {value.strip() for name, value in vars(cls).items()
+                    if name.endswith("_code") and isinstance(value, str)}
+        classes += cls.__subclasses__()
+    return sources
+
+
+def load_cache_artifacts(data: bytes) -> dict[str, int]:
+    """`torch.compiler.load_cache_artifacts(data)`, every section of it: torch's own keeps the last section of
+    each kind only, and each `save_cache_artifacts` of a process appends a section of what it compiled since
+    the one before. The number of artifacts loaded, by kind."""
+    cache = importlib.import_module(COMPILER_CACHE)
+    manager = cache.CacheArtifactManager
+    manager._ensure_cache_artifacts_registered()
+    merged: dict[str, list] = {}
+    for kind, artifacts in cache.AppendingByteSerializer.to_list(data, deserialize_fn=cache._deserialize_single_cache):
+        merged.setdefault(kind, []).extend(artifacts)
+    info = manager.populate_caches(merged)
+    return {kind: len(keys) for kind, keys in info.artifacts.items()}
+
+
+def compile_counters() -> dict[str, int]:
+    """This process's counts of Inductor's FX graph cache and AOTAutograd's cache: hits and misses."""
+    counters = _find(DYNAMO_UTILS, "counters")
+    return {"fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+            "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
+            "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"]}

@@ -68,6 +68,9 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: str = "auto"  # auto (bf16 where the GPU or CPU computes it natively, else fp32), fp32, bf16, fp16
     compile: Optional[bool] = None  # torch.compile the model; null (auto): on GPUs only
+    # Where it compiles, load torch.compile's caches from snapshot.dir before compiling, and save them there
+    # (mingpt.training.compile_cache): a worker on a new machine starts warm. They are code: see snapshots.md.
+    compile_cache: bool = True
     # ddp (every process holds the whole state), fsdp (sharded over all), hsdp (sharded within a node,
     # replicated across nodes), auto (ddp while it fits comfortably); see mingpt.training.parallel.
     parallelism: str = "auto"

@@ -39,6 +39,7 @@ from mingpt.training import live
 from mingpt.training.agreement import Outcome, Share, StepAgreement
 from mingpt.training.benchmark import HellaSwag, agree, load_hellaswag
 from mingpt.training.checkpointer import Checkpointer
+from mingpt.training.compile_cache import CompileCache, describe
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
 from mingpt.training.launcher import PEER_STOPPED
@@ -160,6 +161,7 @@ class Trainer:
                                       fused=True)  # one kernel for all parameters
         self.replica = Replica(model, optimizer, scaler, TrainState())
         self.ddp: DDP | None = None
+        self.compile_cache: CompileCache | None = None
         self.checkpointer = Checkpointer(cfg, self.topology, store, data.tokenizer, data.fingerprint, self.replica)
         if self.live:
             self.agreement = live.LiveAgreement(self.topology, self.replica, self.checkpointer, t.global_batch_size,
@@ -208,6 +210,8 @@ class Trainer:
                 if self.hellaswag and not outcome.stops and (state.step % t.hellaswag_every == 0 or last):
                     self.score_hellaswag()  # not on a stop request: it takes longer than a val loss
             periodic = outcome.committed and state.step % cfg.snapshot.every == 0
+            if self.compile_cache is not None and outcome.committed:  # the lease's holder saves them
+                self.compile_cache.after_step(self.checkpointer.store.lease, periodic or last)
             if (periodic or last) and self.agreement.writes:
                 self.save()
             if outcome.stops:
@@ -270,9 +274,15 @@ class Trainer:
     def _wrap_model(self) -> None:
         """torch.compile where chosen, and DDP where the model is replicated."""
         self.compiled, self.compile_reason = choose_compile(self.cfg.trainer.compile, self.world.device)
+        if self.compiled and self.cfg.trainer.compile_cache:  # the run's caches, before the first compile
+            self.compile_cache = CompileCache(self.checkpointer.store.run, describe(
+                self.model.config, self.world.device, compute_dtype(self.autocast), self.topology.mode),
+                announce=self.world.local_rank == 0)  # each node: its machine may have other caches
+            self.compile_cache.load()
         if self.compiled:
             # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
-            # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds.
+            # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds; the
+            # run's compile caches, loaded above, do that on any machine.
             self.model.compile()
         # Live mode: gradients are averaged by the step's agreement, over the processes the quorum has.
         self.ddp = None if self.live else parallel.replicate(self.model, self.topology)
@@ -379,6 +389,8 @@ class Trainer:
     def finish(self, release_memory: bool = True) -> None:
         self.progress.mark(self.replica.state.step, "saving")
         self.report.metrics.close()
+        if self.compile_cache is not None:  # while this process still holds the lease it saves them under
+            self.compile_cache.finish()
         self.checkpointer.finish(release_memory)
         self.progress.close()
         self.agreement.close()
