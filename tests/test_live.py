@@ -18,7 +18,7 @@ from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, assert_equal_we
                     latest_step, metrics, output, overrides, rendezvous, torchrun, wait_for, weights, worker)
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.packing import pack
-from mingpt.errors import DataError
+from mingpt.errors import ConfigError, DataError
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
 from mingpt.training.live import LiveAgreement
 
@@ -35,6 +35,23 @@ def test_a_group_with_other_data_than_the_first_groups_is_refused_naming_both(mo
     with pytest.raises(DataError) as refused:
         groups[2]._check_data("b" * 64)
     assert f"fingerprint {'b' * 12}" in str(refused.value) and f"fingerprint {'a' * 12}" in str(refused.value)
+
+
+def test_a_group_of_another_layout_than_the_first_groups_is_refused_naming_both(monkeypatch):
+    """Each worker exchanges with the worker of its place in the other groups: every group must have as many,
+    splitting the model alike."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "layout-check")
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups = [LiveAgreement.__new__(LiveAgreement) for _ in range(3)]
+    for group in groups:
+        group.rendezvous = store
+    groups[0]._check_layout("2 worker(s) per node, hsdp")
+    groups[1]._check_layout("2 worker(s) per node, hsdp")
+    with pytest.raises(ConfigError) as refused:
+        groups[2]._check_layout("1 worker(s) per node, ddp")
+    assert str(refused.value) == (
+        "this node runs 1 worker(s) per node, ddp, where live job layout-check runs 2 worker(s) per node, hsdp (as "
+        "its first node started): start every node of a job with the same --nproc-per-node and trainer.parallelism")
 
 
 # -- the transport a joining node heals through ----------------------------------------------------------------
@@ -219,13 +236,12 @@ def tier_states(machine) -> dict[tuple[int, int], tuple[int, list[torch.Tensor]]
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # four workers and a joiner's two on two cores
-def test_hsdp_nodes_shard_within_heal_shard_by_shard_and_refuse_another_layout(tmp_path, procs, reference):
+def test_hsdp_nodes_shard_within_and_heal_shard_by_shard(tmp_path, procs, reference):
     """Two live nodes of two workers, the model sharded within each node (hsdp) and replicated across them.
-    1. A node of one worker is refused in one line: its workers would have no counterparts.
-    2. A node of two joins, and each of its workers heals its shard from the worker of its place on a live
+    1. A third node joins, and each of its workers heals its shard from the worker of its place on a live
        node.
-    3. The first node is SIGKILLed: the others go on, with the same processes, the writer's snapshots sharded.
-    4. Both die, their memory kept: the shards the joiner's tier holds are bitwise those of the other node's,
+    2. The first node is SIGKILLed: the others go on, with the same processes, the writer's snapshots sharded.
+    3. Both die, their memory kept: the shards the joiner's tier holds are bitwise those of the other node's,
        optimizer state included, at the same step. Every step's samples are those of an uninterrupted run."""
     hsdp = ["trainer.parallelism=hsdp"]
     port, lighthouse = free_port(), free_port()
@@ -235,16 +251,10 @@ def test_hsdp_nodes_shard_within_heal_shard_by_shard_and_refuse_another_layout(t
     snap = tmp_path / "live"
     wait_for(lambda: max(ledger(snap), default=0) >= 5, 120, "step 5", [first, second])
 
-    odd = live_node(procs, tmp_path, port, "odd", "machine-c", workers=1, extra=hsdp)  # 1.
-    assert odd.wait(timeout=120) == 2
-    assert "ERROR this node runs 1 worker(s) per node, ddp, where live job live runs 2 worker(s) per node, hsdp (as " \
-        "its first node started): start every node of a job with the same --nproc-per-node and " \
-        "trainer.parallelism" in output(odd)
-
-    third = live_node(procs, tmp_path, port, "third", "machine-c", workers=2, extra=hsdp)  # 2.
+    third = live_node(procs, tmp_path, port, "third", "machine-c", workers=2, extra=hsdp)  # 1.
     wait_for(lambda: "healed from a live peer" in output(third), 120, "the heal", [first, second, third])
     survivors = {node: [worker(node.pid, rank) for rank in (0, 1)] for node in (second, third)}
-    kill_node(first)  # 3.
+    kill_node(first)  # 2.
     first.wait(timeout=30)
     killed_at = max(ledger(snap))
     compared = (killed_at // 10 + 2) * 10
@@ -252,7 +262,7 @@ def test_hsdp_nodes_shard_within_heal_shard_by_shard_and_refuse_another_layout(t
     assert {node: [worker(node.pid, rank) for rank in (0, 1)] for node in (second, third)} == survivors
     assert {path.name for path in (snap / f"step-{compared:09d}" / "state").iterdir()} == \
         {".metadata", "__0_0.distcp", "__1_0.distcp"}  # each of the writer's workers its shard
-    for node in (second, third):  # 4.
+    for node in (second, third):  # 3.
         kill_node(node)
     for node in (second, third):
         node.wait(timeout=30)
