@@ -51,10 +51,10 @@ HEARTBEAT_TIMEOUT_MS = 1000  # Lighthouse: a group silent this long is left out 
 JOIN_TIMEOUT_MS = 1000  # Lighthouse: how long a quorum waits for live groups that have not asked yet
 QUORUM_TICK_MS = 100  # Lighthouse: how often it looks whether a quorum can form
 COLLECTIVE_TIMEOUT_S = 10.0  # a cross-group collective, the commit vote, a heal's transfer (Manager's timeout)
-# Forming a quorum: it waits for every live group, one of which may still be in a collective that times out
-# (COLLECTIVE_TIMEOUT_S) or starting; past it, the group meets the Lighthouse again under a new Manager. A
-# stopped Lighthouse is found at once (its port refuses the quorum), not by this timeout.
-QUORUM_TIMEOUT_S = 60.0
+# Forming a quorum: past it, the Lighthouse is taken for lost, and the group meets it again under a new Manager.
+# Longer than a collective's timeout: a live group may still be in a collective that times out on the dead one,
+# and a group that left for a new Manager meanwhile leaves the quorum an address that no longer answers.
+QUORUM_TIMEOUT_S = 15.0
 CONNECT_TIMEOUT_S = 10.0  # reaching the Lighthouse or another group's manager
 LIGHTHOUSE_WAIT_S = 300.0  # how long a lost Lighthouse is waited for (mingpt-rendezvous restarting)
 
