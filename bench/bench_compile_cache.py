@@ -20,17 +20,17 @@ and the issue's targets: run caches / warm local (<= 1.5) and run caches - compi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from jobs import free_port, records, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -45,31 +45,6 @@ CASES = {  # name: (trainer.compile, trainer.compile_cache, the joiner's local c
     "run caches": (True, True, False),
     "warm local": (True, False, True),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def records(metrics: Path) -> list[dict]:
-    if not metrics.exists():
-        return []
-    lines = metrics.read_text().splitlines()
-    return [json.loads(line) for line in lines[:-1] if '"train_loss"' in line]  # the last may be half-written
-
-
-def wait_until(condition, timeout: float, what: str, procs: list[subprocess.Popen]):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a node exited while waiting for {what}")
-        time.sleep(0.1)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def environment(cache: Path) -> dict:

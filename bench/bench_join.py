@@ -19,12 +19,10 @@ Afterwards the scratch folders are searched for `.*.tmp-*` debris, which must be
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mingpt.data.corpus import builtin_bytes  # noqa: E402
+from jobs import free_port, records, wait_until  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODEL = ["model=gpt-nano", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
@@ -60,31 +59,6 @@ def timed(command: list[str], log: Path, cwd: Path) -> float:
     if rc != 0:
         raise SystemExit(f"{command[0]} failed ({rc}); see {log}")
     return time.perf_counter() - started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def records(metrics: Path) -> list[dict]:
-    if not metrics.exists():
-        return []
-    lines = metrics.read_text().splitlines()
-    return [json.loads(line) for line in lines[:-1] if '"train_loss"' in line]  # the last may be half-written
-
-
-def wait_until(condition, timeout: float, what: str, procs: list[subprocess.Popen]):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a node exited while waiting for {what}")
-        time.sleep(0.2)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def join(work: Path, data: list[str]) -> tuple[float, float]:

@@ -222,9 +222,9 @@ def hellaswag_records(snap) -> dict[int, tuple]:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_training_scores_hellaswag_every_n_steps_alike_at_world_sizes_1_and_2_and_plots_it(tmp_path, procs):
-    """Two processes (torchrun, the model sharded) and one train the same job with the metric on; every N steps and at the end each
-    logs the same accuracies over all the examples (to metrics.jsonl and TensorBoard), and mingpt-plot draws the
-    panel. Not in tokens/s: the progress record after one counts its time apart (other_s; no snapshot, no val loss
+    """Two processes (torchrun, the model sharded) and one train the same job with the metric on; every N steps
+    and at the end each logs the same accuracies over all the examples (to metrics.jsonl and TensorBoard), and
+    mingpt-plot draws the panel. Not in tokens/s: the progress record after one counts its time apart (other_s; no snapshot, no val loss
     in between)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

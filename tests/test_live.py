@@ -269,7 +269,8 @@ def test_hsdp_nodes_shard_within_and_heal_shard_by_shard(tmp_path, procs, refere
     assert "Traceback" not in output(second) + output(third)
 
     joiner, other = tier_states(tmp_path / "machine-c"), tier_states(tmp_path / "machine-b")
-    step = max(step for step, piece in joiner.keys() & other.keys() if (step, 1 - piece) in joiner.keys() & other.keys())
+    both = joiner.keys() & other.keys()
+    step = max(step for step, piece in both if (step, 1 - piece) in both)  # a step of both pieces on both nodes
     assert step >= compared
     for piece in (0, 1):
         (seen, ours), (theirs_seen, theirs) = joiner[step, piece], other[step, piece]

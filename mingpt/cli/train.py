@@ -32,7 +32,8 @@ log = logging.getLogger("mingpt")
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def run(raw: DictConfig) -> None:
     # The leader logs the job's progress, the first process of every other node its data preparation and its
-    # compile caches (each machine has its own); the rest, and other libraries (botocore's credential notes), report warnings and errors only.
+    # compile caches (each machine has its own); the rest, and other libraries (botocore's credential notes),
+    # report warnings and errors only.
     # torch and the trainer: imported once Hydra has read the command line, so that --help is quick.
     from mingpt.training.distributed import first_on_its_node, leads_this_generation
     from mingpt.training.trainer import train

@@ -2,20 +2,21 @@
 
 Each node is one torchft replica group: its own torchrun with K workers, which hold the whole model
 (ddp) or shard it among themselves (hsdp); across groups the model is replicated, each worker exchanging
-with the worker of its place in every other group (so every node runs as many). torchft's Manager, in every worker, forms a quorum of the groups at every step through the
-Lighthouse that mingpt-rendezvous serves, reconfigures the cross-group process group in place when the
-quorum changes, heals a group that is behind from a live peer (mingpt.training.healing), and votes on
-every step: a step that failed anywhere (a group died mid-collective) is not committed, and is done
-again with the same samples by the quorum that follows.
+with the worker of its place in every other group (so every node runs as many). torchft's Manager, in
+every worker, forms a quorum of the groups at every step through the Lighthouse that mingpt-rendezvous
+serves, reconfigures the cross-group process group in place when the quorum changes, heals a group
+that is behind from a live peer (mingpt.training.healing), and votes on every step: a step that failed
+anywhere (a group died mid-collective) is not committed, and is done again with the same samples by the
+quorum that follows.
 
 The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepAgreement):
 1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch
    is split by that place (the group's position in the quorum, then the worker's within its group), so
    step s trains the same samples whichever groups commit it;
 2. exchange: the gradients, averaged over every process of the step (within the group, by FSDP's
-   reduce-scatter where sharded, then across groups on torchft's process group), and the step's numbers: its loss, this group's stops (a group
-   asked to stop leaves; the others go on), whether the writer's saves keep failing, and the writer's
-   lease generation (which marks the memory tiers' copies);
+   reduce-scatter where sharded, then across groups on torchft's process group), and the step's numbers:
+   its loss, this group's stops (a group asked to stop leaves; the others go on), whether the writer's
+   saves keep failing, and the writer's lease generation (which marks the memory tiers' copies);
 3. commit (`should_commit`): only a committed step updates the weights and advances the data.
 
 The group in the quorum's first position writes the snapshots and metrics (the writer). Groups are

@@ -1,0 +1,37 @@
+"""What the benches that start whole jobs share: a free port, the steps a job's metrics.jsonl records, and
+waiting for a condition while the job's processes live."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def records(metrics: Path) -> list[dict]:
+    """The step records of a metrics.jsonl; the last line is left out: it may be half-written."""
+    if not metrics.exists():
+        return []
+    lines = metrics.read_text().splitlines()
+    return [json.loads(line) for line in lines[:-1] if '"train_loss"' in line]
+
+
+def wait_until(condition, timeout: float, what: str, procs: list[subprocess.Popen]):
+    """What `condition()` returns once it is true; SystemExit when a process ends or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit(f"a node exited while waiting for {what}")
+        time.sleep(0.1)
+    raise SystemExit(f"timed out waiting for {what}")
