@@ -4,6 +4,7 @@ through transformers on the exported weights, `mingpt-eval hellaswag`, the metri
 small files in HellaSwag's format."""
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -112,6 +113,19 @@ def test_a_url_is_fetched_once_into_a_private_cache_and_checked(tmp_path, monkey
         hellaswag.load_examples(url)
     assert hellaswag.KNOWN_SHA256[hellaswag.PUBLIC_URL] == \
         "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
+
+
+def test_a_server_that_never_answers_is_given_up_on_as_offline(tmp_path, monkeypatch):
+    """A listening socket that accepts and never sends a byte (a stuck proxy): the fetch ends at its timeout, as
+    offline, naming where to put the file, instead of holding the job's start for aiohttp's 5 minutes."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(hellaswag, "FETCH_TIMEOUT_S", 1)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/hellaswag_val.jsonl"
+        with pytest.raises(hellaswag.HellaSwagUnavailable, match="cannot fetch .* put the file at"):
+            hellaswag.load_examples(url)
 
 
 # -- scoring ---------------------------------------------------------------------------------------------------------

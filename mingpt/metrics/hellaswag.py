@@ -32,6 +32,7 @@ KNOWN_SHA256 = {
         "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588",
 }
 MAX_BYTES = 256 << 20  # the validation file is 12 MB: a larger download is not it
+FETCH_TIMEOUT_S = 120  # an http(s) fetch, whole: a server that never answers must not hold a job's start
 
 
 class HellaSwagUnavailable(MinGPTError):
@@ -194,7 +195,7 @@ def _read_cached(path: Path) -> bytes | None:
 def _fetch(url: str, path: Path) -> bytes:
     """The file at `url`; HellaSwagUnavailable where it cannot be had (a URL that cannot be used at all, an unknown
     protocol, is a MinGPTError: a mistake to fix, not a network to wait for)."""
-    fs, remote = open_fs(url)
+    fs, remote = open_fs(url, _http_options(url))
     try:
         with fs.open(remote, "rb") as f:
             return f.read(MAX_BYTES + 1)
@@ -202,6 +203,15 @@ def _fetch(url: str, path: Path) -> bytes:
         raise HellaSwagUnavailable(f"HellaSwag: cannot fetch {redact(url)} ({redact(one_line(e))}); put the file at "
                                    f"{path}, or give the path of a copy (trainer.hellaswag_data, or mingpt-eval's "
                                    "--data)") from None
+
+
+def _http_options(url: str) -> dict:
+    """fsspec's HTTP file system waits 5 minutes for a server that does not answer (aiohttp's default)."""
+    if not url.startswith(("http://", "https://")):
+        return {}
+    import aiohttp  # fsspec's HTTP client
+
+    return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S, sock_connect=10)}}
 
 
 def _check_digest(data: bytes, url: str, what: str, advice: str) -> None:
