@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import MAIN, SMALL, Processes, env, output
+from launch import MAIN, SMALL, Processes, env, output, train_here
 from mingpt import torch_internals
 from mingpt.checkpoint.compiled import MANIFEST, CompiledCaches
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
@@ -185,10 +185,23 @@ def train_with_cache(procs: Processes, root: Path, cache: Path, name: str, *over
     return output(proc)
 
 
+def losses(snap: Path, steps: int) -> dict[int, float]:
+    records = [json.loads(line) for line in (snap / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train_loss"] for r in records if "train_loss" in r and r["step"] <= steps}
+
+
 @pytest.mark.slow
 def test_a_worker_on_a_new_machine_compiles_from_the_runs_caches(tmp_path, procs):
-    # One layer: fewer kernels to build cold (as tests/test_performance.py's compile test).
-    first = train_with_cache(procs, tmp_path, tmp_path / "machine-1", "first", "trainer.max_steps=2")
+    """A compiled job trains as the eager one does; a second "machine" with an empty Inductor cache goes on
+    from the caches the first committed to the run, compiling nothing. One layer: fewer kernels to build cold
+    (a fresh clone's cache is empty)."""
+    first = train_with_cache(procs, tmp_path, tmp_path / "machine-1", "first", "trainer.max_steps=10")
+    assert "torch.compile on (as configured)" in first
+    train_here(tmp_path / "eager", "model.n_layer=1", "trainer.max_steps=10", "trainer.log_every=1",
+               "trainer.compile=false")
+    compiled, eager = losses(tmp_path / "snap", 10), losses(tmp_path / "eager" / "snap", 10)
+    assert list(compiled) == list(range(1, 11)) and list(compiled.values()) == pytest.approx(list(eager.values()),
+                                                                                             rel=1e-4)
     assert "fxgraph_cache_miss 2" in first and "compile caches committed" in first
     manifest = json.loads((tmp_path / "snap" / "compile-cache" / MANIFEST).read_text())
     assert manifest["describes"]["model"]["n_layer"] == 1 and manifest["describes"]["device"] == "cpu"
@@ -197,7 +210,7 @@ def test_a_worker_on_a_new_machine_compiles_from_the_runs_caches(tmp_path, procs
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
         assert any(name.endswith(".so") for name in z.namelist())  # Inductor's C++ kernels travel too
 
-    second = train_with_cache(procs, tmp_path, tmp_path / "machine-2", "second", "trainer.max_steps=4")
+    second = train_with_cache(procs, tmp_path, tmp_path / "machine-2", "second", "trainer.max_steps=12")
     assert "compile caches loaded from" in second
     # Every graph came from the caches: none compiled here; and what the run holds is not written again.
     assert "fxgraph_cache_hit 2, fxgraph_cache_miss 0, autograd_cache_hit 1, autograd_cache_miss 0" in second

@@ -117,17 +117,6 @@ def test_bf16_autocast_on_a_cpu_trains_as_well_as_fp32(tmp_path):
     assert bf16[-1] == pytest.approx(fp32[-1], abs=0.05)
 
 
-@pytest.mark.slow
-def test_compiled_and_eager_models_train_alike(tmp_path):
-    # One layer: every kernel of a deeper model, fewer of them to build with a cold inductor cache
-    # (a fresh clone's: 23 instead of 31, 28 s -> 22 s on 2 cores).
-    steps = ["trainer.max_steps=10", "trainer.log_every=5", "model.n_layer=1"]
-    log = train_here(tmp_path / "compiled", *steps, "trainer.compile=true")
-    train_here(tmp_path / "eager", *steps, "trainer.compile=false")
-    assert "torch.compile on (as configured)" in log
-    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
-
-
 def test_tokens_per_second_leave_out_evaluation_and_saving(monkeypatch):
     from mingpt.training import performance
 
