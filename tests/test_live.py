@@ -141,8 +141,8 @@ def test_a_healer_refuses_a_damaged_state_and_gets_it_from_another_group():
 
 
 def live_node(procs, tmp_path, port, name, machine, workers=1, extra=()):
-    """A node of the live job `live` (one worker), logging to NAME.log, on `machine`: the memory it keeps its
-    memory tier in."""
+    """A node of the live job `live` (`workers` of them), logging to NAME.log, on `machine`: the memory it keeps
+    its memory tier in."""
     (tmp_path / machine).mkdir(exist_ok=True)
     args = torchrun("--live", "--nnodes=2:4", f"--nproc-per-node={workers}", "--max-restarts=0",
                     "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=live")
