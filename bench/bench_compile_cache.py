@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jobs import free_port, records, wait_until
+from jobs import free_port, records, stop_all, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -93,15 +92,7 @@ def join(work: Path, nodes: int, warm: Path, case: str) -> float:
                               "a step of every node", procs)[0]
         return everyone["time"] - started
     finally:
-        for p in [*procs, rendezvous]:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in [*procs, rendezvous]:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_all([*procs, rendezvous])
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ import argparse
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mingpt.data.corpus import builtin_bytes  # noqa: E402
-from jobs import free_port, records, wait_until  # noqa: E402
+from jobs import free_port, records, stop_all, wait_until  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODEL = ["model=gpt-nano", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
@@ -86,15 +85,7 @@ def join(work: Path, data: list[str]) -> tuple[float, float]:
         alone = [r for r in records(work / "snap" / "metrics.jsonl") if r["step"] < both["step"]][-1]
         return both["time"] - started, both["time"] - alone["time"]
     finally:
-        for p in [*nodes, rendezvous]:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in [*nodes, rendezvous]:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_all([*nodes, rendezvous])
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
 """What the benches that start whole jobs share: a free port, the steps a job's metrics.jsonl records, and
-waiting for a condition while the job's processes live."""
+waiting for a condition while the job's processes live, and ending them."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -35,3 +37,16 @@ def wait_until(condition, timeout: float, what: str, procs: list[subprocess.Pope
             raise SystemExit(f"a node exited while waiting for {what}")
         time.sleep(0.1)
     raise SystemExit(f"timed out waiting for {what}")
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """End each process's session (SIGTERM, then SIGKILL after 60 s) and wait for it."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
