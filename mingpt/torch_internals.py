@@ -269,9 +269,17 @@ def _absent(module: str, name: str) -> type:
 # -- Inductor's caches ----------------------------------------------------------------------------------------
 
 
+# Members of COMPILED_NAMES' classes that load_cache_artifacts calls.
+COMPILED_MEMBERS = (("CacheArtifactManager", "_ensure_cache_artifacts_registered"),
+                    ("CacheArtifactManager", "populate_caches"), ("AppendingByteSerializer", "to_list"))
+
+
 def compiled_names_missing() -> list[str]:
-    """The names of COMPILED_NAMES that this torch lacks."""
-    return [f"{module}.{name}" for module, name in COMPILED_NAMES if _find(module, name) is None]
+    """The names of COMPILED_NAMES, and the members of theirs used here, that this torch lacks."""
+    missing = [f"{module}.{name}" for module, name in COMPILED_NAMES if _find(module, name) is None]
+    missing += [f"{COMPILER_CACHE}.{owner}.{member}" for owner, member in COMPILED_MEMBERS
+                if not hasattr(_find(COMPILER_CACHE, owner), member)]
+    return missing
 
 
 def inductor_cache_dir() -> str:
@@ -282,24 +290,24 @@ def inductor_cache_dir() -> str:
 def compiled_kernel_keys() -> set[str]:
     """The keys of the C++ libraries that Inductor built or loaded in this process: each is the file
     `<cache dir>/<key[1:3]>/<key>*.so`, named after a hash of its source and compiler command."""
-    keys, classes = set(), [_find(INDUCTOR_CODECACHE, "CppCodeCache")]
-    while classes:
-        cls = classes.pop()
-        keys |= set(cls.__dict__.get("cache", {}))  # each class keeps its own
-        classes += cls.__subclasses__()
-    return keys
+    return {key for cls in _with_subclasses(_find(INDUCTOR_CODECACHE, "CppCodeCache"))
+            for key in cls.__dict__.get("cache", {})}  # each class keeps its own
 
 
 def cpu_probe_sources() -> set[str]:
     """The C++ programs with which Inductor checks, once per cache folder, what the compiler and CPU can
     do (VecISA's dry compiles, cached as libraries named after a hash of program, compiler and flags)."""
-    sources, classes = set(), [_find(INDUCTOR_VEC_ISA, "VecISA")]
-    while classes:
-        cls = classes.pop()
-        sources |= {value.strip() for name, value in vars(cls).items()
-                    if name.endswith("_code") and isinstance(value, str)}
-        classes += cls.__subclasses__()
-    return sources
+    return {value.strip() for cls in _with_subclasses(_find(INDUCTOR_VEC_ISA, "VecISA"))
+            for name, value in vars(cls).items() if name.endswith("_code") and isinstance(value, str)}
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    """`cls` and every class derived from it, however deep."""
+    found, frontier = [], [cls]
+    while frontier:
+        found.append(frontier.pop())
+        frontier += found[-1].__subclasses__()
+    return found
 
 
 def load_cache_artifacts(data: bytes) -> dict[str, int]:

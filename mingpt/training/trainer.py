@@ -277,7 +277,7 @@ class Trainer:
         if self.compiled and self.cfg.trainer.compile_cache:  # the run's caches, before the first compile
             self.compile_cache = CompileCache(self.checkpointer.store.run, describe(
                 self.model.config, self.world.device, compute_dtype(self.autocast), self.topology.mode),
-                announce=self.world.local_rank == 0)  # each node: its machine may have other caches
+                announce=distributed.first_on_its_node())  # each node: its machine may have other caches
             self.compile_cache.load()
         if self.compiled:
             # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
