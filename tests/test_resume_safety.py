@@ -184,5 +184,6 @@ def test_snapshots_of_the_earlier_formats_resume_and_sample(tmp_path, kind, caps
                      "snapshot.every=8")
     assert "step-000000006: step 6, 48 examples seen" in log and "done: step 8" in log
     capsys.readouterr()
-    assert sample.main([str(tmp_path / "snap" / "step-000000006"), "--max-new-tokens", "20"]) == 0
+    # Seeded: unseeded, a model this young ends its document at the first token about one time in 45.
+    assert sample.main([str(tmp_path / "snap" / "step-000000006"), "--max-new-tokens", "20", "--seed", "0"]) == 0
     assert capsys.readouterr().out.strip()
