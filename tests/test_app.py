@@ -75,6 +75,10 @@ def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2_before_any_work(
     assert result.stdout == "" and result.stderr.splitlines() == [result.stderr.strip()], result.stderr
     assert result.stderr.rstrip().endswith("ERROR trainer.lr must be positive; got -1.0")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no snapshot folder, no data, no Hydra output
+    probe = "import sys, runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", probe, MAIN, "trainer.lr=-1"], cwd=tmp_path,
+                            env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and not re.search(r"\|\s+torch$", result.stderr, re.M)  # nor torch's start-up
 
 
 @pytest.mark.multiproc

@@ -31,22 +31,15 @@ log = logging.getLogger("mingpt")
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def run(raw: DictConfig) -> None:
-    # The leader logs the job's progress, the first process of every other node its data preparation and its
-    # compile caches (each machine has its own); the rest, and other libraries (botocore's credential notes),
-    # report warnings and errors only.
-    # torch and the trainer: imported once Hydra has read the command line, so that --help is quick.
-    from mingpt.training.distributed import first_on_its_node, leads_this_generation
-    from mingpt.training.trainer import train
-
     configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    if leads_this_generation():
-        log.setLevel(logging.INFO)
-    elif first_on_its_node():
-        for name in ("mingpt.data", "mingpt.training.compile_cache", "mingpt.checkpoint.compiled"):
-            logging.getLogger(name).setLevel(logging.INFO)
     try:
         cfg: Config = from_hydra(raw)
         validate(cfg)
+        # torch and the trainer: imported once the settings are known to be sound, so that --help and a bad
+        # value are quick (torch's start-up is seconds of CPU).
+        from mingpt.training.trainer import train
+
+        log_as_this_process_should()
         train(cfg)
     except PeerLeft as e:  # not this process's failure: mingpt-torchrun's agent restarts it for free
         log.warning("%s", e)
@@ -57,6 +50,19 @@ def run(raw: DictConfig) -> None:
     except Exception:  # a bug or another library's error: its traceback (redacted too), not Hydra's report
         log.exception("unexpected error")
         exit_now(1)
+
+
+def log_as_this_process_should() -> None:
+    """The leader logs the job's progress, the first process of every other node its data preparation and its
+    compile caches (each machine has its own); the rest, and other libraries (botocore's credential notes),
+    report warnings and errors only."""
+    from mingpt.training.distributed import first_on_its_node, leads_this_generation
+
+    if leads_this_generation():
+        log.setLevel(logging.INFO)
+    elif first_on_its_node():
+        for name in ("mingpt.data", "mingpt.training.compile_cache", "mingpt.checkpoint.compiled"):
+            logging.getLogger(name).setLevel(logging.INFO)
 
 
 def exit_now(code: int) -> None:
