@@ -235,6 +235,15 @@ def metrics(snapdir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def ledger(snapdir: Path) -> dict[int, set[str]]:
+    """step -> the digests of its samples, as metrics.jsonl records them."""
+    found: dict[int, set[str]] = {}
+    for record in metrics(snapdir):
+        if "samples" in record:
+            found.setdefault(record["step"], set()).add(record["samples"])
+    return found
+
+
 def slow_corpus(path: Path, megabytes: int = 200) -> Path:
     """JSONL of tiny records: about 80 s of tokenizing on 2 cores, in 2 MB of disk (one gzip member repeated:
     concatenated members are one valid gzip stream). A test stops it within seconds of starting."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from launch import SMALL, manifests, metrics, output, standalone, train_here, wait_for, worker
+from launch import SMALL, ledger, manifests, metrics, output, standalone, train_here, wait_for, worker
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.checkpoint.load import open_model, snapshot_store
 from mingpt.checkpoint.memory import MemoryTier
@@ -92,6 +92,8 @@ def test_a_run_moves_between_ddp_and_fsdp_through_two_kills_of_its_leader_and_en
     lost = [m["steps_lost"] for m in metrics(snap) if "steps_lost" in m]
     assert len(lost) == 2 and max(lost) <= 1, lost
     assert [m["step"] for m in manifests(snap)] == [5, 30]  # every resume came from memory
+    seen, expected = ledger(snap), ledger(reference)  # every step's samples logged, whenever the leader died
+    assert [step for step in range(1, 31) if seen.get(step) != expected[step]] == []
     assert {path.name for path in (snap / "step-000000030" / "state").iterdir()} == \
         {".metadata", "__0_0.distcp", "__1_0.distcp"}
     ours, theirs = model_at(snap, 30).state_dict(), model_at(reference, 30).state_dict()

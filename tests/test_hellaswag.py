@@ -17,7 +17,7 @@ from mingpt.cli import eval as eval_command
 from mingpt.errors import MinGPTError
 from mingpt.metrics import hellaswag, plot
 from mingpt.metrics.hellaswag import Example, parse_examples, preprocess
-from mingpt.metrics.scoring import Encoded, Scored, Tally, encode, encode_all, score
+from mingpt.metrics.scoring import Scored, Tally, encode, encode_all, score
 from mingpt.tokenizers import CharTokenizer
 
 # In HellaSwag's format, with WikiHow's bracketed tags, in words the shared runs' char vocabulary holds (but for

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, assert_equal_weights, env, free_port, kill_node,
-                    latest_step, metrics, output, overrides, rendezvous, torchrun, wait_for, weights, worker)
+                    latest_step, ledger, output, overrides, rendezvous, torchrun, wait_for, weights, worker)
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.packing import pack
 from mingpt.errors import ConfigError, DataError
@@ -149,15 +149,6 @@ def live_node(procs, tmp_path, port, name, machine, workers=1, extra=()):
     args += overrides(tmp_path, "live", ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL, "snapshot.memory_every=1",
                                                                 f"snapshot.memory_dir={tmp_path / machine}", *extra])
     return procs.start(args, name)
-
-
-def ledger(snap) -> dict[int, set[str]]:
-    """step -> the digests of its samples, as metrics.jsonl records them."""
-    found: dict[int, set[str]] = {}
-    for record in metrics(snap):
-        if "samples" in record:
-            found.setdefault(record["step"], set()).add(record["samples"])
-    return found
 
 
 @pytest.mark.slow

@@ -140,6 +140,7 @@ def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp
     assert writer.restore(0, None) is None  # nothing held yet; the tier starts
     writer.generation = 1
     writer.replica.state.step, writer.replica.state.samples_seen = 12, 96
+    writer.replica.state.ledger = [(11, "digest of 11"), (12, "digest of 12")]
     writer.after_step()
     writer.before_update()
     try:
@@ -148,6 +149,7 @@ def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp
         resumed = copies(2)
         assert resumed.restore(10, 1)["step"] == 12
         assert (resumed.replica.state.step, resumed.replica.state.samples_seen) == (12, 96)
+        assert resumed.replica.state.ledger == writer.replica.state.ledger  # for a writer that died to log them
         assert all(torch.equal(a, b) for a, b in zip(resumed.replica.model.parameters(),
                                                       writer.replica.model.parameters()))
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from contextlib import AbstractContextManager
 
 import torch
@@ -23,12 +22,10 @@ from mingpt.training.distributed import World
 from mingpt.training.launcher import membership_change
 from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from mingpt.training.resume import Resumed
+from mingpt.training.state import TrainState
 from mingpt.training.stragglers import StepTimes
 
 log = logging.getLogger(__name__)
-
-RECENT = 64  # steps whose samples a new writer logs again: those its predecessor may have had no time to log
-
 
 class Report:
     """One generation's reporting. `start` once training begins, `step` after every step, `evaluation` and
@@ -45,7 +42,6 @@ class Report:
         self.throughput: Throughput | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)
         self.processes = world.world_size  # that took part in the last step
-        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT)  # (step, samples' digest) of the last steps
         self.steps_lost: int | None = None
         self.step_times: StepTimes | None = None
 
@@ -70,7 +66,7 @@ class Report:
         self.step_times = StepTimes(self.world, self.metrics)
         self.throughput = Throughput(t.global_batch_size * self.cfg.data.block_size)
 
-    def speak(self, speaks: bool, step: int) -> None:
+    def speak(self, speaks: bool, state: TrainState) -> None:
         """Live mode: this process starts (or stops) speaking for the job, its group having become (or ceased
         to be) the writer."""
         if speaks == self.speaks:
@@ -78,9 +74,14 @@ class Report:
         self.metrics.close()
         self.speaks = speaks
         self.metrics = self.step_times.metrics = Loggers(self.cfg.trainer.loggers, self.run, self.cfg.to_dict(), speaks)
-        self.metrics.start(step)
-        for seen, samples in self.recent:  # the last steps the writer before may have committed but not logged
-            self.metrics.log(seen, {"samples": samples, "again": True})
+        self.metrics.start(state.step)
+        self.log_again(state.ledger)  # the last steps the writer before may have committed but not logged
+
+    def log_again(self, ledger: list[tuple[int, str]]) -> None:
+        """The samples of steps that another process took, which it may not have lived to log."""
+        if self.speaks:
+            for seen, samples in ledger:
+                self.metrics.log(seen, {"samples": samples, "again": True})
 
     def step(self, step: int, loss: float, lr: float, samples: str, processes: int, split: tuple[float, float],
              seconds: float, last: bool) -> None:
@@ -91,7 +92,6 @@ class Report:
         self.throughput.step()
         self.processes = processes
         self.metrics.log(step, {"samples": samples})
-        self.recent.append((step, samples))
         if self.change is not None:
             self._membership(step)
         if step % self.cfg.trainer.log_every == 0 or last:

@@ -19,6 +19,8 @@ from mingpt.checkpoint.store import Snapshot, SnapshotError
 from mingpt.model import GPTConfig
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 
+RECENT = 64  # steps whose samples' digests the state carries (TrainState.ledger)
+
 # The parts of GPTConfig that decide the shape of the weights.
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights")
 
@@ -27,6 +29,16 @@ SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias",
 class TrainState:
     step: int = 0  # optimizer steps taken
     samples_seen: int = 0  # the data cursor: examples consumed from the global stream (mingpt.data.sampler)
+    # (step, digest of its samples) of the last RECENT steps. They travel with the state through the memory
+    # tiers and healing, so that whoever resumes from it can log what the writer of the metrics may have died
+    # without logging: the steps it committed just before its death.
+    ledger: list[tuple[int, str]] = field(default_factory=list)
+
+    def advance(self, examples: int, digest: str) -> None:
+        """One step taken, over `examples` examples whose digest is `digest`."""
+        self.step += 1
+        self.samples_seen += examples
+        self.ledger = [*self.ledger[1 - RECENT:], (self.step, digest)]
 
 
 @dataclass
@@ -52,10 +64,10 @@ class Replica:
         return {"model": model, "optimizer": optimizer,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    def load(self, state: dict, whole: bool, step: int, samples_seen: int) -> list[str]:
+    def load(self, state: dict, whole: bool, step: int, samples_seen: int, ledger: list = ()) -> list[str]:
         """Restore from `state` (as `state_dict` gives it; `whole`: every tensor whole, which each process
-        cuts its shard from); returns the optimizer settings that differed from this run's config, which
-        win over the saved ones."""
+        cuts its shard from) at `step` (TrainState's fields); returns the optimizer settings that differed
+        from this run's config, which win over the saved ones."""
         configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
         options = StateDictOptions(full_state_dict=whole)
         # Model and optimizer one at a time: torch's set_state_dict of both at once hung (broadcast_from_rank0).
@@ -65,6 +77,7 @@ class Replica:
             self.scaler.load_state_dict(state["scaler"])
         self._tensors = None  # the optimizer's state is new tensors now
         self.state.step, self.state.samples_seen = step, samples_seen
+        self.state.ledger = [(int(seen), str(digest)) for seen, digest in ledger]
         return _apply_configured(self.optimizer, configured)
 
     def read(self, snapshot: Snapshot) -> tuple[dict, bool]:

@@ -195,6 +195,7 @@ class Trainer:
             return TrainResult(state.step, None, None)
         self._wrap_model()
         self.report.start(state.step, resumed, self._describe())
+        self.report.log_again(state.ledger)  # what a memory tier held: its writer may have died before logging it
         # Window offsets are a function of (seed, position) only: any world size reads the same examples.
         order = window_order(cfg.data.windows, len(self.train_blocks.tokens), cfg.data.block_size, cfg.seed)
         while state.step < t.max_steps:
@@ -243,34 +244,35 @@ class Trainer:
         if not outcome.committed:
             return outcome, share, ""
         self._update()
-        state.step += 1
-        state.samples_seen += t.global_batch_size
+        state.advance(t.global_batch_size, hashlib.sha256(starts.astype("<i8").tobytes()).hexdigest()[:16])
         self.checkpointer.after_step(outcome.generation)  # into the memory tier
         self.train_loss = outcome.loss
         if not math.isfinite(outcome.loss):
             self.finish()
             raise TrainingError(f"loss is {outcome.loss} at step {state.step}; lower trainer.lr or raise "
                                 "trainer.warmup_steps, then run again to resume from the last snapshot")
-        return outcome, share, hashlib.sha256(starts.astype("<i8").tobytes()).hexdigest()[:16]
+        return outcome, share, state.ledger[-1][1]
 
     def _follow_the_writer(self) -> None:
         """Live mode: the group first in the quorum writes the run's snapshots and metrics; its leader holds
         the run's lease from the first step it writes."""
         writes = self.agreement.writes and self.world.is_leader
-        self.report.speak(writes, self.replica.state.step)
+        self.report.speak(writes, self.replica.state)
         self.checkpointer.hold_the_run(writes)
 
     def _state_for_a_peer(self) -> dict:
         """Live mode: what a group that heals from this one receives."""
         state = self.replica.state
-        return {**self.replica.state_dict(), "train": {"step": state.step, "samples_seen": state.samples_seen}}
+        return {**self.replica.state_dict(),
+                "train": {"step": state.step, "samples_seen": state.samples_seen, "ledger": state.ledger}}
 
     def _heal(self, received: dict) -> None:
         train = received.pop("train")
         # The peer's shards where sharded (a process heals from the process of its place in another node).
         state = placed_like(received, self.replica.state_dict())
-        self.replica.load(state, False, train["step"], train["samples_seen"])
+        self.replica.load(state, False, train["step"], train["samples_seen"], train.get("ledger", ()))
         log.info("healed from a live peer: step %d, %d examples seen", train["step"], train["samples_seen"])
+        self.report.log_again(self.replica.state.ledger)
     def _wrap_model(self) -> None:
         """torch.compile where chosen, and DDP where the model is replicated."""
         self.compiled, self.compile_reason = choose_compile(self.cfg.trainer.compile, self.world.device)
