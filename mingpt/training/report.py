@@ -27,6 +27,7 @@ from mingpt.training.stragglers import StepTimes
 
 log = logging.getLogger(__name__)
 
+
 class Report:
     """One generation's reporting. `start` once training begins, `step` after every step, `evaluation` and
     `hellaswag` after every evaluation; `excluding()` leaves evaluations and saves out of the tokens/s."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
@@ -64,10 +65,11 @@ class Replica:
         return {"model": model, "optimizer": optimizer,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    def load(self, state: dict, whole: bool, step: int, samples_seen: int, ledger: list = ()) -> list[str]:
+    def load(self, state: dict, whole: bool, step: int, samples_seen: int,
+             ledger: Iterable[tuple[int, str]] = ()) -> list[str]:
         """Restore from `state` (as `state_dict` gives it; `whole`: every tensor whole, which each process
-        cuts its shard from) at `step` (TrainState's fields); returns the optimizer settings that differed
-        from this run's config, which win over the saved ones."""
+        cuts its shard from), with TrainState's fields as they were then; returns the optimizer settings
+        that differed from this run's config, which win over the saved ones."""
         configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
         options = StateDictOptions(full_state_dict=whole)
         # Model and optimizer one at a time: torch's set_state_dict of both at once hung (broadcast_from_rank0).

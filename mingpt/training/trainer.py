@@ -273,6 +273,7 @@ class Trainer:
         self.replica.load(state, False, train["step"], train["samples_seen"], train.get("ledger", ()))
         log.info("healed from a live peer: step %d, %d examples seen", train["step"], train["samples_seen"])
         self.report.log_again(self.replica.state.ledger)
+
     def _wrap_model(self) -> None:
         """torch.compile where chosen, and DDP where the model is replicated."""
         self.compiled, self.compile_reason = choose_compile(self.cfg.trainer.compile, self.world.device)
