@@ -173,7 +173,7 @@ def test_snapshots_of_the_earlier_formats_resume_and_sample(tmp_path, kind, caps
     assert snapshot.sharded == (kind == "fsdp")
     _, model, _ = open_model(str(OLD_SNAPSHOTS / kind), torch.device("cpu"))
     replica = Replica(model, torch.optim.AdamW(model.param_groups(0.1), fused=True), None, TrainState())
-    replica.load(*replica.read(snapshot), step=6, samples_seen=48)
+    replica.load(*replica.read(snapshot), {"step": 6, "samples_seen": 48})
     steps = [state["step"].item() for state in replica.optimizer.state.values()]
     assert len(steps) == len(list(model.parameters())) and set(steps) == {6.0}  # AdamW's state, not a fresh one
     assert all(state["exp_avg"].abs().sum() > 0 for state in replica.optimizer.state.values())

@@ -87,7 +87,7 @@ class Checkpointer:
         check_compatible(snapshot, replica.model.config, self.tokenizer)
         manifest = snapshot.manifest
         state, whole = replica.read(snapshot)
-        changed = replica.load(state, whole, manifest["step"], manifest["samples_seen"])
+        changed = replica.load(state, whole, manifest)
         changed += changed_settings(manifest.get("config", {}), self.cfg.to_dict())
         if changed:
             self._log("settings changed since that snapshot: %s", ", ".join(changed))

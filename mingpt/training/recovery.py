@@ -103,8 +103,7 @@ class MemoryCopies:
             distributed.broadcast_tensor(buffer, self.world, process)  # returns once every process has it
             trees.append(MemoryTier.unpack(buffer, header))
             hosts.add(header["host"])
-        changed = self.replica.load(assemble(trees), True, header["step"], header["samples_seen"],
-                                    header.get("ledger", ()))
+        changed = self.replica.load(assemble(trees), True, header)
         if self.world.is_leader and changed:
             log.info("%s", "; ".join(changed))
         return {**header, "hosts": sorted(hosts)}
@@ -128,9 +127,8 @@ class MemoryCopies:
             self.tier.turn_off(f"{self.tier.root} has no room for the copies of the state")
         self._room_checked = True
         started = time.monotonic()
-        train = self.replica.state
-        self.tier.save(state, step, {"samples_seen": train.samples_seen, "ledger": train.ledger,
-                                     "world_size": self.world.world_size, "generation": self.generation},
+        self.tier.save(state, step, {**self.replica.state.saved(), "world_size": self.world.world_size,
+                                     "generation": self.generation},
                        then=self._send if self.group else None)
         self._waited = time.monotonic() - started  # for the copy and the send before
 

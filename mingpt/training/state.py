@@ -8,8 +8,7 @@ the memory tiers) is the checkpointer's concern; what a snapshot must match to b
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Iterable
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
@@ -41,6 +40,16 @@ class TrainState:
         self.samples_seen += examples
         self.ledger = [*self.ledger[1 - RECENT:], (self.step, digest)]
 
+    def saved(self) -> dict:
+        """These fields, as a memory tier's description and a heal carry them."""
+        return asdict(self)
+
+    def restore(self, saved: dict) -> None:
+        """These fields as `saved` holds them: `saved()`'s, or a snapshot's manifest, which has no ledger (a
+        snapshot is committed after its steps are logged)."""
+        self.step, self.samples_seen = saved["step"], saved["samples_seen"]
+        self.ledger = [(int(step), str(digest)) for step, digest in saved.get("ledger", ())]
+
 
 @dataclass
 class Replica:
@@ -65,11 +74,10 @@ class Replica:
         return {"model": model, "optimizer": optimizer,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    def load(self, state: dict, whole: bool, step: int, samples_seen: int,
-             ledger: Iterable[tuple[int, str]] = ()) -> list[str]:
+    def load(self, state: dict, whole: bool, train: dict) -> list[str]:
         """Restore from `state` (as `state_dict` gives it; `whole`: every tensor whole, which each process
-        cuts its shard from), with TrainState's fields as they were then; returns the optimizer settings
-        that differed from this run's config, which win over the saved ones."""
+        cuts its shard from), and TrainState from `train` (TrainState.restore); returns the optimizer
+        settings that differed from this run's config, which win over the saved ones."""
         configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
         options = StateDictOptions(full_state_dict=whole)
         # Model and optimizer one at a time: torch's set_state_dict of both at once hung (broadcast_from_rank0).
@@ -78,8 +86,7 @@ class Replica:
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         self._tensors = None  # the optimizer's state is new tensors now
-        self.state.step, self.state.samples_seen = step, samples_seen
-        self.state.ledger = [(int(seen), str(digest)) for seen, digest in ledger]
+        self.state.restore(train)
         return _apply_configured(self.optimizer, configured)
 
     def read(self, snapshot: Snapshot) -> tuple[dict, bool]:

@@ -262,15 +262,13 @@ class Trainer:
 
     def _state_for_a_peer(self) -> dict:
         """Live mode: what a group that heals from this one receives."""
-        state = self.replica.state
-        return {**self.replica.state_dict(),
-                "train": {"step": state.step, "samples_seen": state.samples_seen, "ledger": state.ledger}}
+        return {**self.replica.state_dict(), "train": self.replica.state.saved()}
 
     def _heal(self, received: dict) -> None:
         train = received.pop("train")
         # The peer's shards where sharded (a process heals from the process of its place in another node).
         state = placed_like(received, self.replica.state_dict())
-        self.replica.load(state, False, train["step"], train["samples_seen"], train.get("ledger", ()))
+        self.replica.load(state, False, train)
         log.info("healed from a live peer: step %d, %d examples seen", train["step"], train["samples_seen"])
         self.report.log_again(self.replica.state.ledger)
 
