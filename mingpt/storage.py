@@ -11,7 +11,9 @@ import io
 import logging
 import os
 import re
+import stat
 import uuid
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from fsspec.core import url_to_fs
@@ -242,3 +244,14 @@ def _durable_temporary(path: str, data: bytes) -> str:
     with _DurableLocalFile(tmp, "x") as f:
         f.write(data)
     return tmp
+
+
+def private_folder(path: Path | str, others: int = 0o077) -> bool:
+    """Whether `path` is a folder (not a link) of this user's that grants others none of `others`: by default
+    nothing (a memory tier, which others must not read); 0o022, no writing (a cache of files checked anyway).
+    /dev/shm and /tmp are shared with other users: what is found there is checked before it is used."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and found.st_mode & others == 0

@@ -145,6 +145,14 @@ def test_a_kernel_goes_beside_the_local_ones_never_over_one(tmp_path):
     (tmp_path / "cd").symlink_to(tmp_path / "elsewhere")  # planted: the kernel would land where the link points
     assert compile_cache._put_kernel(str(tmp_path), "kernels/cd/ccdefghijklmnopqrstuvwxyz.so", b"ELF") == 0
     assert not any((tmp_path / "elsewhere").iterdir())
+    (tmp_path / "ef").mkdir(mode=0o777)
+    (tmp_path / "ef").chmod(0o777)  # this user's, but anyone may write in it
+    assert compile_cache._put_kernel(str(tmp_path), "kernels/ef/cefghijklmnopqrstuvwxyzab.so", b"ELF") == 0
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # the cache folder itself: nothing is made in it
+    assert compile_cache._put_kernel(str(shared), "kernels/gh/cghijklmnopqrstuvwxyzabcd.so", b"ELF") == 0
+    assert not any(shared.iterdir())
 
 
 def test_the_kernels_that_travel_are_the_graphs_libraries_and_the_cpu_probes(tmp_path):

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from mingpt.claim import process_alive, start_time
+from mingpt.storage import private_folder
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +36,6 @@ def remove_ended(kind: str, root: str | None = None) -> None:
                 and not process_alive(int(parts[2]), int(parts[3])):
             log.info("removing %s: the process that made it has ended", folder)
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def private_folder(path: Path) -> bool:
-    """Whether `path` is a folder (not a link) of this user's alone: what the tier may read and write."""
-    try:
-        found = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and found.st_mode & 0o077 == 0
 
 
 def own_file(path: Path) -> os.stat_result:

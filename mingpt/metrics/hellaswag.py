@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mingpt.errors import MinGPTError, one_line
-from mingpt.storage import open_fs, redact
+from mingpt.storage import open_fs, private_folder, redact
 
 PUBLIC_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # The public file's digest, from Hugging Face datasets' record of it (datasets/hellaswag/dataset_infos.json,
@@ -170,8 +170,8 @@ def _check_cache_folder(folder: Path) -> None:
         folder.mkdir(mode=0o700)
     except FileExistsError:
         pass
-    found = os.lstat(folder)
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o022:
+    if not private_folder(folder, others=0o022):
+        found = os.lstat(folder)
         raise MinGPTError(f"the cache folder {folder} is not a folder that only this user can write (mode "
                           f"{stat.filemode(found.st_mode)}, owner uid {found.st_uid}); remove it, or set "
                           "XDG_CACHE_HOME to a folder of your own")

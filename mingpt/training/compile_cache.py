@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import stat
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ from mingpt.checkpoint.compiled import CompiledCaches
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.rundir import RunDir
 from mingpt.shape import GPTConfig
-from mingpt.storage import create_exclusive, explain_storage_error
+from mingpt.storage import create_exclusive, explain_storage_error, private_folder
 
 log = logging.getLogger(__name__)
 
@@ -227,14 +226,18 @@ def install(blob: bytes) -> dict[str, int]:
 
 def _put_kernel(root: str, name: str, data: bytes) -> int:
     """1 where the kernel was added under `root`, 0 where one of that name was there (built from the same
-    source and command: kept). The folder must be this user's, and no link: else the kernel is skipped."""
-    sub, filename = _KERNEL.match(name)[1], _KERNEL.match(name)[2]
+    source and command: kept). Both folders must be this user's, no link, and writable by no one else (checked
+    before anything is made in them): else the kernel is skipped."""
+    match = _KERNEL.match(name)
+    sub, filename = match[1], match[2]
     folder = os.path.join(root, sub)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    for place in (root, folder):  # /tmp/torchinductor_$USER, torch's default, is in a folder every user writes
-        info = os.lstat(place)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            log.debug("skipping kernel %s: %s is not a folder of this user's", filename, place)
+    # /tmp/torchinductor_$USER, torch's default, is in a folder every user writes.
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    if private_folder(root, others=0o022):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    for place in (root, folder):
+        if not private_folder(place, others=0o022):
+            log.debug("skipping kernel %s: %s is not a folder that only this user can write", filename, place)
             return 0
     try:  # written whole under a temporary name, then linked: another process never sees a part of it
         create_exclusive(fsspec.filesystem("file"), os.path.join(folder, filename), data)

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from mingpt.checkpoint.shm import open_own_file, private_folder, read_own_file
+from mingpt.checkpoint.shm import open_own_file, read_own_file
+from mingpt.storage import private_folder
 
 log = logging.getLogger(__name__)
 
