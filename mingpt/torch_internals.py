@@ -93,12 +93,11 @@ def _find(module: str, name: str) -> Any:
         return None
 
 
-def check(launcher: bool = True, sharded: bool = True, compiled: bool = False) -> None:
+def check(launcher: bool = True, sharded: bool = True) -> None:
     """Raise TorchInternalsError, in one line, where the torch that runs lacks a name that mingpt's launcher
-    (its agent and rendezvous), its sharded runs (DCP) or its compile caches (`compiled`: slow to import;
-    the trainer goes without compile caches where they are missing, see `compiled_names_missing`) rely on."""
+    (its agent and rendezvous) or its sharded runs (DCP) rely on. (The compile caches turn themselves off
+    where theirs are missing: `compiled_names_missing`.)"""
     names = (LAUNCHER_NAMES if launcher else ()) + (SHARDED_NAMES if sharded else ())
-    names += COMPILED_NAMES if compiled else ()
     missing = [f"{module}.{name}" for module, name in names if _find(module, name) is None]
     missing += _check_objects() if launcher else []
     if missing:

@@ -65,14 +65,6 @@ class CompiledCaches:
                         explain_storage_error(e, self.run.local))
         return None
 
-    def committed_key(self) -> str | None:
-        """The key of the committed caches (None: none, or a manifest that cannot be trusted)."""
-        try:
-            manifest = self._manifest()
-        except Exception:
-            return None
-        return manifest["key"] if manifest else None
-
     def commit(self, key: str, blob: bytes, describes: dict, lease: RunLease) -> None:
         """Publish `blob` as the caches of `key`: the blob, then the manifest, each after the lease's fence
         (LeaseLostError once another writer holds the run); then remove every other blob."""
