@@ -49,7 +49,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from jobs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = [str(Path(sys.executable).parent / "mingpt-torchrun"), "--standalone", "--nproc-per-node=2"]
@@ -378,12 +379,6 @@ def _median(values: list[float]) -> str:
 
 def _max(values: list[float]) -> str:
     return f"{max(values):.1f} s" if values else "-"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def churn_seeds(seeds: list[int], deaths: int, max_steps: int, modes: list[str]) -> None:
