@@ -152,6 +152,7 @@ def all_records(snap: Path) -> list[dict]:
     return found
 
 
+JOINING = "; joining the job"  # what mingpt-torchrun logs once this node's data is ready, before its agent starts
 ENTERED = "mingpt-torchrun: entering the rendezvous"  # what a node's agent logs as it comes to join
 LET_IN = "; starting its workers"  # ... and once a round let it in
 
@@ -167,6 +168,7 @@ class Node:
     log: Path
     memory: Path  # its snapshot.memory_dir
     started: float  # time.time() at its start
+    joining: float | None = None  # when it said it was joining the job (its data ready)
     entered: float | None = None  # when its agent entered the rendezvous (time.time())
     let_in: float | None = None  # when a round first took it in
     took_part: float | None = None  # live: when it first took part in a committed step
@@ -225,6 +227,8 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path, m
                     continue
                 if node.let_in is None or (mode == "live" and node.took_part is None):
                     text = node.log.read_text(errors="replace")
+                    if node.joining is None and JOINING in text:
+                        node.joining = time.time()
                     if node.entered is None and ENTERED in text:
                         node.entered = time.time()
                     if node.let_in is None and LET_IN in text:
@@ -336,11 +340,12 @@ def summarize(seed: int, mode: str, snap: Path, nodes: list, rows: list, max_ste
     for r in found:
         for name in (r.get("membership") or {}).get("members", []):
             joined_at.setdefault(name.rsplit("agent ", 1)[-1].rstrip(")"), r["time"])
-    admission, never = [], 0
+    admission, from_joining, never = [], [], 0
     for node in nodes[2:]:  # the first two started the job
         at = node.took_part if mode == "live" else joined_at.get(str(node.proc.pid))
         if at is not None:
             admission.append(at - node.started)
+            from_joining += [at - node.joining] if node.joining is not None else []
         elif node.killed is None:
             never += 1  # alive, never took part
     lost = [r["steps_lost"] for r in found if "steps_lost" in r]
@@ -353,7 +358,8 @@ def summarize(seed: int, mode: str, snap: Path, nodes: list, rows: list, max_ste
         val = abs(ours["metrics"]["val_loss"] - theirs["metrics"]["val_loss"])
         greedy = sample(snap, max_steps) == sample(reference, max_steps)
     row = {"seed": seed, "mode": mode, "completed": completed, "deaths": len(rows), "steps_again": sum(lost),
-           "stall": stall, "admission": admission, "never_admitted": never, "val_diff": val, "greedy": greedy,
+           "stall": stall, "admission": admission, "from_joining": from_joining, "never_admitted": never,
+           "val_diff": val, "greedy": greedy,
            "goodput": goodput(progress), "kept": (kept, survivors),
            "ledger": ledger_check(found, all_records(reference), max_steps)}
     killed = sum(d.signal == "SIGKILL" for d in rows)
@@ -361,7 +367,8 @@ def summarize(seed: int, mode: str, snap: Path, nodes: list, rows: list, max_ste
           f"{len(rows) - killed} SIGTERM, {sum(d.aimed for d in rows)} while a node was joining); survivors' stall "
           f"median {_median(stall)} max {_max(stall)}; survivors' worker pids unchanged through {kept} of {survivors} "
           f"deaths of another node; a new node's start to its first step median {_median(admission)} max "
-          f"{_max(admission)} (never: {never}); goodput {row['goodput']:.0%}; steps trained again {sum(lost)}; ledger {row['ledger']}; "
+          f"{_max(admission)} (never: {never}), from its \"joining the job\" median {_median(from_joining)} max "
+          f"{_max(from_joining)}; goodput {row['goodput']:.0%}; steps trained again {sum(lost)}; ledger {row['ledger']}; "
           f"val loss against an uninterrupted run: difference {val if val is None else f'{val:.1e}'}; greedy text "
           f"equal: {greedy} (logs in {work})", flush=True)
     return row
@@ -392,6 +399,7 @@ def churn_seeds(seeds: list[int], deaths: int, max_steps: int, modes: list[str])
         ours = [row for row in rows if row["mode"] == mode]
         stall = [s for row in ours for s in row["stall"]]
         admission = [s for row in ours for s in row["admission"]]
+        from_joining = [s for row in ours for s in row["from_joining"]]
         kept = [row["kept"] for row in ours]
         goodputs = ", ".join(f"{row['goodput']:.0%}" for row in ours)
         print(f"{mode}, {len(ours)} seeds: completed {sum(r['completed'] for r in ours)}; deaths "
@@ -399,7 +407,8 @@ def churn_seeds(seeds: list[int], deaths: int, max_steps: int, modes: list[str])
               f"survivors' worker pids unchanged through {sum(k for k, _ in kept)} of {sum(n for _, n in kept)} deaths "
               f"of another node; a new "
               f"node's start to its first step median {_median(admission)} max {_max(admission)} (never: "
-              f"{sum(r['never_admitted'] for r in ours)}); goodput {goodputs}; "
+              f"{sum(r['never_admitted'] for r in ours)}), from its \"joining the job\" median {_median(from_joining)} "
+              f"max {_max(from_joining)}; goodput {goodputs}; "
               f"steps trained again {sum(r['steps_again'] for r in ours)}; ledger "
               f"{', '.join(r['ledger'] for r in ours)}; greedy text equal in {sum(bool(r['greedy']) for r in ours)}; "
               f"val loss difference at most "
