@@ -32,6 +32,16 @@ def test_quick_rendezvous_settings_fill_in_under_the_users_own():
     assert merge_rendezvous_conf("") == ",".join(f"{k}={v}" for k, v in QUICK_RENDEZVOUS.items())
 
 
+def test_nccls_watch_is_set_under_torchs_current_names_and_the_users_own_values_win_under_either_name():
+    environ = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60"}
+    launcher.watch_nccl(environ)
+    assert environ["TORCH_FR_BUFFER_SIZE"] == "2000" and environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "60"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ  # the former name, at which torch warns in every process
+    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}
+    launcher.watch_nccl(environ)
+    assert "TORCH_FR_BUFFER_SIZE" not in environ  # it would override the user's 10
+
+
 @pytest.fixture
 def shared_store(monkeypatch):
     """The environment torchrun gives workers while its agents share their store."""

@@ -177,6 +177,7 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     survivor.send_signal(signal.SIGTERM)
     survivor.wait(timeout=90)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in output(survivor)  # set by mingpt-torchrun, not by us
+    assert "deprecated" not in output(survivor)  # no setting of mingpt-torchrun's under a name torch retired
     assert re.search(rf"membership change: left \S+ \(agent {newcomer.pid}\)", output(survivor))
 
     # The leader of each new round says what changed: the dead node, lost; the newcomer joining; the

@@ -29,7 +29,7 @@ from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError, one_line
 from mingpt.training import agent, live
 from mingpt.training.app import CONF_DIR, compose_config
-from mingpt.training.launcher import NCCL_WATCH, STORE_SHARING, merge_rendezvous_conf
+from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf, watch_nccl
 from mingpt.training.preparation import prepare_data
 
 ADDS = """\
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if status:
         return status
     os.environ.setdefault(STORE_SHARING, "1")
-    for name, value in NCCL_WATCH.items():
-        os.environ.setdefault(name, value)
+    watch_nccl(os.environ)
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
           file=sys.stderr, flush=True)
     agent.install()

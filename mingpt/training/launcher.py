@@ -18,15 +18,23 @@ STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 # On GPUs (NCCL), a hung collective is found by NCCL's own watchdog too: errors end the process instead of
 # hanging it, a heartbeat monitor ends a process whose watchdog itself is stuck, and on a timeout the flight
-# recorder writes the last collectives of every process (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE, /tmp by
-# default) for `python -m torch.distributed.flight_recorder`. The user's own values win.
+# recorder writes the last collectives of every process (to TORCH_FR_DUMP_TEMP_FILE, /tmp by default) for
+# `python -m torch.distributed.flight_recorder`. The user's own values win, under either name of a setting.
 NCCL_WATCH = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_ENABLE_MONITORING": "1",
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_FR_BUFFER_SIZE": "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
 }
+FORMER_NAMES = {"TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE"}  # torch warns in every process at the old
+
+
+def watch_nccl(environ: dict) -> None:
+    """Add NCCL_WATCH's settings to `environ` (os.environ: the workers inherit it), but for those the user set."""
+    for name, value in NCCL_WATCH.items():
+        if name not in environ and FORMER_NAMES.get(name, name) not in environ:
+            environ[name] = value
 
 # Rendezvous settings for quick recovery (torch's defaults in brackets). A dead node is noticed when it has
 # missed 3 heartbeats a second apart (15 s): nodes' clocks must agree to within about a second, as NTP keeps
