@@ -4,6 +4,7 @@ rendezvous handler and a real TCPStore, with torch's own steps (monitoring, assi
 a test needs their outcome; the whole behaviour, with real agents and workers, is in test_trainer.py (nodes
 dying, joining and leaving under --max-restarts=0) and test_elastic_launch.py (a node that comes too late)."""
 
+import logging
 import os
 import socket
 import time
@@ -145,6 +146,29 @@ def test_a_node_gone_from_the_round_restarts_healthy_workers_for_free(monkeypatc
     agent.rdzv.current = None  # the members cannot be read: no opinion, no restart
     agent._members = {"a_1_0", "b_2_0"}
     assert agent.monitor(None).state == WorkerState.HEALTHY
+
+
+def test_a_waiting_node_restarts_a_generation_once_its_workers_took_a_step_or_after_a_while(monkeypatch, make_agent,
+                                                                                            caplog):
+    """Nodes arriving one after another would otherwise restart starting workers again and again, no step taken."""
+    class Waiting(Handler):
+        def num_nodes_waiting(self):
+            return 1
+
+    caplog.set_level(logging.INFO, logger=agent_module.__name__)
+    agent = make_agent({"a_1_0"})
+    agent.rdzv.handler = Waiting()
+    monkeypatch.setattr(Agent, "worker_pids", lambda self: [1000])
+    agent._started = time.monotonic()  # as rendezvous() leaves it, its workers starting
+    mark = agent.watchdog.folder / "1000"
+    mark.write_bytes(RECORD.pack(40, 1, time.monotonic(), 0.0, 40, 300.0))  # resumed at step 40, computing it
+    assert agent.rdzv.num_nodes_waiting() == 0
+    assert caplog.text.count("a node waits to join; it is let in once this generation's workers took a step") == 1
+    mark.write_bytes(RECORD.pack(41, 1, time.monotonic(), 0.0, 40, 300.0))  # step 40 done
+    assert agent.rdzv.num_nodes_waiting() == 1
+    agent._started, agent._stepped = time.monotonic() - agent_module.ADMIT_AFTER_S - 1, False
+    mark.unlink()  # no step after ADMIT_AFTER_S (a first step that compiles, say): the node is let in anyway
+    assert agent.rdzv.num_nodes_waiting() == 1
 
 
 def test_only_a_finished_job_closes_the_rendezvous(monkeypatch, make_agent):

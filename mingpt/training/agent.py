@@ -17,6 +17,9 @@ while nodes die, leave and join:
 - A hung worker is found from its progress marks (mingpt.training.watchdog), named with its stack and
   ended; the restart that follows is free, up to FREE_HANG_RESTARTS.
 - A waiting agent polls the round every POLL_S, so that the agents of a change find each other sooner.
+- A node waiting to join restarts a generation only once its workers took a step, or after ADMIT_AFTER_S:
+  nodes arriving one after another no longer restart starting workers again and again (each start costs
+  the imports and the process group), while no step is taken.
 
 Each agent also tells its new workers what changed (launcher.MEMBERSHIP); the new leader logs it.
 torch's private names are all in mingpt.torch_internals, checked before the agent starts.
@@ -53,6 +56,7 @@ RANKS_WAIT_S = 10.0  # how long an agent waits for the ranks of a closed round (
 RANKS_SLICE_S = 2.0  # how often it checks, meanwhile, that every node of the round is still alive
 LEAVE_S = 5.0  # how long a leaving agent tries to take itself out of the rendezvous
 FREE_HANG_RESTARTS = 3  # restarts after a hang that do not use up --max-restarts
+ADMIT_AFTER_S = 10.0  # how long a waiting node lets a new generation's workers try to take their first step
 
 
 class JobFinished(Exception):
@@ -86,6 +90,7 @@ class Rendezvous:
         self.finished = False  # this node's workers all ended well: the job is done
         self.silent_since: float | None = None  # when the store stopped answering (monotonic), while it does not
         self.asked = 0.0
+        self.may_admit = lambda: True  # whether a waiting node may restart the workers now (the agent's say)
 
     def __getattr__(self, name: str):  # the rest is torch's handler's
         return getattr(self.handler, name)
@@ -117,7 +122,7 @@ class Rendezvous:
         if self.silent_since is not None:
             log.warning("mingpt-torchrun: the rendezvous store answers again (after %.0f s)", now - self.silent_since)
             self.silent_since = None
-        return waiting
+        return waiting if waiting and self.may_admit() else 0
 
     def members(self) -> set[str] | None:
         """The nodes of the current round ("host_pid_n"), as the store has them (without nodes whose
@@ -150,6 +155,10 @@ class Agent(ElasticAgent):
         self._hung: set[int] = set()  # workers the watchdog ended
         self._free_hangs = FREE_HANG_RESTARTS
         self._unproven: int | None = None  # the exit status of a membership restart after no step, until a round
+        self.rdzv.may_admit = self._may_admit
+        self._started = 0.0  # when this generation's workers started (monotonic)
+        self._stepped = False  # whether they took a step
+        self._deferred = False  # whether a waiting node was told to wait for that
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
@@ -214,6 +223,7 @@ class Agent(ElasticAgent):
         self._tell_workers(before)
         self.watchdog.new_generation()
         self._hung.clear()
+        self._started, self._stepped, self._deferred = time.monotonic(), False, False
         log.info("mingpt-torchrun: this node is node %d of %d; starting its workers", worker_group.group_rank,
                  worker_group.group_world_size)
 
@@ -234,6 +244,19 @@ class Agent(ElasticAgent):
                         raise
         finally:
             store.set_timeout(previous)
+
+    def _may_admit(self) -> bool:
+        """A node waits to join: restart the workers for it once they took a step, or after ADMIT_AFTER_S."""
+        if not self._stepped:
+            marks = self.watchdog.marks(self.worker_pids()).values()
+            self._stepped = any(mark.progressed for mark in marks)
+        if self._stepped or time.monotonic() - self._started > ADMIT_AFTER_S:
+            return True
+        if not self._deferred:
+            self._deferred = True
+            log.info("mingpt-torchrun: a node waits to join; it is let in once this generation's workers took a step "
+                     "(at most %.0f s after they started)", ADMIT_AFTER_S)
+        return False
 
     def _charge_an_unproven_restart(self, before: set[str]) -> None:
         """The workers ended as for a membership change, after no step; this round has the same nodes as theirs:
