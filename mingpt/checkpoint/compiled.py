@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from mingpt.checkpoint.lease import RunLease
+from mingpt.checkpoint.manifest import MANIFEST, Untrusted, is_count, is_sha256, read_manifest, read_recorded
 from mingpt.rundir import RunDir
 from mingpt.storage import explain_storage_error, open_exclusive, replace_atomically
 
@@ -28,11 +29,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = "mingpt-compile-cache"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 MAX_BYTES = 1 << 30  # a manifest that claims more names no cache this project writes
 _KEY = re.compile(r"^[0-9a-f]{32}$")
 _BLOB = re.compile(r"^([0-9a-f]{32})\.[0-9a-f]{16}\.zip$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CompiledCaches:
@@ -58,7 +57,7 @@ class CompiledCaches:
                          manifest["key"][:12], key[:12])
                 return None
             return self._blob(manifest)
-        except _Untrusted as e:
+        except Untrusted as e:
             say(logging.WARNING, "the compile caches in %s are not loaded (%s); compiling from scratch", self.url, e)
         except Exception as e:
             say(logging.WARNING, "cannot read the compile caches in %s (%s); compiling from scratch", self.url,
@@ -108,41 +107,16 @@ class CompiledCaches:
             log.warning("could not remove old compile caches from %s: %s", self.url, explain_storage_error(e))
 
     def _manifest(self) -> dict | None:
-        path = f"{self.folder}/{MANIFEST}"
         self.fs.invalidate_cache(self.folder)  # an object store's listing may predate the last commit
-        try:
-            info = self.fs.info(path)
-        except FileNotFoundError:
-            return None
-        if info.get("type") != "file" or info.get("size", 0) > 1 << 20:
-            raise _Untrusted(f"{MANIFEST} is not a regular file of at most 1 MiB")
-        try:
-            manifest = json.loads(self.fs.cat_file(path))
-        except (ValueError, UnicodeDecodeError):
-            raise _Untrusted(f"{MANIFEST} is not valid JSON") from None
-        problem = manifest_problem(manifest)
+        manifest = read_manifest(self.fs, f"{self.folder}/{MANIFEST}")
+        problem = manifest_problem(manifest) if manifest is not None else None
         if problem:
-            raise _Untrusted(problem)
+            raise Untrusted(problem)
         return manifest
 
     def _blob(self, manifest: dict) -> bytes:
-        path = f"{self.folder}/{manifest['file']}"
-        try:
-            info = self.fs.info(path)
-        except FileNotFoundError:
-            raise _Untrusted(f"{manifest['file']} is missing") from None
-        if info.get("type") != "file" or info.get("size") != manifest["bytes"]:
-            raise _Untrusted(f"{manifest['file']} is not a regular file of the {manifest['bytes']} bytes its "
-                             "manifest records")
-        with self.fs.open(path, "rb") as f:
-            blob = f.read(manifest["bytes"] + 1)  # one byte more, should it grow meanwhile
-        if len(blob) != manifest["bytes"] or hashlib.sha256(blob).hexdigest() != manifest["sha256"]:
-            raise _Untrusted(f"{manifest['file']} does not match the sha256 its manifest records")
-        return blob
-
-
-class _Untrusted(Exception):
-    """The committed caches cannot be trusted: why, in a few words."""
+        name = manifest["file"]
+        return read_recorded(self.fs, f"{self.folder}/{name}", name, manifest["bytes"], manifest["sha256"])
 
 
 def manifest_problem(manifest: Any) -> str | None:
@@ -156,9 +130,9 @@ def manifest_problem(manifest: Any) -> str | None:
         return "the manifest names no key"
     if not (isinstance(name, str) and _BLOB.match(name) and _BLOB.match(name)[1] == key):
         return "the manifest names a file that compile caches never are"
-    if not (isinstance(size, int) and not isinstance(size, bool) and 0 < size <= MAX_BYTES):
+    if not (is_count(size) and 0 < size <= MAX_BYTES):
         return "the manifest's size is not a count of bytes"
-    if not (isinstance(manifest.get("sha256"), str) and _SHA256.match(manifest["sha256"])):
+    if not is_sha256(manifest.get("sha256")):
         return "the manifest records no sha256"
     writer = manifest.get("writer")
     if not (isinstance(writer, dict) and isinstance(writer.get("job"), str)):

@@ -18,7 +18,6 @@ is unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -30,7 +29,8 @@ from typing import Any, Callable, Sequence
 from mingpt.errors import MinGPTError
 from mingpt.checkpoint.lease import Commit, RunLease
 from mingpt.checkpoint.manifest import (
-    FORMAT, FORMAT_VERSION, MANIFEST, HashingWriter, is_snapshot_name, manifest_problem, snapshot_name, step_of,
+    FORMAT, FORMAT_VERSION, MANIFEST, HashingWriter, Untrusted, check_recorded, is_snapshot_name, manifest_problem,
+    read_manifest, read_recorded, snapshot_name, step_of,
 )
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, explain_storage_error, open_exclusive, sync_folder
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = "state"  # a sharded snapshot's shards, and DCP's index of them
 INDEX = f"{STATE_DIR}/.metadata"  # DCP's index: every process of a sharded job reads it whole
-_CHUNK = 64 << 20  # hashing reads, and the read-ahead of S3 files
 
 
 class SnapshotError(MinGPTError):
@@ -118,47 +117,26 @@ class Snapshot:
         return self.name, json.dumps(self.manifest["files"], sort_keys=True)
 
     def _check(self, filename: str, keep: bool) -> bytes:
-        """Check one file's sha256, reading no more than its recorded size plus one byte.
-
-        Only a regular file of the recorded size is opened at all: a FIFO or a device planted
-        under a payload name would otherwise block or never end."""
+        """Check one file's size and sha256 against the manifest (manifest.read_recorded): its bytes where
+        `keep`, else b""."""
         if filename not in self.manifest["files"]:
             raise SnapshotError(f"snapshot {self.url} has no file {filename}")
-        path = self._check_size(filename)
-        expected = self.manifest["files"][filename]
-        sha, data, size = hashlib.sha256(), b"", 0
-        with self.store.fs.open(path, "rb", block_size=_CHUNK) as f:
-            if keep:  # one read, bounded by the size just checked (and one byte more, should it grow)
-                data = f.read(expected["bytes"] + 1)
-                sha.update(data)
-                size = len(data)
-            else:  # hashed in chunks: nothing held
-                while size <= expected["bytes"] and (chunk := f.read(_CHUNK)):
-                    sha.update(chunk)
-                    size += len(chunk)
-        if size != expected["bytes"] or sha.hexdigest() != expected["sha256"]:
-            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} does not match the checksum "
-                                "its manifest records")
-        return data
+        entry = self.manifest["files"][filename]
+        try:
+            return read_recorded(self.store.fs, self._path(filename), filename, entry["bytes"], entry["sha256"], keep)
+        except Untrusted as e:
+            raise SnapshotError(f"snapshot {self.url} is damaged: {e}") from None
 
     def check_sizes(self) -> None:
         """A quick check without reading: every file is there, a regular file of its recorded size."""
-        for filename in self.manifest["files"]:
-            self._check_size(filename)
+        for filename, entry in self.manifest["files"].items():
+            try:
+                check_recorded(self.store.fs, self._path(filename), filename, entry["bytes"])
+            except Untrusted as e:
+                raise SnapshotError(f"snapshot {self.url} is damaged: {e}") from None
 
-    def _check_size(self, filename: str) -> str:
-        path = f"{self.store.path}/{self.name}/{filename}"
-        recorded = self.manifest["files"][filename]["bytes"]
-        try:
-            info = self.store.fs.info(path)
-        except FileNotFoundError:
-            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is missing") from None
-        if info.get("type") != "file":
-            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} is not a regular file")
-        if info.get("size") != recorded:
-            raise SnapshotError(f"snapshot {self.url} is damaged: {filename} has {info.get('size')} bytes, "
-                                f"its manifest records {recorded}")
-        return path
+    def _path(self, filename: str) -> str:
+        return f"{self.store.path}/{self.name}/{filename}"
 
 
 @dataclass
@@ -280,20 +258,16 @@ class SnapshotStore:
 
     def _read_manifest(self, name: str) -> tuple[dict | None, str | None]:
         """(manifest, None) for a valid one; (None, None) when there is none (debris); (None, why) when damaged."""
-        path = f"{self.path}/{name}/{MANIFEST}"
         try:
-            info = self.fs.info(path)
-            if info.get("type") != "file" or info.get("size", 0) > 1 << 20:
-                return None, f"{MANIFEST} is not a regular file of at most 1 MiB"
-            manifest = json.loads(self.fs.cat_file(path))
-        except FileNotFoundError:
-            return None, None
+            manifest = read_manifest(self.fs, f"{self.path}/{name}/{MANIFEST}")
+        except Untrusted as e:
+            return None, str(e)
         except NotADirectoryError:
             return None, "not a folder"
         except OSError as e:  # a symbolic link loop, no permission, ...
             return None, f"unreadable ({e.strerror or type(e).__name__})"
-        except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
-            return None, f"{MANIFEST} is not valid JSON"
+        if manifest is None:
+            return None, None
         problem = manifest_problem(manifest, step_of(name)) or self.expects(manifest)
         return (None, problem) if problem else (manifest, None)
 
