@@ -185,7 +185,8 @@ def test_this_torch_has_what_the_compile_caches_rely_on():
 
 
 def train_with_cache(procs: Processes, root: Path, cache: Path, name: str, *overrides: str) -> str:
-    environment = {**env(), "TORCHINDUCTOR_CACHE_DIR": str(cache)}  # this "machine"'s own Inductor cache
+    environment = {**env(), "TORCHINDUCTOR_CACHE_DIR": str(cache),  # this "machine"'s own Inductor cache
+                   "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # a few kernels: no pool of compiling processes to start
     proc = procs.start([sys.executable, MAIN, *SMALL, "model.n_layer=1", "trainer.compile=true", "trainer.log_every=1",
                         f"snapshot.dir={root / 'snap'}", f"data.prepared_dir={root / 'prepared'}", *overrides],
                        name, environment=environment)
