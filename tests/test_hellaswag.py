@@ -228,6 +228,39 @@ def test_mingpt_eval_chooses_as_the_reference_scorer_on_the_exported_weights(tmp
 # -- during training -------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def served():
+    """serve(path) -> (the URL of `path` on an HTTP server on 127.0.0.1, the request lines it answered); the
+    copies fetched into the machine's cache are removed afterwards."""
+    import http.server
+    import threading
+
+    servers, urls = [], []
+
+    def serve(path):
+        requests = []
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, directory=str(path.parent), **kwargs)
+
+            def log_message(self, format, *args):
+                requests.append(self.requestline)
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        urls.append(f"http://127.0.0.1:{server.server_address[1]}/{path.name}")
+        return urls[-1], requests
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+    for url in urls:
+        hellaswag.cache_path(url).unlink(missing_ok=True)
+
+
 def hellaswag_records(snap) -> dict[int, tuple]:
     return {m["step"]: (m["hellaswag_acc"], m["hellaswag_acc_norm"], m["hellaswag_examples"]) for m in metrics(snap)
             if "hellaswag_acc" in m}
@@ -235,23 +268,29 @@ def hellaswag_records(snap) -> dict[int, tuple]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_training_scores_hellaswag_every_n_steps_alike_at_world_sizes_1_and_2_and_plots_it(tmp_path, procs):
+def test_training_scores_hellaswag_every_n_steps_alike_at_world_sizes_1_and_2_and_plots_it(tmp_path, procs,
+                                                                                          served):
     """Two processes (torchrun, the model sharded) and one train the same job with the metric on; every N steps
     and at the end each logs the same accuracies over all the examples (to metrics.jsonl and TensorBoard), and
-    mingpt-plot draws the panel. Not in tokens/s: the progress record after one counts its time apart (other_s; no snapshot, no val loss
-    in between)."""
+    mingpt-plot draws the panel. Not in tokens/s: the progress record after one counts its time apart (other_s; no
+    snapshot, no val loss in between). The file comes from a URL: mingpt-torchrun fetches it once for its node,
+    before it joins, and its workers and the other job read that copy."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (tmp_path / "corpus.txt").write_text(TEXT)
     # 17 examples, batches of 1 at micro-batch 4: 9 and 8 under fsdp, where the second process runs one more
     # (its forward is a collective) that counts nothing.
-    data = write_data(tmp_path / "hellaswag_val.jsonl", (RECORDS * 3)[:17])
+    write_data(tmp_path / "hellaswag_val.jsonl", (RECORDS * 3)[:17])
+    url, requests = served(tmp_path / "hellaswag_val.jsonl")
     settings = [f"data.corpus={tmp_path / 'corpus.txt'}", f"data.prepared_dir={tmp_path / 'prepared'}",
                 "data.tokenizer=bpe", "data.vocab_size=300", "trainer.max_steps=12", "snapshot.every=100",
-                "trainer.hellaswag_every=5", f"trainer.hellaswag_data={data}"]
-    run(procs, standalone(2), [*SMALL, *settings, f"snapshot.dir={tmp_path / 'two'}",
-                               "trainer.loggers=[jsonl,tensorboard]", "trainer.parallelism=fsdp"], "two")
+                "trainer.hellaswag_every=5", f"trainer.hellaswag_data={url}"]
+    two = run(procs, standalone(2), [*SMALL, *settings, f"snapshot.dir={tmp_path / 'two'}",
+                                     "trainer.loggers=[jsonl,tensorboard]", "trainer.parallelism=fsdp"], "two")
+    assert "is in this machine's cache" in two.split("joining the job")[0]  # fetched before the node joined
+    fetched = list(requests)
     text = train_here(tmp_path, *settings, f"snapshot.dir={tmp_path / 'one'}")
+    assert requests == fetched and [line.split()[0] for line in fetched].count("GET") == 1, requests  # one fetch
     one, two = hellaswag_records(tmp_path / "one"), hellaswag_records(tmp_path / "two")
     assert sorted(one) == [5, 10, 12] and one == two
     assert all(count == 17 for _, _, count in one.values())

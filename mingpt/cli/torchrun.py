@@ -30,7 +30,7 @@ from mingpt.errors import ConfigError, one_line
 from mingpt.training import agent, live
 from mingpt.training.app import CONF_DIR, compose_config
 from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf, watch_nccl
-from mingpt.training.preparation import prepare_data
+from mingpt.training.preparation import fetch_hellaswag, prepare_data
 
 ADDS = """\
 mingpt-torchrun: torch's torchrun (the same options, below), plus what an elastic mingpt job needs:
@@ -155,8 +155,8 @@ def _asks_for_help(argv: list[str]) -> bool:
 
 
 def prepare_before_joining(args: argparse.Namespace) -> None:
-    """Prepare (or reuse) the data the job's overrides describe, on this node, before its agent enters the
-    rendezvous: a node joining a running job would otherwise make every other node wait while its workers
+    """Prepare (or reuse) the data the job's overrides describe, and fetch HellaSwag's file where it is scored,
+    on this node, before its agent enters the rendezvous: a node joining a running job would otherwise make every other node wait while its workers
     tokenize, and past trainer.dist_timeout_s end the job. Only for a mingpt application (mingpt-train, or a
     script with a `conf/` folder beside it); a mistake in the overrides is one line here, before any agent starts."""
     conf = Path(args.training_script).resolve().parent / "conf"
@@ -167,6 +167,7 @@ def prepare_before_joining(args: argparse.Namespace) -> None:
     cfg = compose_config(conf, args.training_script_args)
     started = time.monotonic()
     folder = prepare_data(cfg)
+    fetch_hellaswag(cfg.trainer)
     log.info("mingpt-torchrun: data ready in %s (%.0f s); joining the job", folder, time.monotonic() - started)
 
 

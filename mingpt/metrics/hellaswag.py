@@ -108,12 +108,12 @@ def _record(line: str, where: str) -> dict:
 def load_examples(source: str) -> list[Example]:
     """The examples of `source`, a local path or a URL (fetched into the cache once); HellaSwagUnavailable where
     a URL can be neither read from the cache nor fetched, MinGPTError for a file that is not HellaSwag's."""
-    if _is_local(source):
+    if is_local(source):
         return parse_examples(_read_local(source), source)
     return parse_examples(cached_copy(source), redact(source))
 
 
-def _is_local(source: str) -> bool:
+def is_local(source: str) -> bool:
     return "://" not in source or source.startswith("file:")
 
 
