@@ -156,9 +156,10 @@ def _asks_for_help(argv: list[str]) -> bool:
 
 def prepare_before_joining(args: argparse.Namespace) -> None:
     """Prepare (or reuse) the data the job's overrides describe, and fetch HellaSwag's file where it is scored,
-    on this node, before its agent enters the rendezvous: a node joining a running job would otherwise make every other node wait while its workers
-    tokenize, and past trainer.dist_timeout_s end the job. Only for a mingpt application (mingpt-train, or a
-    script with a `conf/` folder beside it); a mistake in the overrides is one line here, before any agent starts."""
+    on this node, before its agent enters the rendezvous: a node joining a running job would otherwise make every
+    other node wait while its workers tokenize, and past trainer.dist_timeout_s end the job. Only for a mingpt
+    application (mingpt-train, or a script with a `conf/` folder beside it); a mistake in the overrides is one
+    line here, before any agent starts."""
     conf = Path(args.training_script).resolve().parent / "conf"
     if Path(args.training_script).name == "mingpt-train":
         conf = CONF_DIR

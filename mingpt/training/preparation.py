@@ -35,7 +35,7 @@ def fetch_hellaswag(t: TrainerConfig) -> None:
     """Where the job scores HellaSwag from a URL (trainer.hellaswag_every, trainer.hellaswag_data), fetch it into
     this machine's cache now, so that the workers read that copy instead of each fetching it in the start-up their
     peers wait on. Where it cannot be had, one warning: the workers try once more, then train without the metric.
-    A file that is not HellaSwag's is a MinGPTError, before the node joins."""
+    A file that cannot be HellaSwag's (too large; not the known file at its public URL) is a MinGPTError here."""
     if not t.hellaswag_every or hellaswag.is_local(t.hellaswag_data):
         return
     try:
