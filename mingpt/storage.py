@@ -1,4 +1,6 @@
-"""Storage shared by corpora and snapshots: opening a path, file: URL or fsspec URL, and explaining failures.
+"""Storage shared by corpora and snapshots: opening a path, file: URL or fsspec URL, and explaining failures;
+and on this machine's own disk, folders and files of this user's alone (`private_folder`, `open_own_file`),
+for what is kept in folders that other users share (/dev/shm, /tmp, a cache).
 
 Every message built here is safe to log: URLs lose any credentials they carry, and storage
 options (which may hold keys) are never part of a message.
@@ -255,3 +257,34 @@ def private_folder(path: Path | str, others: int = 0o077) -> bool:
     except OSError:
         return False
     return stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and found.st_mode & others == 0
+
+
+def own_file(path: Path) -> os.stat_result:
+    """lstat of `path`; OSError unless it is a regular file of this user's."""
+    found = os.lstat(path)
+    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
+        raise OSError(f"not a regular file of this user's (mode {stat.filemode(found.st_mode)}, owner {found.st_uid})")
+    return found
+
+
+def open_own_file(path: Path, flags: int) -> int:
+    """A descriptor of `path` opened with `flags` (O_CREAT makes it 0600), never through a link, never waiting on a
+    FIFO; OSError unless it is a regular file of this user's."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file of this user's")
+    return fd
+
+
+def read_own_file(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of this user's, at most `limit`; never through a link, never waiting on a FIFO."""
+    fd = open_own_file(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size > limit:
+            raise OSError(f"{path} holds more than {limit} bytes")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)

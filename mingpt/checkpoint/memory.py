@@ -49,9 +49,9 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from mingpt.checkpoint.packing import pack, unpack
-from mingpt.checkpoint.shm import allocate, own_file, read_own_file
+from mingpt.checkpoint.shm import allocate
 from mingpt.claim import MachineLock, process_alive
-from mingpt.storage import private_folder, replace_atomically
+from mingpt.storage import own_file, private_folder, read_own_file, replace_atomically
 
 log = logging.getLogger(__name__)
 

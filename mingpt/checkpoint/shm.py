@@ -1,6 +1,7 @@
 """Files in a folder that every user of the machine can write (/dev/shm, /tmp): a folder is used only if it is
 this user's alone (not a link, mode 0700), and a file only if it is a regular file of this user's, opened
-without following links and never waited on (a FIFO); a buffer's memory is reserved when it is made.
+without following links and never waited on (a FIFO; mingpt.storage checks both); a buffer's memory is
+reserved when it is made.
 
 A process's own temporary folder (`process_folder`) is named after it, so that whoever makes the next one on
 the machine removes it once that process has ended, however it ended (SIGKILL, the OOM killer)."""
@@ -10,12 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 
 from mingpt.claim import process_alive, start_time
-from mingpt.storage import private_folder
+from mingpt.storage import open_own_file, private_folder
 
 log = logging.getLogger(__name__)
 
@@ -36,37 +36,6 @@ def remove_ended(kind: str, root: str | None = None) -> None:
                 and not process_alive(int(parts[2]), int(parts[3])):
             log.info("removing %s: the process that made it has ended", folder)
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def own_file(path: Path) -> os.stat_result:
-    """lstat of `path`; OSError unless it is a regular file of this user's."""
-    found = os.lstat(path)
-    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
-        raise OSError(f"not a regular file of this user's (mode {stat.filemode(found.st_mode)}, owner {found.st_uid})")
-    return found
-
-
-def open_own_file(path: Path, flags: int) -> int:
-    """A descriptor of `path` opened with `flags` (O_CREAT makes it 0600), never through a link, never waiting on a
-    FIFO; OSError unless it is a regular file of this user's."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-    found = os.fstat(fd)
-    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file of this user's")
-    return fd
-
-
-def read_own_file(path: Path, limit: int) -> bytes:
-    """The bytes of a regular file of this user's, at most `limit`; never through a link, never waiting on a FIFO."""
-    fd = open_own_file(path, os.O_RDONLY)
-    try:
-        if os.fstat(fd).st_size > limit:
-            raise OSError(f"{path} holds more than {limit} bytes")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limit)
-    finally:
-        os.close(fd)
 
 
 def allocate(path: Path, nbytes: int) -> None:

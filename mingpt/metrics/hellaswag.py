@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mingpt.errors import MinGPTError, one_line
-from mingpt.storage import open_fs, private_folder, redact
+from mingpt.storage import open_fs, private_folder, read_own_file, redact
 
 PUBLIC_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # The public file's digest, from Hugging Face datasets' record of it (datasets/hellaswag/dataset_infos.json,
@@ -180,16 +180,11 @@ def _check_cache_folder(folder: Path) -> None:
 def _read_cached(path: Path) -> bytes | None:
     """The cached file's bytes, or None where there is none; never through a link, never waiting on a FIFO."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return read_own_file(path, MAX_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as e:  # ELOOP: a link
-        raise MinGPTError(f"cannot read the cached copy {path} ({e.strerror}); remove it") from None
-    with os.fdopen(fd, "rb") as f:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
-            raise MinGPTError(f"the cached copy {path} is not a regular file of yours; remove it")
-        return f.read(MAX_BYTES + 1)
+    except OSError as e:  # a link, a FIFO, another user's file, one too large
+        raise MinGPTError(f"cannot read the cached copy {path} ({e.strerror or e}); remove it") from None
 
 
 def _fetch(url: str, path: Path) -> bytes:

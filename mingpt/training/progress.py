@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from mingpt.checkpoint.shm import open_own_file, read_own_file
-from mingpt.storage import private_folder
+from mingpt.storage import open_own_file, private_folder, read_own_file
 
 log = logging.getLogger(__name__)
 
