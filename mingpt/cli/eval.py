@@ -43,7 +43,7 @@ def evaluate(args: argparse.Namespace) -> None:
     from mingpt.checkpoint.load import open_model
     from mingpt.cli.sample import pick_device
     from mingpt.metrics.hellaswag import load_examples
-    from mingpt.metrics.scoring import Tally, encode_all, score
+    from mingpt.metrics.scoring import Tally, encode_all, score, skipped_note
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be a positive integer; got {args.batch_size}")
@@ -53,8 +53,7 @@ def evaluate(args: argparse.Namespace) -> None:
     print(f"# {snapshot.url} (step {snapshot.step})", file=sys.stderr)
     encoded, skipped = encode_all(examples, tokenizer, model.config.block_size)
     if skipped:
-        print(f"# {skipped} of {len(examples)} examples skipped: their text has characters the tokenizer "
-              f"({tokenizer.describe()}) cannot encode, or an ending longer than the block", file=sys.stderr)
+        print(f"# {skipped_note(skipped, len(examples), tokenizer)}", file=sys.stderr)
     if not encoded:
         raise MinGPTError(f"none of the {len(examples)} examples of {redact(args.data)} can be scored with this "
                           "snapshot's tokenizer")

@@ -105,6 +105,12 @@ def encode_all(examples: list[Example], tokenizer: Tokenizer, block_size: int) -
     return kept, len(encoded) - len(kept)
 
 
+def skipped_note(skipped: int, total: int, tokenizer: Tokenizer) -> str:
+    """Why `skipped` of `total` examples are not scored (encode_all's count), in words."""
+    return (f"{skipped} of {total} examples skipped: their text has characters the tokenizer "
+            f"({tokenizer.describe()}) cannot encode, or an ending longer than the block")
+
+
 @torch.no_grad()
 def score(model: GPT, batch: list[Encoded], device: torch.device, autocast=None) -> list[Scored]:
     """The scores of a batch of examples, all their choices in one forward pass (rows padded on the right, which

@@ -15,7 +15,7 @@ from typing import Callable
 
 from mingpt.data.sampler import micro_batches, shard
 from mingpt.metrics.hellaswag import HellaSwagUnavailable, load_examples
-from mingpt.metrics.scoring import Encoded, Tally, encode_all, score
+from mingpt.metrics.scoring import Encoded, Tally, encode_all, score, skipped_note
 from mingpt.model import GPT
 from mingpt.storage import redact
 from mingpt.tokenizers import Tokenizer
@@ -68,9 +68,7 @@ def load_hellaswag(t: TrainerConfig, tokenizer: Tokenizer, block_size: int) -> H
         return None
     encoded, skipped = encode_all(examples, tokenizer, block_size)
     if skipped:
-        _warn_if_leading("HellaSwag: %d of %d examples of %s are left out: their text has characters the tokenizer "
-                         "(%s) cannot encode, or an ending longer than the block", skipped, len(examples),
-                         redact(t.hellaswag_data), tokenizer.describe())
+        _warn_if_leading("HellaSwag, %s: %s", redact(t.hellaswag_data), skipped_note(skipped, len(examples), tokenizer))
     return HellaSwag(encoded, max(1, t.micro_batch_size // 4)) if encoded else None
 
 
