@@ -359,8 +359,7 @@ def summarize(seed: int, mode: str, snap: Path, nodes: list, rows: list, max_ste
         greedy = sample(snap, max_steps) == sample(reference, max_steps)
     row = {"seed": seed, "mode": mode, "completed": completed, "deaths": len(rows), "steps_again": sum(lost),
            "stall": stall, "admission": admission, "from_joining": from_joining, "never_admitted": never,
-           "val_diff": val, "greedy": greedy,
-           "goodput": goodput(progress), "kept": (kept, survivors),
+           "val_diff": val, "greedy": greedy, "goodput": goodput(progress), "kept": (kept, survivors),
            "ledger": ledger_check(found, all_records(reference), max_steps)}
     killed = sum(d.signal == "SIGKILL" for d in rows)
     print(f"{mode} seed {seed}: completed {'yes' if completed else 'NO'}; {len(rows)} deaths ({killed} SIGKILL, "
@@ -368,7 +367,8 @@ def summarize(seed: int, mode: str, snap: Path, nodes: list, rows: list, max_ste
           f"median {_median(stall)} max {_max(stall)}; survivors' worker pids unchanged through {kept} of {survivors} "
           f"deaths of another node; a new node's start to its first step median {_median(admission)} max "
           f"{_max(admission)} (never: {never}), from its \"joining the job\" median {_median(from_joining)} max "
-          f"{_max(from_joining)}; goodput {row['goodput']:.0%}; steps trained again {sum(lost)}; ledger {row['ledger']}; "
+          f"{_max(from_joining)}; goodput {row['goodput']:.0%}; steps trained again {sum(lost)}; "
+          f"ledger {row['ledger']}; "
           f"val loss against an uninterrupted run: difference {val if val is None else f'{val:.1e}'}; greedy text "
           f"equal: {greedy} (logs in {work})", flush=True)
     return row
