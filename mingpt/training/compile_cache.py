@@ -231,11 +231,8 @@ def _put_kernel(root: str, name: str, data: bytes) -> int:
     match = _KERNEL.match(name)
     sub, filename = match[1], match[2]
     folder = os.path.join(root, sub)
-    # /tmp/torchinductor_$USER, torch's default, is in a folder every user writes.
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    if private_folder(root, others=0o022):
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-    for place in (root, folder):
+    for place in (root, folder):  # /tmp/torchinductor_$USER, torch's default, is in a folder every user writes
+        os.makedirs(place, mode=0o700, exist_ok=True)
         if not private_folder(place, others=0o022):
             log.debug("skipping kernel %s: %s is not a folder that only this user can write", filename, place)
             return 0
