@@ -61,14 +61,16 @@ def load_hellaswag(t: TrainerConfig, tokenizer: Tokenizer, block_size: int) -> H
     HellaSwag's is an error (MinGPTError)."""
     if not t.hellaswag_every:
         return None
+    speaks = distributed.leads_this_generation()  # before the process group exists: the future leader
     try:
         examples = load_examples(t.hellaswag_data)
     except HellaSwagUnavailable as e:
-        _warn_if_leading("%s; training goes on without the HellaSwag metric", e)
+        if speaks:
+            log.warning("%s; training goes on without the HellaSwag metric", e)
         return None
     encoded, skipped = encode_all(examples, tokenizer, block_size)
-    if skipped:
-        _warn_if_leading("HellaSwag, %s: %s", redact(t.hellaswag_data), skipped_note(skipped, len(examples), tokenizer))
+    if skipped and speaks:
+        log.warning("HellaSwag, %s: %s", redact(t.hellaswag_data), skipped_note(skipped, len(examples), tokenizer))
     return HellaSwag(encoded, max(1, t.micro_batch_size // 4)) if encoded else None
 
 
@@ -84,9 +86,3 @@ def agree(hellaswag: HellaSwag | None, world: distributed.World, speaks: bool) -
                     "without the HellaSwag metric: give every node the same trainer.hellaswag_data",
                     processes, world.world_size)
     return None
-
-
-def _warn_if_leading(message: str, *args) -> None:
-    """A warning before the generation's roles are known: from the process that will lead it."""
-    if distributed.leads_this_generation():
-        log.warning(message, *args)

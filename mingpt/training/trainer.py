@@ -131,8 +131,9 @@ def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None
             f"model.init_from={redact(pretrained.url)} has a vocabulary of {pretrained.config.vocab_size}, the data's "
             f"tokenizer ({data.tokenizer.describe()}) one of {data.vocab_size}; leave data.tokenizer at its default "
             "to use the tokenizer that came with the weights")
-    _log_if_leading("model.init_from=%s: %s (instead of model=%s)", redact(pretrained.url), pretrained.describe(),
-                    cfg.model.name)
+    if distributed.leads_this_generation():  # before the process group exists: the future leader
+        log.info("model.init_from=%s: %s (instead of model=%s)", redact(pretrained.url), pretrained.describe(),
+                 cfg.model.name)
     return replace(pretrained.config, dropout=cfg.model.dropout)
 
 
@@ -444,9 +445,3 @@ def _check_batch(cfg: Config, world_size: int) -> None:
             f"{world_size} processes: each needs at least one example per step. Raise "
             "trainer.global_batch_size to at least the number of processes, or start fewer"
         )
-
-
-def _log_if_leading(message: str, *args) -> None:
-    """_log before the process group exists: in the process that will lead this generation."""
-    if distributed.leads_this_generation():
-        log.info(message, *args)
