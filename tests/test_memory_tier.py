@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import REPO, wait_for
+from launch import REPO, train_here, wait_for
 from mingpt.checkpoint.memory import MemoryTier, unusable
 
 
@@ -70,9 +70,10 @@ def test_a_copy_cut_short_by_a_kill_is_never_loaded(tmp_path):
     state = MemoryTier.unpack(tier.read(held), held.header)
     assert state["step"] == 2 and torch.equal(state["a"], torch.full((4096,), 2.0))
     assert torch.equal(state["b"], torch.full((4096,), 2.0))
-    # Its parent (this process) lives on; the next job to start on this machine removes the dead writer's tier.
-    MemoryTier("another run", "job-2", root=str(tmp_path)).start()
-    assert not written.exists()
+    # Its parent (this process) lives on; the next job to start on this machine removes the dead writer's tier,
+    # though it keeps no tier itself (started without torchrun, snapshot.memory=auto).
+    log = train_here(tmp_path / "next", f"snapshot.memory_dir={tmp_path}", "trainer.max_steps=1")
+    assert not written.exists() and f"removing {written}, the memory tier of a job that ended" in log
 
 
 def test_a_tier_of_another_job_is_never_used_and_is_removed_when_a_job_starts(tmp_path):

@@ -196,12 +196,10 @@ class MemoryTier:
         may be needed)."""
         if self.off:
             return
-        for other in self.root.glob("mingpt-*"):
-            if not private_folder(other):
-                continue  # another user's: never read, never removed
-            jobs = _jobs(other)
-            another_job = other.name.startswith(f"{self.prefix}-") and jobs and self.job not in jobs
-            if another_job or (not other.name.startswith(f"{self.launcher}-") and _launcher_gone(other)):
+        remove_ended_tiers(self.root)
+        for other in self.root.glob(f"{self.prefix}-*"):  # this run's: one of another job's is of a job that ended
+            jobs = _jobs(other) if private_folder(other) else set()  # another user's: never read, never removed
+            if jobs and self.job not in jobs:
                 log.info("removing %s, the memory tier of a job that ended", other)
                 shutil.rmtree(other, ignore_errors=True)
         self._mapped.clear()
@@ -415,6 +413,16 @@ def _launcher() -> int:
     the tier); a process started without one is its own launcher, so that once it dies (a SIGKILL) its tier goes
     at the next job's start, rather than when the shell it was started from ends."""
     return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+
+
+def remove_ended_tiers(root: str | Path) -> None:
+    """Remove this user's tiers under `root` whose launcher on this machine has ended (another user's are never
+    touched): the memory of a job that was SIGKILLed, which nothing else frees. Every job does it as it starts,
+    with a tier of its own or none."""
+    for folder in Path(root).glob("mingpt-*"):
+        if private_folder(folder) and _launcher_gone(folder):
+            log.info("removing %s, the memory tier of a job that ended", folder)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _launcher_gone(folder: Path) -> bool:
