@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mingpt.checkpoint.shm import remove_ended
+from mingpt.checkpoint.shm import remove_ended_agents_folders
 from mingpt.training.app import compose_config
 from mingpt.training.config import Config
 
@@ -113,8 +113,7 @@ class Processes:
                 kill_node(proc)
             proc.wait(timeout=30)
         remove_memory_tiers({proc.pid for proc in self.started})
-        for kind in ("torchrun", "progress"):  # what killed agents left in /tmp, which the next agent would remove
-            remove_ended(kind)
+        remove_ended_agents_folders()  # what killed agents left in /tmp, which the next job would remove
 
 
 def remove_memory_tiers(launchers: set[int]) -> None:

@@ -7,6 +7,9 @@ dying, joining and leaving under --max-restarts=0) and test_elastic_launch.py (a
 import logging
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -18,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-from launch import BIN, env, kill_node, output, wait_for
+from launch import BIN, env, kill_node, output, train_here, wait_for
 from mingpt.claim import start_time
 from mingpt.torch_internals import ElasticAgent
 from mingpt.training import agent as agent_module
@@ -296,6 +299,22 @@ def test_what_a_killed_agent_left_in_tmp_goes_when_the_next_agent_starts(tmp_pat
     after = procs.start([*agent, "true"], "after", environment=environment)
     assert after.wait(timeout=120) == 0, output(after)
     assert sorted(p.name for p in temp.iterdir()) == [alive.name]
+
+
+def test_a_job_started_without_torchrun_removes_what_killed_agents_left_too(tmp_path, monkeypatch):
+    """The next job on the machine may be one without an agent: it removes an ended agent's folders in /tmp and
+    an ended job's memory tier as well, and keeps those of processes that run."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    temp, shm = tmp_path / "tmp", tmp_path / "shm"
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # what TMPDIR would give a new process
+    running = f"{os.getpid()}-{start_time(os.getpid())}"
+    left = [temp / f"mingpt-{kind}-{pid}-x" for kind in ("progress", "torchrun") for pid in (f"{ended.pid}-1", running)]
+    left += [shm / f"mingpt-0123456789abcdef-{pid}-0of1" for pid in (ended.pid, os.getpid())]
+    for folder in left:
+        folder.mkdir(mode=0o700, parents=True)
+    train_here(tmp_path, f"snapshot.memory_dir={shm}", "trainer.max_steps=1")  # no tier: not under torchrun
+    assert [folder for folder in left if folder.exists()] == [left[1], left[3], left[5]]  # those of this process
 
 
 @pytest.mark.multiproc

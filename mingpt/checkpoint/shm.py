@@ -28,6 +28,15 @@ def process_folder(kind: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"mingpt-{kind}-{pid}-{start_time(pid)}-"))  # 0700
 
 
+AGENT_FOLDERS = ("torchrun", "progress")  # the process folders of mingpt-torchrun's agent: its logs, its watchdog's
+
+
+def remove_ended_agents_folders() -> None:
+    """Remove the folders of this user's agents that have ended (a SIGKILLed agent's stay until then)."""
+    for kind in AGENT_FOLDERS:
+        remove_ended(kind)
+
+
 def remove_ended(kind: str, root: str | None = None) -> None:
     """Remove this user's `process_folder`s of `kind` whose process has ended (another user's are never touched)."""
     for folder in Path(root or tempfile.gettempdir()).glob(f"mingpt-{kind}-*"):

@@ -46,7 +46,7 @@ from mingpt.training.launcher import PEER_STOPPED
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
 from mingpt.training.progress import Progress
-from mingpt.training.recovery import check_memory_dir
+from mingpt.training.recovery import check_memory_dir, remove_what_ended_jobs_left
 from mingpt.training.report import Report, describe_windows
 from mingpt.training.resume import resume
 from mingpt.training.schedule import set_lr
@@ -87,6 +87,7 @@ def _train(cfg: Config) -> TrainResult:
     store = snapshot_store(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     check_memory_dir(cfg.snapshot)
+    remove_what_ended_jobs_left(cfg.snapshot)
     # The leader of this generation claims the run before any data work: a second job started
     # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
     # can no longer commit (see mingpt.checkpoint.lease).

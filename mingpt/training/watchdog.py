@@ -49,7 +49,7 @@ class Watchdog:
     """One agent's watch over its workers' progress."""
 
     def __init__(self):
-        self.folder = process_folder("progress")  # this user's alone; removed by the next agent if this one is killed
+        self.folder = process_folder("progress")  # this user's alone; removed by the next job if this agent is killed
         self.host = socket.gethostname()
         self._seen: dict[int, tuple[int, float]] = {}  # pid -> (step, when) of its last new step
         self._times: deque[float] = deque(maxlen=50)
