@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from mingpt.checkpoint.lease import job_identity
 from mingpt.checkpoint.memory import Held, MemoryTier, remove_ended_tiers, unusable
-from mingpt.checkpoint.shm import remove_ended_agents_folders
 from mingpt.checkpoint.packing import assemble
+from mingpt.checkpoint.shm import remove_ended_agents_folders
 from mingpt.errors import ConfigError
 from mingpt.training import distributed
 from mingpt.training.config import SnapshotConfig
