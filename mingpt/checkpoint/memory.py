@@ -417,8 +417,9 @@ def _launcher() -> int:
 
 def remove_ended_tiers(root: str | Path) -> None:
     """Remove this user's tiers under `root` whose launcher on this machine has ended (another user's are never
-    touched): the memory of a job that was SIGKILLed, which nothing else frees. Every job does it as it starts,
-    with a tier of its own or none."""
+    touched): the memory of a job that was SIGKILLed, which nothing else frees. A job with a tier does it once its
+    restore has read what it needs (a restarted job resumes from its dead launcher's tier); a job without, as it
+    starts."""
     for folder in Path(root).glob("mingpt-*"):
         if private_folder(folder) and _launcher_gone(folder):
             log.info("removing %s, the memory tier of a job that ended", folder)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import mingpt
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
+from mingpt.checkpoint.memory import remove_ended_tiers
 from mingpt.checkpoint.sharded import write_shards
 from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, snapshot_name
 from mingpt.checkpoint.writer import SnapshotWriter
@@ -56,6 +57,8 @@ class Checkpointer:
         wanted = cfg.snapshot.memory == "on" or (cfg.snapshot.memory == "auto" and "TORCHELASTIC_RUN_ID" in os.environ)
         self.memory = MemoryCopies(cfg.snapshot, topology, os.path.abspath(store.run.path) if store.local else
                                    store.url, replica) if wanted else None
+        if not wanted:  # (a tier's own start does it, once the restore has read what it needs)
+            remove_ended_tiers(cfg.snapshot.memory_dir)  # a killed job's memory: the next job frees it, tier or not
 
     @property
     def reached(self) -> int:

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mingpt.checkpoint.lease import job_identity
-from mingpt.checkpoint.memory import Held, MemoryTier, remove_ended_tiers, unusable
+from mingpt.checkpoint.memory import Held, MemoryTier, unusable
 from mingpt.checkpoint.packing import assemble
-from mingpt.checkpoint.shm import remove_ended_agents_folders
 from mingpt.errors import ConfigError
 from mingpt.training import distributed
 from mingpt.training.config import SnapshotConfig
@@ -44,13 +43,6 @@ def check_memory_dir(cfg: SnapshotConfig) -> None:
         raise ConfigError(f"snapshot.memory=on keeps the state in snapshot.memory_dir={cfg.memory_dir}, but {problem} "
                           "on this machine; give a folder this user can write (/dev/shm), or use snapshot.memory=auto "
                           "or off")
-
-
-def remove_what_ended_jobs_left(cfg: SnapshotConfig) -> None:
-    """What this user's killed jobs left on this machine (an agent's folders in /tmp, memory tiers in
-    snapshot.memory_dir) goes as the next job starts, with torchrun or without, with a tier or without."""
-    remove_ended_agents_folders()
-    remove_ended_tiers(cfg.memory_dir)
 
 
 class MemoryCopies:

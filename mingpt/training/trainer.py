@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mingpt import torch_internals
 from mingpt.checkpoint.load import snapshot_store
 from mingpt.checkpoint.packing import placed_like
+from mingpt.checkpoint.shm import remove_ended_agents_folders
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import WindowOrder, micro_batches, shard, window_order
@@ -46,7 +47,7 @@ from mingpt.training.launcher import PEER_STOPPED
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
 from mingpt.training.progress import Progress
-from mingpt.training.recovery import check_memory_dir, remove_what_ended_jobs_left
+from mingpt.training.recovery import check_memory_dir
 from mingpt.training.report import Report, describe_windows
 from mingpt.training.resume import resume
 from mingpt.training.schedule import set_lr
@@ -87,7 +88,7 @@ def _train(cfg: Config) -> TrainResult:
     store = snapshot_store(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     check_memory_dir(cfg.snapshot)
-    remove_what_ended_jobs_left(cfg.snapshot)
+    remove_ended_agents_folders()  # what this user's killed agents left in /tmp: the next job removes it, agent or not
     # The leader of this generation claims the run before any data work: a second job started
     # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
     # can no longer commit (see mingpt.checkpoint.lease).
