@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import logging
 import os
 import re
 import stat
 import uuid
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from fsspec.core import url_to_fs
@@ -36,6 +38,15 @@ _SECRET_PARAMETER = re.compile(r"([?&;][^=&#\s]*(?:sig|token|credential|secret|p
 # password would become part of the bucket name, and so of every message about it.
 OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
 LOCAL_SCHEMES = ("file", "local")
+
+
+def parse_json(data: str | bytes) -> Any:
+    """json.loads for what was read from storage or a peer: ValueError for anything it cannot hold, arrays nested
+    thousands deep (json's RecursionError) and integers of thousands of digits included."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to be read") from None
 
 
 def redact(text: object) -> str:
@@ -280,7 +291,20 @@ def open_own_file(path: Path, flags: int) -> int:
 
 def read_own_file(path: Path, limit: int) -> bytes:
     """The bytes of a regular file of this user's, at most `limit`; never through a link, never waiting on a FIFO."""
-    fd = open_own_file(path, os.O_RDONLY)
+    return _read_whole(open_own_file(path, os.O_RDONLY), path, limit)
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, whoever owns it (a folder of prepared data may be
+    shared); never through a link, never waiting on a FIFO. OSError otherwise, FileNotFoundError where none is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return _read_whole(fd, path, limit)
+
+
+def _read_whole(fd: int, path: Path, limit: int) -> bytes:
     try:
         if os.fstat(fd).st_size > limit:
             raise OSError(f"{path} holds more than {limit} bytes")

@@ -82,13 +82,14 @@ def plant(url: str, name: str, data: bytes) -> None:
 
 
 def test_only_a_small_json_file_is_a_claim(url):
-    """A file too large to read whole, an empty one, garbage, another number, a folder: all skipped, none read
-    whole; the next claim goes past them."""
+    """A file too large to read whole, an empty one, garbage, JSON nested thousands deep, another number, a
+    folder: all skipped, none read whole; the next claim goes past them."""
     plant(url, "gen-000000005.json/inside", b"{}")  # a folder (on S3: a prefix)
     plant(url, "gen-000000004.json", b"")
     plant(url, "gen-000000003.json", json.dumps({"generation": 3, "pad": "x" * claim.MAX_CLAIM_BYTES}).encode())
     plant(url, "gen-000000002.json", b"\xff garbage")
     plant(url, "gen-000000001.json", json.dumps({"generation": 7}).encode())
+    plant(url, "gen-000000000.json", b"[" * 30_000 + b"]" * 30_000)  # small, but nested too deeply for json
     plant(url, "notes.txt", b"hello")
     claims = claims_at(url)
     assert claims.newest() is None

@@ -2,6 +2,7 @@
 in this process (`main(argv)`); each command also runs as users type it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -42,14 +43,29 @@ def s3_trouble(trouble: str, closed_port: int) -> dict:
 # -- mingpt-prepare -----------------------------------------------------------------------------
 
 
-def test_prepare_refuses_a_folder_of_other_files_and_keeps_them(tmp_path, corpus_file, capsys):
+@pytest.mark.parametrize("meta", [None, '{"format": "mingpt-prepared"}'], ids=["other files", "beside a meta.json"])
+def test_prepare_refuses_a_folder_of_other_files_and_keeps_them(tmp_path, corpus_file, capsys, meta):
+    """Files of the user's are never replaced, even beside a meta.json that says the folder is prepared data."""
     folder = tmp_path / "p"
-    folder.mkdir()
-    (folder / "keep.txt").write_text("hi")
+    (folder / "docs").mkdir(parents=True)
+    (folder / "docs" / "keep.txt").write_text("hi")
+    if meta:
+        (folder / "meta.json").write_text(meta)
     rc = prepare.main(["--corpus", str(corpus_file), "--out", str(folder)])
     assert_one_line_error(rc, capsys.readouterr().err, str(folder), "not empty", "empty or new folder", "--out")
-    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"] and (folder / "keep.txt").read_text() == "hi"
+    assert (folder / "docs" / "keep.txt").read_text() == "hi"
+    assert sorted(p.name for p in folder.iterdir()) == ["docs", "meta.json"][:2 if meta else 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "p"]  # no temporary folder either
+
+
+def test_a_meta_json_that_is_a_fifo_is_damaged_not_waited_on(tmp_path, corpus_file, capsys):
+    folder = tmp_path / "p"
+    assert prepare.main(["--corpus", str(corpus_file), "--out", str(folder), "--num-workers", "1"]) == 0
+    (folder / "meta.json").unlink()
+    os.mkfifo(folder / "meta.json")
+    capsys.readouterr()
+    assert prepare.main(["--verify", "--out", str(folder)]) == 2
+    assert_one_line_error(2, capsys.readouterr().err, "meta.json is damaged", "not a regular file")
 
 
 @pytest.mark.multiproc

@@ -133,7 +133,8 @@ def test_a_missing_column_a_damaged_file_and_a_null_are_one_line_each(tmp_path, 
 
 def test_content_that_is_not_text_is_one_line_naming_the_file_and_where(tmp_path, capsys):
     """The policy of every format: text that is not UTF-8 (or a lone surrogate from a JSON escape) is refused,
-    naming the file and the byte, line or row; so is JSON nested too deeply, and a text column named twice."""
+    naming the file and the byte, line or row; so is JSON nested too deeply or with an integer of thousands of digits
+    (which json refuses), and a text column named twice."""
     from mingpt.cli.prepare import main
 
     pq.write_table(pa.Table.from_arrays([pa.array(["a b"] * 3), pa.array(["c"] * 3)], names=["text", "text"]),
@@ -142,12 +143,14 @@ def test_content_that_is_not_text_is_one_line_naming_the_file_and_where(tmp_path
     pq.write_table(pa.table({"text": bad}), tmp_path / "bad.parquet")
     ok = json.dumps({"text": "fine \U0001F600"}) + "\n"  # a pair of escapes is one character: text
     (tmp_path / "deep.jsonl").write_text(ok + "[" * 100_000 + "]" * 100_000 + "\n")
+    (tmp_path / "digits.jsonl").write_text(ok + '{"text": "a", "id": ' + "9" * 5000 + "}\n")
     (tmp_path / "surrogate.jsonl").write_text(ok + '{"text": "a \\ud800 b"}\n')
     (tmp_path / "bad.jsonl").write_bytes(ok.encode() + b'{"text": "caf\xe9"}\n')
     (tmp_path / "bad.txt").write_bytes(b"good\ncaf\xe9\n")
     cases = [("two.parquet", "has 2 columns named 'text'"),
              ("bad.parquet", "bad.parquet, row 2, is not UTF-8 text (bad byte at offset 4 of its text)"),
-             ("deep.jsonl", f"deep.jsonl, the record at byte {len(ok)} is nested too deeply"),
+             ("deep.jsonl", f"deep.jsonl, the record at byte {len(ok)} is not a JSON record (JSON nested too deeply"),
+             ("digits.jsonl", f"digits.jsonl, the record at byte {len(ok)} is not a JSON record (Exceeds the limit"),
              ("surrogate.jsonl", f"surrogate.jsonl, the record at byte {len(ok.encode())} is not UTF-8 text: its "
                                  "'\\ud800' at character 2 is half of a UTF-16 pair"),
              ("bad.jsonl", f"bad.jsonl is not UTF-8 text (bad byte at offset {len(ok.encode()) + 13})"),

@@ -344,6 +344,7 @@ BAD_MANIFESTS = {
     "unknown-config-key": (lambda m: _with(m, model_config={**m["model_config"], "n_wings": 2}), "n_wings"),
     "wrong-step": (lambda m: _with(m, step=999), "says step 999"),
     "not-json": (lambda m: "{not json", "not valid JSON"),
+    "nested-thousands-deep": (lambda m: "[" * 30_000 + "]" * 30_000, "not valid JSON"),  # json's RecursionError
 }
 
 

@@ -7,14 +7,13 @@ snapshot must hold (`snapshot_problem`) is said here; the store knows files only
 
 from __future__ import annotations
 
-import json
 
 import torch
 
 from mingpt.checkpoint.store import INDEX, MANIFEST, STATE_DIR, Snapshot, SnapshotError, SnapshotStore
 from mingpt.errors import MinGPTError
 from mingpt.model import GPT, GPTConfig
-from mingpt.storage import explain_storage_error, redact
+from mingpt.storage import explain_storage_error, parse_json, redact
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 
 
@@ -80,7 +79,7 @@ def open_snapshot(url: str) -> Snapshot:
 def load_model(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer]:
     """The snapshot's model, in eval mode on `device`, and its tokenizer."""
     try:
-        tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+        tokenizer = tokenizer_from_dict(parse_json(snapshot.read("tokenizer.json")))
     except ValueError as e:  # JSONDecodeError, or a tokenizer description of no known kind
         raise SnapshotError(f"snapshot {snapshot.url} has an unusable tokenizer.json ({e})") from None
     model = GPT(GPTConfig(**snapshot.manifest["model_config"]))

@@ -7,9 +7,10 @@ or a device planted under the name would block or never end), and no more than t
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from typing import Any
+
+from mingpt.storage import parse_json
 
 FORMAT = "mingpt-snapshot"
 FORMAT_VERSION = 1
@@ -37,7 +38,7 @@ def read_manifest(fs, path: str) -> Any | None:
     if info.get("type") != "file" or info.get("size", 0) > MANIFEST_MAX_BYTES:
         raise Untrusted(f"{MANIFEST} is not a regular file of at most {MANIFEST_MAX_BYTES >> 20} MiB")
     try:
-        return json.loads(fs.cat_file(path))
+        return parse_json(fs.cat_file(path))
     except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
         raise Untrusted(f"{MANIFEST} is not valid JSON") from None
 

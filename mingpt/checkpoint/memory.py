@@ -51,7 +51,7 @@ from fsspec.implementations.local import LocalFileSystem
 from mingpt.checkpoint.packing import pack, unpack
 from mingpt.checkpoint.shm import allocate
 from mingpt.claim import MachineLock, process_alive
-from mingpt.storage import own_file, private_folder, read_own_file, replace_atomically
+from mingpt.storage import own_file, parse_json, private_folder, read_own_file, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class MemoryTier:
     def _read_slot(self, folder: Path, slot: str) -> Held | None:
         header_path, path = folder / f"{slot}.json", folder / f"{slot}.bin"
         try:
-            header = json.loads(read_own_file(header_path, MAX_HEADER))
+            header = parse_json(read_own_file(header_path, MAX_HEADER))
             size = own_file(path).st_size
         except FileNotFoundError:
             return None  # an empty slot, or one being written
@@ -372,7 +372,7 @@ def _jobs(folder: Path) -> set:
     jobs = set()
     for header in folder.glob("*-?.json"):
         try:
-            jobs.add(json.loads(read_own_file(header, MAX_HEADER)).get("job"))
+            jobs.add(parse_json(read_own_file(header, MAX_HEADER)).get("job"))
         except (OSError, ValueError, AttributeError, TypeError):
             pass
     return jobs

@@ -33,7 +33,6 @@ import errno
 import glob
 import hashlib
 import io
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, replace
@@ -42,7 +41,7 @@ from typing import BinaryIO, Callable, Iterator, Sequence
 from mingpt.data.formats import (ZstdReader, check_hub_file, explain_hub_error, from_hub_cache, in_hub_cache,
                                   open_hub_file, parquet_batches, parquet_documents)
 from mingpt.errors import DataError, MinGPTError
-from mingpt.storage import explain_storage_error, is_local, open_fs, redact
+from mingpt.storage import explain_storage_error, is_local, open_fs, parse_json, redact
 
 BUILTIN_CORPUS = "python-docs"
 PIECE_BYTES = 1 << 20
@@ -434,11 +433,9 @@ def documents(piece: Piece, form: str, text_field: str, name: str) -> Iterator[t
             continue
         where = f"{name}, the record at byte {offset}"
         try:
-            record = json.loads(_decode(line, name, offset))
-        except json.JSONDecodeError as e:
+            record = parse_json(_decode(line, name, offset))
+        except ValueError as e:  # not JSON, nested thousands deep, an integer of thousands of digits
             raise DataError(f"{where} is not a JSON record ({e}); fix or remove that line") from None
-        except RecursionError:  # arrays or objects nested thousands deep
-            raise DataError(f"{where} is nested too deeply to be read as JSON; fix or remove that line") from None
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             fields = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"

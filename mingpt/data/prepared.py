@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from mingpt.errors import DataError
+from mingpt.storage import parse_json, read_regular_file
 from mingpt.tokenizers import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:  # torch is imported where a batch is made: preparing data and its commands need none of it
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # torch is imported where a batch is made: preparing data and
 FORMAT = "mingpt-prepared"
 FORMAT_VERSION = 3  # 3: the files' sha256 and the fingerprint (a folder of an older version is prepared again)
 META_FILE = "meta.json"
+MAX_META_BYTES = 64 << 20  # a description lists the sources: large for a corpus of many files, never this
 TOKENIZER_FILE = "tokenizer.json"
 TOKEN_FILES = (TOKENIZER_FILE, "train.bin", "val.bin")  # what the tokens are: the fingerprint covers these
 
@@ -52,9 +54,12 @@ def read_meta(directory: str | os.PathLike) -> dict:
     """The meta.json of a prepared folder; DataError when it is missing or damaged."""
     path = Path(directory) / META_FILE
     try:
-        text = path.read_text()
+        text = read_regular_file(path, MAX_META_BYTES).decode()
     except FileNotFoundError:
         raise DataError(f"{directory} is not prepared data (no {META_FILE}); run mingpt-prepare") from None
+    except OSError as e:  # a link, a FIFO, a folder, too large
+        raise DataError(f"{path} is damaged ({e.strerror or e}); delete {directory} and prepare the data again") \
+            from None
     except UnicodeDecodeError:
         text = ""
     return parse_meta(text, str(path), str(directory))
@@ -64,8 +69,8 @@ def parse_meta(text: str, path: str, directory: str) -> dict:
     """The description in `text`, read from `path` of the prepared folder `directory`; DataError when
     it is not a valid one, or contradicts itself."""
     try:
-        meta = json.loads(text)
-    except json.JSONDecodeError:
+        meta = parse_json(text)
+    except ValueError:
         raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise DataError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} description; prepare the data again")

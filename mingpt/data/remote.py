@@ -32,17 +32,16 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from mingpt.claim import Claim, Files, GenerationalClaim, ended_here, pids, same_machine, stood_still
-from mingpt.data.prepared import FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, file_sha256, parse_meta
+from mingpt.data.prepared import FORMAT, FORMAT_VERSION, MAX_META_BYTES, META_FILE, TOKEN_FILES, file_sha256, parse_meta
 from mingpt.errors import DataError, check_stopped
-from mingpt.storage import (create_exclusive, explain_storage_error, is_local, open_fs, read_head, redact,
-                            replace_atomically)
+from mingpt.storage import (create_exclusive, explain_storage_error, is_local, open_fs, parse_json, read_head,
+                            redact, replace_atomically)
 
 log = logging.getLogger(__name__)
 
 CLAIMS = "claim"  # the folder of the claim's generations
 BEAT_S = 5.0  # how often the preparing node advances its claim's beat
 CLAIM_TIMEOUT_S = 120.0  # a claim unchanged this long, on the waiter's clock, is a dead node's
-MAX_META_BYTES = 64 << 20  # a description lists the sources: large for a corpus of many files, never this
 POLL_S = 1.0  # how often a waiting node looks again
 CHUNK_BYTES = 16 << 20  # one ranged read
 PARALLEL_READS = 16  # ranged reads in flight: memory stays under PARALLEL_READS * CHUNK_BYTES
@@ -242,7 +241,7 @@ def _ranged_copy(fs, path: str, target: Path) -> int:
 def _version(text: str) -> int | None:
     """The format version a description of ours says it is, or None where it is not one of ours."""
     try:
-        meta = json.loads(text)
+        meta = parse_json(text)
     except ValueError:
         return None
     version = meta.get("version") if isinstance(meta, dict) and meta.get("format") == FORMAT else None

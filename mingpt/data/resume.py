@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mingpt.data.prepared import TOKENIZER_FILE
 from mingpt.data.scratch import leftovers, remove_leftovers
+from mingpt.storage import parse_json
 
 PROGRESS_FILE = "progress.json"  # in a scratch folder: how far tokenizing got, for the next start to go on
 PROGRESS_LIMIT = 1 << 20  # bytes of a progress file read at most: it holds a few numbers and the settings
@@ -87,7 +88,7 @@ class Tokenized:
         """The progress saved in `folder`, if it is sealed, for `meta`, and its token files begin with the
         bytes it counts; else None (the preparation starts over)."""
         try:
-            record = json.loads((folder / PROGRESS_FILE).read_bytes()[:PROGRESS_LIMIT])
+            record = parse_json((folder / PROGRESS_FILE).read_bytes()[:PROGRESS_LIMIT])
             if not isinstance(record, dict) or record.pop("seal", None) != _seal(record):
                 return None
             done = cls(**record)

@@ -9,7 +9,6 @@ half-written folder; it replaces only prepared data or an empty folder, never an
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -18,8 +17,9 @@ import socket
 import uuid
 from pathlib import Path
 
-from mingpt.data.prepared import FORMAT, META_FILE, read_meta
+from mingpt.data.prepared import FORMAT, MAX_META_BYTES, META_FILE, TOKEN_FILES, read_meta
 from mingpt.errors import DataError
+from mingpt.storage import parse_json, read_regular_file
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +72,19 @@ def check_replaceable(out: Path) -> None:
     if not out.is_dir():
         raise DataError(f"the prepared-data folder {out} is a file; choose an empty or new folder "
                         "(mingpt-prepare --out, or data.prepared_dir for training)")
-    if not any(out.iterdir()):
+    held = {entry.name for entry in out.iterdir()}
+    if not held:
         return
     try:
-        meta = json.loads((out / META_FILE).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        meta = parse_json(read_regular_file(out / META_FILE, MAX_META_BYTES))
+    except (OSError, ValueError):  # missing, a link or a FIFO, not JSON
         meta = None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:  # any version of ours may be replaced
-        raise DataError(
-            f"{out} is not empty and holds no mingpt prepared data (no valid {META_FILE}); preparing there would "
-            "replace its files, so choose an empty or new folder (mingpt-prepare --out, or data.prepared_dir "
-            "for training)"
-        )
+    others = sorted(held - {META_FILE, *TOKEN_FILES})
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or others:  # any version of ours may be replaced
+        what = f"files that are not prepared data ({', '.join(others[:3])})" if others and isinstance(meta, dict) \
+            else f"no mingpt prepared data (no valid {META_FILE})"
+        raise DataError(f"{out} is not empty and holds {what}; preparing there would replace its files, so choose "
+                        "an empty or new folder (mingpt-prepare --out, or data.prepared_dir for training)")
 
 
 def publish(tmp: Path, out: Path, meta: dict) -> None:

@@ -12,7 +12,6 @@ makes them (`preprocess`, `to_example`); mingpt.metrics.scoring scores them.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import stat
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mingpt.errors import MinGPTError, one_line
-from mingpt.storage import open_fs, private_folder, read_own_file, redact
+from mingpt.storage import open_fs, parse_json, private_folder, read_own_file, redact
 
 PUBLIC_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # The public file's digest, from Hugging Face datasets' record of it (datasets/hellaswag/dataset_infos.json,
@@ -84,7 +83,7 @@ def parse_examples(data: bytes, source: str) -> list[Example]:
 def _record(line: str, where: str) -> dict:
     """The JSON object of one line, its fields checked; MinGPTError saying what is wrong with it."""
     try:
-        record = json.loads(line)
+        record = parse_json(line)
     except ValueError as e:
         raise MinGPTError(f"{where} is not JSON ({e}); give HellaSwag's JSONL file, one example a line") from None
     if not isinstance(record, dict):

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from mingpt.errors import ConfigError
 from mingpt.rundir import RunDir
-from mingpt.storage import check_regular_file, redact, replace_atomically
+from mingpt.storage import check_regular_file, parse_json, redact, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class WandbLogger(Logger):
     def _read_state(self) -> dict | None:
         try:
             check_regular_file(self.fs, self.path)
-            state = json.loads(self.fs.cat_file(self.path))
+            state = parse_json(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:

@@ -7,14 +7,13 @@ Needs matplotlib: pip install -e ".[plot]".
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
 
 from mingpt.errors import MinGPTError
 from mingpt.rundir import RunDir
-from mingpt.storage import check_regular_file, explain_storage_error
+from mingpt.storage import check_regular_file, explain_storage_error, parse_json
 
 
 @dataclass
@@ -52,7 +51,7 @@ def read_records(run: str) -> list[dict]:
     records = []
     for line in text.splitlines():
         try:
-            record = json.loads(line)
+            record = parse_json(line)
         except ValueError:
             continue
         step = record.get("step") if isinstance(record, dict) else None

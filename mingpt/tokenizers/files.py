@@ -7,13 +7,12 @@ tokenizers here and by mingpt.interop for model weights.
 
 from __future__ import annotations
 
-import json
 from typing import Callable, TypeVar
 
 from fsspec.spec import AbstractFileSystem
 
 from mingpt.errors import MinGPTError, TokenizerError
-from mingpt.storage import check_regular_file, is_local, redact
+from mingpt.storage import check_regular_file, is_local, parse_json, redact
 
 T = TypeVar("T")
 
@@ -44,7 +43,7 @@ def read_file(fs: AbstractFileSystem, path: str, parse: Callable[[bytes], T], ad
 
 def json_object(data: bytes) -> dict:
     """A JSON file whose top level is an object, as every configuration and vocabulary file is."""
-    payload = json.loads(data)
+    payload = parse_json(data)
     if not isinstance(payload, dict):
         raise NotReadable(f"a JSON {type(payload).__name__}, not an object")
     return payload

@@ -27,6 +27,7 @@ from safetensors.torch import save as save_safetensors
 from torchft.checkpointing.transport import CheckpointTransport
 
 from mingpt.checkpoint.packing import pack, unpack
+from mingpt.storage import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def decode(data: bytes) -> Any:
     try:
         tensors = load_safetensors(data)
         metadata = _metadata(data)
-        tree, digests = json.loads(metadata["tree"]), json.loads(metadata["sha256"])
+        tree, digests = parse_json(metadata["tree"]), parse_json(metadata["sha256"])
     except HealingError:
         raise
     except Exception as e:  # safetensors' own errors, a missing key, JSON that is not
@@ -75,7 +76,7 @@ def _metadata(data: bytes) -> dict:
     size = int.from_bytes(data[:8], "little")
     if not 0 < size <= MAX_DESCRIPTION_BYTES:
         raise HealingError("not a state (its header is missing or too large)")
-    return json.loads(data[8:8 + size])["__metadata__"]
+    return parse_json(data[8:8 + size])["__metadata__"]
 
 
 def _digest(tensor: torch.Tensor) -> str:

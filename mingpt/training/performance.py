@@ -24,7 +24,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from mingpt.model import GPTConfig
-from mingpt.storage import replace_atomically
+from mingpt.storage import parse_json, replace_atomically
 
 # Dense (no sparsity) tensor-core TFLOP/s for bf16 and fp16, by a name fragment of
 # torch.cuda.get_device_name(); the first match wins, so more specific names come first.
@@ -74,7 +74,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, measure: bool = False) 
           f"torch {torch.__version__}"
     cache = _cache_file()
     try:
-        cached = json.loads(cache.read_text())
+        cached = parse_json(cache.read_text())
     except (OSError, ValueError):
         cached = {}
     cached = cached if isinstance(cached, dict) else {}

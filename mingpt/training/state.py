@@ -7,7 +7,6 @@ the memory tiers) is the checkpointer's concern; what a snapshot must match to b
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -18,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from mingpt.checkpoint.store import Snapshot, SnapshotError
 from mingpt.model import GPTConfig
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
+from mingpt.storage import parse_json
 
 RECENT = 64  # steps whose samples' digests the state carries (TrainState.ledger)
 
@@ -110,7 +110,7 @@ class Replica:
 def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:
     """SnapshotError unless this run's model and tokenizer can train on from `snapshot`."""
     try:
-        saved_tokenizer = tokenizer_from_dict(json.loads(snapshot.read("tokenizer.json")))
+        saved_tokenizer = tokenizer_from_dict(parse_json(snapshot.read("tokenizer.json")))
         saved = GPTConfig(**snapshot.manifest.get("model_config")).to_dict()
     except (TypeError, ValueError) as e:  # not JSON, a tokenizer of no known kind, an unusable model_config
         raise SnapshotError(f"snapshot {snapshot.url} does not describe its model and tokenizer ({e})") from None
