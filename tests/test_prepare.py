@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from launch import REPO
-from mingpt.data import corpus, progress
+from mingpt.data import corpus, job, progress
 from mingpt.data.corpus import builtin_bytes
 from mingpt.data.prepared import PreparedData
 from mingpt.errors import DataError
@@ -208,6 +208,17 @@ def test_progress_is_logged_when_not_on_a_terminal(tmp_path, monkeypatch, caplog
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("tokenizing: ") and "MB/s" in line and "left" in line for line in lines), lines
     assert any(line.startswith("training bpe on a sample: ") for line in lines), lines
+
+
+def test_more_workers_than_the_machine_can_use_are_not_started(tmp_path, monkeypatch, caplog):
+    """data.num_workers=100000 started that many processes (and the OOM killer): at most WORKERS_PER_CORE run."""
+    monkeypatch.setattr(job, "_cpu_count", lambda: 1)
+    (tmp_path / "c.txt").write_text("".join(make_documents(50)))
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        prepare(PrepareConfig(corpus=str(tmp_path / "c.txt"), num_workers=100_000, prepared_dir=tmp_path / "prep"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"data.num_workers=100000: using {job.WORKERS_PER_CORE}, {job.WORKERS_PER_CORE} per CPU core" in lines[0]
+    assert any(line.startswith("prepared ") and f"{job.WORKERS_PER_CORE} workers)" in line for line in lines), lines
 
 
 def test_bpe_learns_from_a_bounded_sample(tmp_path, small_pieces):

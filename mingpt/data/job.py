@@ -39,6 +39,9 @@ from mingpt.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, load_token
 log = logging.getLogger(__name__)
 
 
+WORKERS_PER_CORE = 4  # the most tokenizing processes per core: a few more than one hide the reading of S3
+
+
 def _cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -48,7 +51,10 @@ class Job:
 
     def __init__(self, config: PrepareConfig, sources: list[Source]):
         self.config, self.sources = config, sources
-        self.num_workers = config.num_workers or _cpu_count()
+        self.num_workers = min(config.num_workers or _cpu_count(), WORKERS_PER_CORE * _cpu_count())
+        if self.num_workers < config.num_workers:
+            log.warning("data.num_workers=%d: using %d, %d per CPU core of this machine (tokenizing is CPU work: more "
+                        "processes would only take memory)", config.num_workers, self.num_workers, WORKERS_PER_CORE)
         self.listed_bytes = sum(source.size for source in sources)
         self.tail_split = len(sources) == 1 and not sources[0].records  # one document
         self.context = {
