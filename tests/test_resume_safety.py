@@ -42,22 +42,22 @@ def test_a_newest_manifest_naming_a_file_outside_its_folder_is_skipped_and_repla
     log = train_here(tmp_path, "trainer.max_steps=30", "snapshot.every=10")
     assert "step-000000020 is damaged" in log and "resumed from" in log
     assert "step-000000010: step 10" in log
-    assert verify(tmp_path / "snap", capsys)[0] == 0  # step 20 committed anew, the damaged one gone
+    rc, listed = verify(tmp_path / "snap", capsys)  # step 20 committed anew, the damaged one set aside
+    assert rc == 0 and "step-000000020.damaged-" in listed and "set aside" in listed
     assert [m["step"] for m in manifests(tmp_path / "snap")] == [10, 20, 30]
 
 
-def test_training_over_damaged_snapshots_ends_with_a_verified_one(tmp_path, capsys):
-    """The issue's repro: truncate every model.pt, train on with keep=2."""
+def test_a_run_whose_every_snapshot_is_damaged_is_refused_and_they_are_kept(tmp_path, capsys):
+    """The issue's repro: truncate every model.pt, train on with keep=2. Starting over would replace them one by
+    one (a truncation may be a copy still under way): the job refuses, naming them, and changes nothing."""
     train_here(tmp_path, "trainer.max_steps=30", "snapshot.every=10", "snapshot.keep=2")
     for path in (tmp_path / "snap").glob("step-*/model.pt"):
         with open(path, "r+b") as f:
             f.truncate(1000)
-    log = train_here(tmp_path, "trainer.max_steps=30", "snapshot.every=10", "snapshot.keep=2")
-    assert "done: step 30" in log and "resumed" not in log  # nothing loadable: from scratch
-    rc, listed = verify(tmp_path / "snap", capsys)
-    assert rc == 0, listed
-    rows = [line for line in listed.splitlines() if line.startswith("step-")]
-    assert len(rows) == 2 and all("verified" in row for row in rows)
+    before = sorted((p.relative_to(tmp_path), p.stat().st_size) for p in (tmp_path / "snap").rglob("step-*/*"))
+    with pytest.raises(SnapshotError, match="every snapshot in .* is damaged .*step-000000030.*another snapshot.dir"):
+        train_here(tmp_path, "trainer.max_steps=30", "snapshot.every=10", "snapshot.keep=2")
+    assert sorted((p.relative_to(tmp_path), p.stat().st_size) for p in (tmp_path / "snap").rglob("step-*/*")) == before
 
 
 def test_changed_optimizer_settings_apply_on_resume_and_are_logged(tmp_path):

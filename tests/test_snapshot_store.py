@@ -248,6 +248,10 @@ def test_a_damaged_commit_of_the_same_step_is_replaced_not_kept(store_url):
     save(store, 20)
     assert store.latest().step == 20
     assert torch.equal(store.latest().load_tensors("model.pt")["w"], state(20)["model"]["w"])
+    [aside] = store.scan().aside  # the damaged commit, whole, under another name: never lost
+    assert aside.startswith("step-000000020.damaged-")
+    assert sorted(store.fs.ls(f"{store.path}/{aside}", detail=False)) == \
+        sorted(f"{store.path}/{aside}/{name}" for name in ("manifest.json", "model.pt", "optimizer.pt", "tokenizer.json"))
 
 
 def test_s3_errors_at_start_name_the_cause_and_never_the_secret(s3, monkeypatch):
@@ -415,21 +419,21 @@ def test_snapshot_command_names_each_damaged_manifest_and_fails(store_url, capsy
 
 # -- retention and durability -------------------------------------------------------------------------
 
-def test_damaged_snapshots_never_count_toward_keep_and_a_new_commit_survives(store_url):
-    """The repro: every snapshot damaged, then a run starting over commits step 10 again. It used to be
-    pruned at once (the damaged 20 and 30 were "the newest two") and the run ended with nothing loadable."""
+def test_damaged_snapshots_are_never_started_over_nor_count_toward_keep(store_url):
+    """Every snapshot damaged: a run starting over would replace them step by step, so none starts (a truncation
+    may be a copy still under way). Beside newer commits, damaged ones never count toward keep: they go last."""
     store = SnapshotStore(store_url, keep=2)
     for step in (10, 20, 30):
-        save(store, step)
+        save(store, step)  # keep=2: 20 and 30 stay
     for step in (20, 30):
         corrupt(store, step, "truncated")
-    assert store.latest() is None
-    save(store, 10)
-    assert store.latest().step == 10
-    save(store, 20)  # replaces the damaged 20
-    assert [s.step for s in store.committed()] == [10, 20, 30]
-    save(store, 30)
-    assert [s.step for s in store.committed()] == [20, 30] and store.latest().step == 30
+    with pytest.raises(SnapshotError, match=r"every snapshot in .* is damaged \(step-000000020, step-000000030"):
+        store.latest()
+    assert [s.step for s in store.committed()] == [20, 30]  # (their manifests are whole: their files are not)
+    save(store, 40)  # the only good one: the damaged two stay, for inspection
+    assert store.latest().step == 40 and [s.step for s in store.committed()] == [20, 30, 40]
+    save(store, 50)
+    assert [s.step for s in store.committed()] == [40, 50]
 
 
 def test_a_local_commit_is_on_the_disk_before_its_manifest_appears(tmp_path, monkeypatch):

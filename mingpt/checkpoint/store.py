@@ -139,6 +139,9 @@ class Snapshot:
         return f"{self.store.path}/{self.name}/{filename}"
 
 
+SET_ASIDE = ".damaged-"  # a damaged commit of a step written anew is kept as step-NNNNNNNNN.damaged-WHEN
+
+
 @dataclass
 class Listing:
     """What a snapshot folder holds: commits (oldest first), damaged commits with a reason, debris."""
@@ -146,6 +149,7 @@ class Listing:
     committed: list[Snapshot]
     damaged: list[tuple[str, str]]
     debris: list[str]
+    aside: list[str] = field(default_factory=list)  # damaged commits set aside as their step was written anew
 
 
 class SnapshotStore:
@@ -210,16 +214,18 @@ class SnapshotStore:
     def scan(self) -> Listing:
         listing = Listing([], [], [])
         for name in self._folder_names():
-            if not is_snapshot_name(name):
+            if SET_ASIDE in name and is_snapshot_name(name.split(SET_ASIDE)[0]):
+                listing.aside.append(name)
+            elif not is_snapshot_name(name):
                 listing.damaged.append((name, "not a snapshot name (step- and 9 digits)"))
-                continue
-            manifest, problem = self._read_manifest(name)
-            if problem:
-                listing.damaged.append((name, problem))
-            elif manifest is None:
-                listing.debris.append(name)
             else:
-                listing.committed.append(Snapshot(self, name, manifest))
+                manifest, problem = self._read_manifest(name)
+                if problem:
+                    listing.damaged.append((name, problem))
+                elif manifest is None:
+                    listing.debris.append(name)
+                else:
+                    listing.committed.append(Snapshot(self, name, manifest))
         listing.committed.sort(key=lambda s: s.step)
         return listing
 
@@ -229,12 +235,20 @@ class SnapshotStore:
         listing = self.scan()
         for name, problem in listing.damaged:
             log.warning("snapshot %s is damaged (%s); ignoring it", self.url_of(name), problem)
+        for name in listing.aside:
+            log.info("%s is a damaged snapshot, set aside when its step was written anew: inspect or delete it",
+                     self.url_of(name))
         for snapshot in reversed(listing.committed):
             try:
                 snapshot.verify(files(snapshot) if files else None)
                 return snapshot
             except SnapshotError as e:
                 log.warning("%s; falling back to the snapshot before it", e)
+        commits = [s.name for s in listing.committed] + [name for name, _ in listing.damaged if is_snapshot_name(name)]
+        if commits:  # a run that started over would replace them, step by step: they may only be cut short for now
+            raise SnapshotError(f"every snapshot in {self.url} is damaged ({', '.join(sorted(commits)[-3:])}, the lines "
+                                "above say how); nothing is resumed or written: restore them, or give another "
+                                "snapshot.dir for a new run")
         return None
 
     def get(self, name: str) -> Snapshot:
@@ -339,8 +353,8 @@ class SnapshotStore:
         return snapshot
 
     def _replace_damaged_or_keep(self, name: str) -> Snapshot | None:
-        """A good commit of this step, to keep; else clear the way (damaged commit or debris) and return None."""
-        folder = f"{self.path}/{name}"
+        """A good commit of this step, to keep; else clear the way (a damaged commit set aside, debris removed) and
+        return None."""
         manifest, problem = self._read_manifest(name)
         if manifest is not None:
             snapshot = Snapshot(self, name, manifest)
@@ -349,9 +363,11 @@ class SnapshotStore:
                 log.info("snapshot %s is already committed; keeping it", snapshot.url)
                 return snapshot
             problem = "its files do not match its manifest"
-        if problem:  # never keep a damaged commit over good state
-            log.warning("snapshot %s is damaged (%s); replacing it", self.url_of(name), problem)
-            self._remove(name, f"{folder}/{MANIFEST}")
+        if problem:  # never keep a damaged commit over good state, nor lose what it holds
+            aside = f"{name}{SET_ASIDE}{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            log.warning("snapshot %s is damaged (%s); setting it aside as %s and writing this step anew",
+                        self.url_of(name), problem, aside)
+            self._set_aside(name, aside)
         elif name in self._folder_names():  # debris of an interrupted save of this same step
             self._remove(name)
         return None
@@ -414,6 +430,16 @@ class SnapshotStore:
         for name in listing.debris:
             if step_of(name) < newest:
                 self._remove(name)
+
+    def _set_aside(self, name: str, aside: str) -> None:
+        """Move the folder `name` to `aside`: renamed on a local disk; copied, then removed, on object storage."""
+        folder = f"{self.path}/{name}"
+        if self.local:
+            self.fs.mv(folder, f"{self.path}/{aside}", recursive=True)
+            return
+        for path in self.fs.find(folder):
+            self.fs.copy(path, f"{self.path}/{aside}{path[len(folder):]}")
+        self._remove(name, f"{folder}/{MANIFEST}")
 
     def _remove(self, name: str, *first: str) -> None:
         try:

@@ -45,6 +45,8 @@ def show(url: str, verify: bool) -> int:
              _state(s, verify)) for s in listing.committed]
     rows += [(name, None, "-", None, f"damaged: {problem}") for name, problem in listing.damaged]
     rows += [(name, step_of(name), "-", None, "debris (no manifest)") for name in listing.debris]
+    rows += [(name, None, "-", None, "set aside: damaged when its step was written anew; inspect or delete it")
+             for name in listing.aside]
     print(f"{'snapshot':<16} {'step':>9}  {'created':<24} {'size':>10}  state")
     for name, step, created, size, state in sorted(rows):
         size_text = "-" if size is None else f"{size / 1e6:.1f}MB"
