@@ -17,6 +17,7 @@ import os
 import posixpath
 import re
 
+from mingpt.errors import MinGPTError
 from mingpt.storage import is_local, open_fs, redact
 
 
@@ -32,6 +33,10 @@ class RunDir:
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = redact(url.rstrip("/"))  # for messages: credentials never shown
         self.fs, path = open_fs(url.rstrip("/"), storage_options)
+        if self.fs.protocol in ("memory", ("memory",)):
+            raise MinGPTError(f"cannot keep a run in {self.url}: memory:// is a file system of this process alone, "
+                              "and what it holds is gone when the process ends; give a local folder or "
+                              "s3://bucket/prefix")
         self.path = path.rstrip("/")
         self.local = is_local(self.fs)  # object stores have no folders, and no appends
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from fsspec import available_protocols
 from fsspec.core import url_to_fs
 from fsspec.spec import AbstractFileSystem
 
@@ -82,6 +83,12 @@ def _check_link(url: str, chained: bool = False) -> str:
     """`url` as open_fs uses it (a file: URL becomes its path); MinGPTError for credentials where they would
     be shown, or a file: URL that names another machine."""
     scheme, userinfo = _scheme(url), _USERINFO.match(url)
+    rest = url[len(scheme) + 1:]
+    if scheme in OBJECT_STORES and not (rest[2:] if rest.startswith("//") else rest.lstrip("/")).split("/", 1)[0]:
+        raise MinGPTError(f"cannot use {redact(url)}: it names no bucket; give {scheme}://BUCKET/PREFIX")
+    if scheme and scheme not in LOCAL_SCHEMES and scheme in available_protocols() and not rest.startswith("//"):
+        raise MinGPTError(f"cannot use {redact(url)}: it is neither a path nor a URL ({scheme}://...); did you mean "
+                          f"{redact(scheme + '://' + rest.lstrip('/'))}?")  # else: a local folder named "s3:"
     if scheme in LOCAL_SCHEMES:
         path = local_path(url)
         if chained and path != url:

@@ -69,6 +69,18 @@ def test_credentials_in_an_object_store_url_are_refused_without_showing_them(url
     assert "HUSH" not in str(refused.value) and "***@bucket/x" in str(refused.value)
 
 
+@pytest.mark.parametrize("url, words", [
+    ("s3:/bucket/run", "neither a path nor a URL.*did you mean s3://bucket/run"),  # a typo: it made a folder "s3:"
+    ("s3://", "names no bucket"),
+    ("memory://run", "gone when the process ends"),  # it said "committed" of snapshots no one could ever read
+])
+def test_a_snapshot_dir_that_would_not_keep_the_snapshots_is_refused_before_any_work(tmp_path, monkeypatch, url, words):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MinGPTError, match=words):
+        train_here(tmp_path, f"snapshot.dir={url}")
+    assert list(tmp_path.iterdir()) == []  # no folder named after the URL, no data prepared
+
+
 def test_a_file_system_that_cannot_connect_when_made_is_one_error_without_credentials(closed_port):
     """ftp:// uses the user and password in its URL, and connects as soon as it is opened."""
     with pytest.raises(MinGPTError, match="cannot reach the storage endpoint") as refused:
