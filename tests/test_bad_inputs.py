@@ -170,6 +170,7 @@ BAD_TORCHRUN_ARGS = [
     ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:70000"],
     ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-conf=is_host=perhaps"],
     ["--rdzv-conf=foo"], ["--rdzv-conf=join_timeout=abc"], ["--rdzv-backend=nope"], ["--max-restarts=-1"],
+    ["--rdzv-backend=static"], ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-backend=etcd"],
     ["--rdzv-conf=keep_alive_interval=0"], ["--rdzv-conf=keep_alive_max_attempt=0"], ["--rdzv-conf=join_timeout=0"],
     ["--nnodes=2", "--rdzv-endpoint=user:HUSH@example.invalid:29500"],
 ]
@@ -180,6 +181,58 @@ def test_mingpt_torchrun_refuses_bad_counts_in_one_line(capsys, args):
     assert torchrun.main([*args, "--no-python", "true"]) == 2
     line = one_line(capsys.readouterr().err)
     assert line.startswith("error: ") and args[-1].split("=")[0] in line and "HUSH" not in line
+
+
+def test_live_with_no_store_at_its_endpoint_is_one_line_at_once(capsys, closed_port):
+    """The endpoint is this machine's, so the check takes this node for the store's host; under --live the store is
+    mingpt-rendezvous's, never the agent's: nothing there is one line (it was a traceback after 12 s)."""
+    assert torchrun.main(["--live", "--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{closed_port}", "--no-python",
+                          "true"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"--live: no rendezvous store answers at 127.0.0.1:{closed_port}" in line
+    assert f"start mingpt-rendezvous --port {closed_port} there first" in line
+
+
+@pytest.mark.multiproc
+def test_without_rdzv_backend_the_agent_meets_on_c10d_where_torchruns_default_failed(tmp_path):
+    """torchrun's default backend, static, gave a traceback at the first rendezvous (the agent keeps a job going on
+    c10d): with none named, the endpoint given is c10d's."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = subprocess.run([str(BIN / "mingpt-torchrun"), "--nnodes=1", "--nproc-per-node=1",
+                           f"--rdzv-endpoint=127.0.0.1:{port}", "--no-python", "echo", "ran"],
+                          env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.multiproc
+def test_a_port_that_closes_each_connection_is_one_line_with_no_cpp_stack(tmp_path):
+    """torch's store client logs each failed try with a C++ stack trace, and one still retrying at exit aborted the
+    process (status 134): one line, exit 2."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def close_each() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            connection.close()
+
+    threading.Thread(target=close_each, daemon=True).start()
+    try:
+        done = subprocess.run([str(BIN / "mingpt-torchrun"), "--nnodes=1", "--nproc-per-node=1",
+                               f"--rdzv-endpoint=127.0.0.1:{port}", "--no-python", "true"],
+                              env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    finally:
+        stop.set()
+        server.close()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert one_line(done.stderr).startswith(f"error: --rdzv-endpoint=127.0.0.1:{port}: 127.0.0.1:{port} accepts "
+                                            "connections but does not answer as a rendezvous store")
 
 
 def test_an_unreachable_rendezvous_store_is_one_line_with_the_readme_check(capsys, closed_port):

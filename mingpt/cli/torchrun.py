@@ -9,15 +9,16 @@ import argparse
 import errno
 import logging
 import os
+import select
 import shutil
+import signal
 import socket
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
-from torch.distributed import TCPStore, run
+from torch.distributed import DistError, TCPStore, run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
     configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
     logging.getLogger("mingpt").setLevel(logging.INFO)  # this node's own progress and membership, on its own log
-    status = run_command(lambda: torch_internals.check(sharded=False)) or run_command(lambda: check_launch(args)) or \
-        run_command(lambda: prepare_before_joining(args))
+    status = run_command(lambda: torch_internals.check(sharded=False)) or \
+        run_command(lambda: check_launch(args, argv, live_mode)) or run_command(lambda: prepare_before_joining(args))
     if not status and live_mode:
         status = run_command(lambda: join_live(args))
     if status:
@@ -105,26 +106,38 @@ def _own_log_dir(args: argparse.Namespace) -> bool:
     return True
 
 
+def _script_at(argv: list[str]) -> int:
+    """Where the training script is in mingpt-torchrun's arguments (len(argv) where none is): torchrun's options
+    come before it, the script's own after."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-") and (arg.endswith(".py") or arg == "mingpt-train"):
+            return i
+    return len(argv)
+
+
 def _without_live(argv: list[str]) -> tuple[list[str], bool]:
     """argv without mingpt-torchrun's own --live (before the training script), and whether it was there."""
-    for i, arg in enumerate(argv):
-        if arg == "--live":
-            return argv[:i] + argv[i + 1:], True
-        if not arg.startswith("-") and (arg.endswith(".py") or arg == "mingpt-train"):
-            break
-    return argv, False
+    if "--live" not in argv[:_script_at(argv)]:
+        return argv, False
+    i = argv.index("--live")
+    return argv[:i] + argv[i + 1:], True
 
 
 def join_live(args: argparse.Namespace) -> None:
     """--live: this node's torchrun becomes one replica group of the job. Its agent rendezvouses with this
     node's workers alone; the groups meet through torchft's Lighthouse, which mingpt-rendezvous serves beside
     the store at --rdzv-endpoint (mingpt.training.live)."""
-    if args.rdzv_backend != "c10d" or args.standalone:
-        raise ConfigError("--live needs the c10d rendezvous of mingpt-rendezvous: give --rdzv-endpoint=HOST:PORT "
-                          "(not --standalone), and start mingpt-rendezvous --port PORT on HOST")
     host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=C10D_PORT)
-    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S), wait_for_workers=False)
-    if not store.check([live.LIGHTHOUSE_KEY]):
+    try:  # (where the endpoint is this machine's, check_endpoint took this node for the store's host: not here)
+        socket.create_connection((host, port), timeout=STORE_ANSWER_S).close()
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S),
+                         wait_for_workers=False)
+        serves = store.check([live.LIGHTHOUSE_KEY])
+    except (OSError, DistError) as e:
+        check = CHECK.format(host=host, port=port)
+        raise ConfigError(f"--live: no rendezvous store answers at {host}:{port} ({one_line(e)}); start "
+                          f"mingpt-rendezvous --port {port} there first; {check}") from None
+    if not serves:
         raise ConfigError(f"--live: the rendezvous store at {host}:{port} serves no Lighthouse; start it with "
                           f"mingpt-rendezvous --port {port}, which serves both")
     with socket.create_connection((host, port), timeout=STORE_ANSWER_S) as probe:
@@ -146,12 +159,7 @@ def join_live(args: argparse.Namespace) -> None:
 
 def _asks_for_help(argv: list[str]) -> bool:
     """Whether -h or --help comes before the training script (after it, it is the script's)."""
-    for arg in argv:
-        if arg in ("-h", "--help"):
-            return True
-        if not arg.startswith("-") and arg.endswith(".py"):
-            return False
-    return False
+    return any(arg in ("-h", "--help") for arg in argv[:_script_at(argv)])
 
 
 def prepare_before_joining(args: argparse.Namespace) -> None:
@@ -172,10 +180,14 @@ def prepare_before_joining(args: argparse.Namespace) -> None:
     log.info("mingpt-torchrun: data ready in %s (%.0f s); joining the job", folder, time.monotonic() - started)
 
 
-def check_launch(args: argparse.Namespace) -> None:
+def check_launch(args: argparse.Namespace, argv: list[str], live_mode: bool = False) -> None:
     """Refuse in one line what torchrun refuses with a traceback (node and worker counts), or only after a
     minute and two tracebacks (a rendezvous endpoint it cannot resolve or reach)."""
     check_nnodes(args.nnodes)
+    if live_mode and (args.standalone or not args.rdzv_endpoint):
+        raise ConfigError("--live: give --rdzv-endpoint=HOST:PORT, where mingpt-rendezvous --port PORT serves the "
+                          "rendezvous and torchft's Lighthouse (not --standalone)")
+    use_c10d(args, argv)
     check_nproc_per_node(args.nproc_per_node)
     check_rendezvous(args)
     if args.rdzv_backend == "c10d" and not args.standalone:  # --standalone makes its own store on localhost
@@ -183,7 +195,23 @@ def check_launch(args: argparse.Namespace) -> None:
 
 
 # torch's rendezvous backends.
-BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+def use_c10d(args: argparse.Namespace, argv: list[str]) -> None:
+    """The agent keeps a job going on torch's c10d rendezvous, which needs no other service. Where the user named no
+    backend (torchrun's default, static, is a fixed set of nodes that never changes): c10d, at --rdzv-endpoint; else
+    on one node, on a free port of this machine (as --standalone), or at --master-addr:--master-port, where static
+    would have met."""
+    if any(arg.split("=")[0] in ("--rdzv-backend", "--rdzv_backend") for arg in argv[:_script_at(argv)]) or \
+            "PET_RDZV_BACKEND" in os.environ:
+        return  # check_rendezvous refuses any other than c10d
+    args.rdzv_backend = "c10d"
+    if not args.rdzv_endpoint and not args.standalone:
+        if run.parse_min_max_nnodes(args.nnodes)[1] == 1:
+            args.standalone = True
+        else:
+            args.rdzv_endpoint = f"{args.master_addr}:{args.master_port}"
+
+
+BACKENDS = ("c10d",)
 # The --rdzv-conf keys that are numbers of seconds or attempts, and the least of each (a heartbeat every 0 s
 # is a busy loop; 0 attempts declares every node dead).
 NUMERIC_CONF = {"join_timeout": 1, "last_call_timeout": 0, "close_timeout": 1, "keep_alive_interval": 1,
@@ -192,8 +220,8 @@ NUMERIC_CONF = {"join_timeout": 1, "last_call_timeout": 0, "close_timeout": 1, "
 
 def check_rendezvous(args: argparse.Namespace) -> None:
     if args.rdzv_backend not in BACKENDS:
-        raise ConfigError(f"--rdzv-backend={args.rdzv_backend}: use one of {', '.join(BACKENDS)} (c10d, the default, "
-                          "needs no other service)")
+        raise ConfigError(f"--rdzv-backend={args.rdzv_backend}: mingpt-torchrun's agent runs on the c10d rendezvous, "
+                          "which needs no other service: leave --rdzv-backend out, or give c10d")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts}: give a number of restarts of at least 0")
     if "@" in args.rdzv_endpoint:
@@ -324,28 +352,41 @@ def _greeting(peer: socket.socket) -> bytes:
 
 
 def check_store_answers(host: str, port: int, endpoint: str) -> None:
-    """A port that accepts connections is not yet a rendezvous store: torch's store client, connecting to
-    another kind of server (an HTTP port, say), waits for good, whatever its timeout. So its first question
-    is asked in a thread, and given STORE_ANSWER_S."""
-    outcome: list[BaseException | None] = []
-
-    def ask() -> None:
-        try:
-            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S),
-                             wait_for_workers=False)
-            store.check(["mingpt-torchrun/probe"])
-            outcome.append(None)
-        except Exception as e:
-            outcome.append(e)
-
-    asking = threading.Thread(target=ask, name="store-probe", daemon=True)  # left behind if it never returns
-    asking.start()
-    asking.join(STORE_ANSWER_S)
-    if not outcome or outcome[0] is not None:
-        why = f"({one_line(outcome[0])})" if outcome else f"within {STORE_ANSWER_S:.0f} s"
+    """A port that accepts connections is not yet a rendezvous store: ask it a store's first question."""
+    why = _store_question(host, port)
+    if why is not None:
         raise ConfigError(f"--rdzv-endpoint={endpoint}: {host}:{port} accepts connections but does not answer as a "
                           f"rendezvous store {why}; {what_answers(host, port)}: another kind of server uses that port; "
                           "give the port of mingpt-rendezvous, or of the node that hosts the store")
+
+
+def _store_question(host: str, port: int) -> str | None:
+    """None where a rendezvous store at host:port answers a question within STORE_ANSWER_S; else why not, in words.
+    Asked from a child process, ended after STORE_ANSWER_S: torch's store client, talking to another kind of server
+    (an HTTP port, say), waits for good whatever its timeout, logs each failed try with a C++ stack trace, and, still
+    retrying when its process exits, aborts that process."""
+    read, write = os.pipe()
+    pid = os.fork()  # (before any worker or CUDA: this process has imported torch, and runs no other thread)
+    if pid == 0:
+        os.close(read)
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 2)
+        try:
+            TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S),
+                     wait_for_workers=False).check(["mingpt-torchrun/probe"])
+            os.write(write, b"answered")
+        except Exception as e:
+            os.write(write, f"({one_line(e)})".encode()[:400])
+        os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], STORE_ANSWER_S)
+        said = os.read(read, 400).decode(errors="replace") if ready else f"within {STORE_ANSWER_S:.0f} s"
+    finally:
+        os.close(read)
+        os.kill(pid, signal.SIGKILL)  # (a child that has ended is a zombie until waited for: the pid is still its)
+        os.waitpid(pid, 0)
+    return None if said == "answered" else said or "(its question ended with no answer)"
 
 
 if __name__ == "__main__":
