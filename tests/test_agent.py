@@ -6,12 +6,14 @@ dying, joining and leaving under --max-restarts=0) and test_elastic_launch.py (a
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -21,7 +23,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-from launch import BIN, env, kill_node, output, train_here, wait_for
+from launch import (BIN, ENDLESS_STEPS, env, kill_node, latest_step, output, overrides, standalone, train_here,
+                    wait_for, worker)
 from mingpt.claim import start_time
 from mingpt.torch_internals import ElasticAgent
 from mingpt.training import agent as agent_module
@@ -315,6 +318,22 @@ def test_a_job_started_without_torchrun_removes_what_killed_agents_left_too(tmp_
         folder.mkdir(mode=0o700, parents=True)
     train_here(tmp_path, f"snapshot.memory_dir={shm}", "trainer.max_steps=1")  # no tier: not under torchrun
     assert [folder for folder in left if folder.exists()] == [left[1], left[3], left[5]]  # those of this process
+
+
+@pytest.mark.multiproc
+def test_a_worker_whose_agent_is_killed_saves_its_step_and_ends(tmp_path, procs):
+    """The agent alone SIGKILLed (the OOM killer): its worker trained on, alone and holding the run, so that the
+    same command started again was refused. It is sent SIGTERM, as when its agent stops it."""
+    snap = tmp_path / "snap"
+    agent = procs.start([*standalone(1), *overrides(tmp_path, "snap", ENDLESS_STEPS)], "agent")
+    wait_for(lambda: "step 5/" in output(agent), 120, "step 5", [agent])
+    trainer = worker(agent.pid, local_rank=0)
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=30)
+    wait_for(lambda: not os.path.exists(f"/proc/{trainer}") or "Z" in Path(f"/proc/{trainer}/stat").read_text()
+             .rsplit(")", 1)[1].split()[0], 60, "the orphaned worker to end")
+    assert "SIGTERM received: stopping after this step with a snapshot" in output(agent)
+    assert latest_step(snap) >= 5
 
 
 @pytest.mark.multiproc

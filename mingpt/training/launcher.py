@@ -10,8 +10,10 @@ all of it, but the agent reads it, so the worker cannot set it for itself: the l
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 from pathlib import Path
 
 STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -98,3 +100,21 @@ def max_nodes(args: list[str], nnodes: str = "1") -> int:
         return int(nnodes.split(":")[-1])
     except ValueError:
         return 1
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def end_with_the_agent() -> None:
+    """A worker that torchrun started is sent SIGTERM when its agent dies (SIGKILL, the OOM killer), as when the
+    agent stops it: it saves its step and leaves. It trained on alone before, holding the run, so that the same
+    command started again was refused, until a collective failed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != agent:  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -43,7 +43,7 @@ from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.compile_cache import CompileCache, describe
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
-from mingpt.training.launcher import PEER_STOPPED
+from mingpt.training.launcher import PEER_STOPPED, end_with_the_agent
 from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
 from mingpt.training.progress import Progress
@@ -69,6 +69,7 @@ class TrainResult:
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
     launch = distributed.check_launch()  # first: a launch that is inconsistent or would deadlock fails before any work
+    end_with_the_agent()
     torch_internals.check(launcher=False)  # DCP's private names, which snapshots rely on
     _check_batch(cfg, launch.world_size)
     distributed.check_store_sharing()
