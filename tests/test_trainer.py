@@ -17,6 +17,7 @@ from launch import (
 )
 from conftest import TEXT
 from mingpt.checkpoint.memory import MemoryTier
+from mingpt.checkpoint.store import SnapshotError
 from mingpt.cli import sample
 
 
@@ -89,13 +90,19 @@ def test_workers_run_to_the_end_and_uneven_shards_give_the_full_batch_gradient(t
     assert losses(tmp_path / "three") == pytest.approx(losses(tmp_path / "alone" / "snap"), rel=1e-5)
 
 
-def test_finished_job_run_again_does_no_training(tmp_path):
-    train_here(tmp_path, "trainer.max_steps=10")
+def test_finished_job_run_again_does_no_training_and_leaves_no_memory_tier(tmp_path):
+    """Nor does a job refused for another model shape: the memory tier its start made goes with it."""
+    tier = ["snapshot.memory=on", f"snapshot.memory_dir={tmp_path / 'shm'}"]
+    (tmp_path / "shm").mkdir()
+    train_here(tmp_path, "trainer.max_steps=10", *tier)
     before = sorted(p.name for p in (tmp_path / "snap").iterdir())
-    text = train_here(tmp_path, "trainer.max_steps=10")
+    text = train_here(tmp_path, "trainer.max_steps=10", *tier)
     assert "already complete: step 10" in text
     assert "step 1/10" not in text and "loss" not in text
     assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == before
+    with pytest.raises(SnapshotError, match="n_layer"):
+        train_here(tmp_path, "trainer.max_steps=10", "model.n_layer=2", *tier)
+    assert list((tmp_path / "shm").iterdir()) == []
 
 
 def test_longer_max_steps_continues_a_finished_run(tmp_path):

@@ -85,9 +85,12 @@ class Checkpointer:
             return latest  # the leader keeps the bytes it verified, so it reads them once
         return self.store.get(value)
 
-    def load(self, snapshot: Snapshot, replica: Replica) -> None:
-        """Restore `replica` from `snapshot`, after checking that the run's model and data fit it."""
+    def check_fits(self, snapshot: Snapshot, replica: Replica) -> None:
+        """SnapshotError unless the run's model and tokenizer can train on from `snapshot`."""
         check_compatible(snapshot, replica.model.config, self.tokenizer)
+
+    def load(self, snapshot: Snapshot, replica: Replica) -> None:
+        """Restore `replica` from `snapshot` (which fits it: check_fits)."""
         manifest = snapshot.manifest
         state, whole = replica.read(snapshot)
         changed = replica.load(state, whole, manifest)

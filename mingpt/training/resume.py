@@ -36,6 +36,8 @@ def resume(checkpointer: Checkpointer, replica: Replica, world: World, pretraine
     """Load the newest state into `replica` (see the module's description). Every process calls it."""
     snapshot = checkpointer.latest()
     agree_on_data(checkpointer, world, snapshot)
+    if snapshot is not None:  # before the memory tier starts: a job refused here leaves none behind
+        checkpointer.check_fits(snapshot, replica)
     memory = checkpointer.load_newer_from_memory(snapshot)
     resumed = Resumed()
     if snapshot is None and memory is None:

@@ -196,6 +196,7 @@ class Trainer:
         if state.step >= t.max_steps:
             self.report.say("the run is already complete: step %d of trainer.max_steps=%d; nothing to do",
                             state.step, t.max_steps)
+            self.finish()  # (the memory tier the resume started goes)
             return TrainResult(state.step, None, None)
         self._wrap_model()
         self.report.start(state.step, resumed, self._describe())
