@@ -208,6 +208,20 @@ def test_mingpt_torchrun_reads_the_scripts_config_dir_as_hydra_does(tmp_path, mo
     assert started[0].training_script_args == script  # the script gets its flags as they were given
 
 
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["--cfg=job"], ["--help"], ["--version"], ["--info"]])
+def test_mingpt_torchrun_prepares_no_data_for_a_script_that_only_prints(tmp_path, monkeypatch, flags):
+    """With Hydra's printing flags the workers print and end: tokenizing a corpus first took as long as preparing
+    it, and a corpus that is not there made --help fail."""
+    from torch.distributed import run
+
+    from mingpt.cli import torchrun
+
+    monkeypatch.chdir(tmp_path)
+    args = run.parse_args(["--standalone", str(REPO / "train" / "main.py"), "data.corpus=/no/such/corpus", *flags])
+    torchrun.prepare_before_joining(args)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_mingpt_torchrun_help_says_first_what_it_adds_to_torchrun(capsys):
     from mingpt.cli import torchrun
 

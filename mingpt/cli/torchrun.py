@@ -173,11 +173,18 @@ def prepare_before_joining(args: argparse.Namespace) -> None:
         conf = CONF_DIR
     elif args.no_python or args.module or not (conf / "config.yaml").is_file():
         return
+    if {arg.split("=")[0] for arg in args.training_script_args} & HYDRA_INFO_FLAGS:  # the workers print, and end
+        return
     cfg = compose_config(conf, args.training_script_args)
     started = time.monotonic()
     folder = prepare_data(cfg)
     fetch_hellaswag(cfg.trainer)
     log.info("mingpt-torchrun: data ready in %s (%.0f s); joining the job", folder, time.monotonic() - started)
+
+
+# Hydra's flags that print (the config, help, the version) instead of running the application.
+HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", "--info", "-i", "--resolve",
+                    "--shell-completion", "-sc"}
 
 
 def check_launch(args: argparse.Namespace, argv: list[str], live_mode: bool = False) -> None:
