@@ -49,6 +49,9 @@ def one_line(error: BaseException) -> str:
         ("seed=-1", ["seed must be an integer in [0, "]),
         (f"seed={2**63}", ["seed must be an integer in [0, "]),
         ("snapshot.lease_timeout_s=0", ["snapshot.lease_timeout_s must be"]),
+        # Past int64, or past what torch's timedelta holds: a traceback in every worker.
+        (f"trainer.max_steps={10**23}", [f"trainer.max_steps must be at most {2**63 - 1}"]),
+        (f"trainer.dist_timeout_s={10**14}", ["trainer.dist_timeout_s must be a positive number of seconds, at most"]),
         # Hydra's `+` adds keys the schema lacks; misspelt, they would be ignored.
         ("+trainer.max_step=50", ["unknown setting trainer.max_step (did you mean trainer.max_steps?)"]),
         ("+snapshot.every_n=5", ["unknown setting snapshot.every_n (did you mean snapshot.every?)"]),

@@ -11,7 +11,7 @@ import difflib
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Dict, List, Optional, get_origin, get_type_hints
+from typing import Any, Dict, Iterator, List, Optional, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -132,6 +132,10 @@ class Config:
 # Seeds go to torch.manual_seed and numpy's generators, and into JSON manifests: a non-negative int64.
 MAX_SEED = 2**63 - 1
 
+# The longest wait a timeout may set: torch's timedelta and the C++ clocks of its stores overflow past far less
+# than int64 seconds, and no collective, hang or lease is worth more than a week.
+LONGEST_WAIT_S = 7 * 24 * 3600
+
 # Every float setting. `inf` and `nan` pass many range checks (inf > 0), and would reach the optimizer.
 FLOAT_KEYS = ("model.dropout", "data.val_fraction", "trainer.lr", "trainer.min_lr_ratio", "trainer.weight_decay",
               "trainer.beta1", "trainer.beta2", "trainer.grad_clip")
@@ -206,7 +210,8 @@ def validate(cfg: Config) -> None:
         ("trainer.hellaswag_every", t.hellaswag_every >= 0, ">= 0 (0 disables it)"),
         ("trainer.hellaswag_data", bool(t.hellaswag_data), "a path or URL of HellaSwag's validation JSONL"),
         ("trainer.log_every", t.log_every > 0, "a positive integer"),
-        ("trainer.dist_timeout_s", t.dist_timeout_s > 0, "a positive number of seconds"),
+        ("trainer.dist_timeout_s", 0 < t.dist_timeout_s <= LONGEST_WAIT_S,
+         f"a positive number of seconds, at most {LONGEST_WAIT_S} (a week)"),
         ("trainer.hang_timeout_s", t.hang_timeout_s == 0 or 5 <= t.hang_timeout_s < t.dist_timeout_s,
          f"0 (chosen from the step time) or at least 5 s and below trainer.dist_timeout_s={t.dist_timeout_s} (a "
          "collective that times out first restarts the workers without naming the hung one)"),
@@ -214,7 +219,8 @@ def validate(cfg: Config) -> None:
         ("snapshot.every", s.every > 0, "a positive number of steps"),
         ("snapshot.keep", s.keep >= 2, "at least 2, so that a damaged newest snapshot has a fallback"),
         ("snapshot.max_failures", s.max_failures >= 1, "a positive integer"),
-        ("snapshot.lease_timeout_s", 1 <= s.lease_timeout_s < math.inf, "a finite number of seconds, at least 1"),
+        ("snapshot.lease_timeout_s", 1 <= s.lease_timeout_s <= LONGEST_WAIT_S,
+         f"a number of seconds, at least 1 and at most {LONGEST_WAIT_S} (a week)"),
         ("snapshot.memory", s.memory in ("auto", "on", "off"), "auto, on or off"),
         ("snapshot.memory_every", s.memory_every >= 0, ">= 0 (0 chooses it)"),
         ("snapshot.memory_dir", os.path.isabs(s.memory_dir), "an absolute path of a local folder (/dev/shm)"),
@@ -222,9 +228,22 @@ def validate(cfg: Config) -> None:
     for key, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
+    for key, value in _whole_numbers(cfg):  # they reach torch and numpy as int64
+        if abs(value) > MAX_SEED:
+            raise ConfigError(f"{key} must be at most {MAX_SEED} (2**63 - 1); got {value}")
     check_loggers(t.loggers)  # known names, their packages installed
     # The model's own checks (sizes, dropout, n_embd divisible by n_head) on the resolved preset sizes.
     m.build(vocab_size=1, block_size=d.block_size)
+
+
+def _whole_numbers(cfg: Config) -> Iterator[tuple[str, int]]:
+    """(dotted key, value) of every integer setting."""
+    for section in fields(cfg):
+        part = getattr(cfg, section.name)
+        for key, value in ([(f.name, getattr(part, f.name)) for f in fields(part)] if is_dataclass(part) else
+                           [("", part)]):
+            if isinstance(value, int) and not isinstance(value, bool):
+                yield f"{section.name}.{key}".rstrip("."), value
 
 
 def _is_corpus(corpus: Any) -> bool:
