@@ -80,6 +80,31 @@ def test_prepare_uses_an_empty_folder_and_warns_of_a_small_bpe_vocabulary(tmp_pa
     assert f"the corpus is too small for a BPE vocabulary of 5000: training stopped at {got} tokens" in text
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--tokenizer", "bpe", "--vocab-size", "99999999999999999999"], "at most 16777216"),  # an OverflowError traceback
+    (["--tokenizer", "bpe", "--vocab-size", "300", "--bpe-sample-bytes", "0"], "--bpe-sample-bytes must be at least"),
+])
+def test_prepare_refuses_sizes_out_of_range_in_one_line(tmp_path, corpus_file, capsys, flags, words):
+    try:
+        rc = prepare.main(["--corpus", str(corpus_file), "--out", str(tmp_path / "p"), *flags])
+    except SystemExit as e:  # argparse's refusal of a flag: its usage line, then the error
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err.splitlines()[-1] and "Traceback" not in err, err
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("change", [{"source_sha256": []}, {"sources": [{"url": "x"}]}, {"sources": "abc"}])
+def test_verify_names_a_description_whose_sources_are_not_ours(tmp_path, corpus_file, capsys, change):
+    out = tmp_path / "p"
+    assert prepare.main(["--corpus", str(corpus_file), "--out", str(out), "--num-workers", "1"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, **change}))
+    capsys.readouterr()
+    assert_one_line_error(prepare.main(["--verify", "--out", str(out)]), capsys.readouterr().err,
+                          "meta.json is damaged: its sources or their sha256")
+
+
 def test_prepare_names_an_unknown_protocol(tmp_path, capsys):
     rc = prepare.main(["--corpus", "foo://x", "--out", str(tmp_path / "p")])
     assert_one_line_error(rc, capsys.readouterr().err, "foo", "--corpus")

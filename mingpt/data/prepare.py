@@ -28,7 +28,7 @@ from typing import Sequence
 from mingpt.claim import MachineLock
 from mingpt.data.corpus import BUILTIN_CORPUS, Source, as_list, list_sources, read_pieces
 from mingpt.data.job import Job
-from mingpt.data.prepared import file_sha256, read_meta
+from mingpt.data.prepared import META_FILE, file_sha256, read_meta
 from mingpt.data.progress import Progress
 from mingpt.data.remote import RemoteFolder
 from mingpt.data.resume import take_leftover
@@ -191,12 +191,12 @@ def verify(directory: str | os.PathLike) -> list[str]:
     """Re-list and re-read the corpus a folder was prepared from, and re-read the folder's own files; what
     differs, one line each (empty: current)."""
     meta = read_meta(directory)
-    recorded = [Source(**s) for s in meta["sources"]]
+    recorded, expected = _recorded_sources(meta, directory)
     problems = [f"{Path(directory) / name}: damaged, it is not what was prepared (sha256 {digest[:12]}...); delete "
                 f"{directory} and prepare the data again"
                 for name, digest in meta["sha256"].items() if _sha256_or_none(Path(directory) / name) != digest]
     try:
-        listed = {source.url: source for entry in meta["corpus"] for source in list_sources(entry)}
+        listed = {source.url: source for entry in _corpus_entries(meta) for source in list_sources(entry)}
     except DataError as e:
         return [str(e)]
     for source in recorded:
@@ -212,9 +212,33 @@ def verify(directory: str | os.PathLike) -> list[str]:
     with Progress("verifying", sum(s.size for s in present)) as progress:
         for piece in read_pieces(present, meta.get("text_field") or "text", digests=digests):
             progress.update(len(piece.data))
-    expected = dict(zip((s.url for s in recorded), meta["source_sha256"]))
     for i, source in enumerate(present):
         if digests[i] != expected[source.url]:
             problems.append(f"{redact(source.url)}: content differs from what was prepared (sha256 {expected[source.url][:12]}"
                             f"... -> {digests[i][:12]}...)")
     return problems
+
+
+def _recorded_sources(meta: dict, directory: str | os.PathLike) -> tuple[list[Source], dict[str, str]]:
+    """The sources a description records, and the sha256 of each one's content; DataError where they are not as
+    mingpt-prepare writes them."""
+    try:
+        recorded = [Source(**source) for source in meta["sources"]]
+        digests = meta["source_sha256"]
+        if not all(isinstance(s.url, str) and type(s.size) is int and isinstance(s.version, str) for s in recorded) \
+                or not isinstance(digests, list) or len(digests) != len(recorded) \
+                or not all(isinstance(digest, str) for digest in digests):
+            raise TypeError
+    except (KeyError, TypeError):
+        raise DataError(f"{Path(directory) / META_FILE} is damaged: its sources or their sha256 are not as "
+                        f"mingpt-prepare writes them; delete {directory} and prepare the data again") from None
+    return recorded, dict(zip((s.url for s in recorded), digests))
+
+
+def _corpus_entries(meta: dict) -> list[str]:
+    corpus = meta.get("corpus")
+    entries = corpus if isinstance(corpus, list) else [corpus]
+    if not all(isinstance(entry, str) for entry in entries):
+        raise DataError(f"the description's corpus is not as mingpt-prepare writes it ({corpus!r:.80}); prepare the "
+                        "data again")
+    return entries

@@ -8,6 +8,9 @@ from typing import Any, Optional
 from mingpt.data.corpus import BUILTIN_CORPUS, Source
 
 
+MIN_BPE_SAMPLE = 1_000_000  # bytes: bpe learns nothing worth its merges from less
+
+
 @dataclass
 class PrepareConfig:
     """What to prepare and how: the settings that `mingpt-prepare` and the trainer's `data` group share."""

@@ -126,9 +126,12 @@ def _load_named_encoding(name: str) -> tiktoken.Encoding:
         ) from None
 
 
+MAX_BPE_VOCAB = 1 << 24  # far past any useful vocabulary (GPT-4o's has 200k); rustbpe's counts overflow further on
+
+
 def check_bpe_vocab_size(vocab_size: int | None) -> None:
-    if not isinstance(vocab_size, int) or vocab_size <= 256:
+    if not isinstance(vocab_size, int) or not 256 < vocab_size <= MAX_BPE_VOCAB:
         raise TokenizerError(
-            f"BPE vocab_size must be an integer above 256 (the 256 byte tokens come first, merges after), "
-            f"got {vocab_size!r}; try 4096"
+            f"BPE vocab_size must be an integer above 256 (the 256 byte tokens come first, merges after) and at most "
+            f"{MAX_BPE_VOCAB}, got {vocab_size!r}; try 4096"
         )

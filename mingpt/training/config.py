@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, get_origin, get_type_hin
 from omegaconf import DictConfig, OmegaConf
 
 from mingpt.data.prepare import PrepareConfig
+from mingpt.data.settings import MIN_BPE_SAMPLE
 from mingpt.errors import ConfigError
 from mingpt.metrics.hellaswag import PUBLIC_URL
 from mingpt.metrics.loggers import check_loggers
@@ -188,7 +189,7 @@ def validate(cfg: Config) -> None:
          "an integer above 256 when data.tokenizer=bpe (e.g. 4096)"),
         ("data.corpus", _is_corpus(d.corpus), "a path, URL, glob or python-docs, or a list of them"),
         ("data.text_field", bool(d.text_field), "the name of the JSONL field holding the text"),
-        ("data.bpe_sample_bytes", d.bpe_sample_bytes >= 1_000_000, "at least 1000000 (1 MB)"),
+        ("data.bpe_sample_bytes", d.bpe_sample_bytes >= MIN_BPE_SAMPLE, f"at least {MIN_BPE_SAMPLE} (1 MB)"),
         ("data.num_workers", d.num_workers >= 0, ">= 0 (0: one per CPU core)"),
         ("data.windows", d.windows in ("random", "strided"), "random or strided"),
         ("data.block_size", d.block_size > 0, "a positive integer"),
