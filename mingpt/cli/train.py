@@ -85,10 +85,11 @@ def refuse_multirun(args: list[str]) -> None:
             sys.exit(2)
 
 
-def check_overrides(args: list[str]) -> None:
-    """Exit 2 with one line for a setting or option that does not exist (a typo, say), before Hydra starts."""
+def check_config(args: list[str]) -> None:
+    """Exit 2 with one line, before Hydra starts, for what Hydra would refuse in many (a setting or option that
+    does not exist, a value of the wrong type, a YAML file of the user's that is not YAML) and a value out of range."""
     try:
-        app.check_overrides(CONF_DIR, args)
+        app.compose_config(CONF_DIR, args)
     except MinGPTError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -102,9 +103,15 @@ def print_version(args: list[str]) -> None:
 
 
 def main() -> None:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        print("error: the current folder no longer exists (it was deleted or moved): change to one that does",
+              file=sys.stderr)
+        sys.exit(2)
     print_version(sys.argv[1:])
     refuse_multirun(sys.argv[1:])
-    check_overrides(sys.argv[1:])
+    check_config(sys.argv[1:])
     try:
         run()
     except KeyboardInterrupt as e:  # SIGTERM before training, or a second Ctrl-C cutting the first one's stop short
@@ -112,3 +119,6 @@ def main() -> None:
         print(f"interrupted ({signal.Signals(signum).name}): the last snapshot may not have been written; run the "
               "same command to resume from the newest committed snapshot", file=sys.stderr)
         exit_now(128 + signum)  # 130, 143: as shells report a process that the signal ended
+    except (ValueError, OSError) as e:  # Hydra's, before the application runs (which reports its own): its flags
+        print(f"error: {e}; see --hydra-help", file=sys.stderr)
+        sys.exit(2)

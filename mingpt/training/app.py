@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 from pathlib import Path
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -136,8 +137,9 @@ def compose_config(conf_dir: Path, args: list[str]) -> Config:
     try:
         with initialize_config_dir(config_dir=str(command.conf_dir.resolve()), version_base="1.3"):
             raw = compose(config_name=command.name, overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(" ".join(str(e).split())) from None
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:  # the last: a user's YAML file
+        why = f"{e}: {str(e.__cause__).splitlines()[0]}" if e.__cause__ and str(e.__cause__) else str(e)
+        raise ConfigError(" ".join(why.split())) from None
     cfg = from_hydra(raw)
     validate(cfg)
     return cfg
