@@ -96,6 +96,12 @@ def group_options(command: Command) -> dict[str, list[str]]:
     return {group: sorted(names) for group, names in options.items()}
 
 
+# Hydra settings that would move where the job writes: relative snapshot and data folders under another folder,
+# and Hydra's own output beside them (train/conf/config.yaml sets them).
+FIXED_HYDRA = {"hydra.job.chdir", "hydra.run.dir", "hydra.output_subdir", "hydra.sweep.dir", "hydra.sweep.subdir",
+               "hydra.runtime.output_dir"}
+
+
 def check_overrides(conf_dir: Path, args: list[str]) -> None:
     """ConfigError, in one line with the closest match, for a setting or a group option that does not
     exist, or a setting deleted (`~key`): Hydra's own errors for these take seven lines and advise `+key`.
@@ -111,6 +117,9 @@ def check_overrides(conf_dir: Path, args: list[str]) -> None:
         except HydraException:
             continue
         key = override.key_or_group
+        if key.lstrip("+~") in FIXED_HYDRA:
+            raise ConfigError(f"{arg}: the application keeps {key.lstrip('+~')} as it is (Hydra writes nothing and "
+                              "never changes the working folder, so relative paths mean what they say)")
         if key == "hydra" or key.startswith("hydra."):
             continue
         if override.is_delete():
