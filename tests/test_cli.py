@@ -105,6 +105,15 @@ def test_verify_names_a_description_whose_sources_are_not_ours(tmp_path, corpus_
                           "meta.json is damaged: its sources or their sha256")
 
 
+def test_prepare_refuses_an_output_folder_inside_the_corpus_folder(tmp_path, corpus_file, capsys):
+    """Its meta.json and token files would be read as corpus the next time: the tokens changed at every run."""
+    (tmp_path / "books").mkdir()
+    corpus_file.rename(tmp_path / "books" / "a.txt")
+    rc = prepare.main(["--corpus", str(tmp_path / "books"), "--out", str(tmp_path / "books" / "prep")])
+    assert_one_line_error(rc, capsys.readouterr().err, "is inside the corpus folder", "give one outside it")
+    assert [p.name for p in (tmp_path / "books").iterdir()] == ["a.txt"]
+
+
 def test_prepare_names_an_unknown_protocol(tmp_path, capsys):
     rc = prepare.main(["--corpus", "foo://x", "--out", str(tmp_path / "p")])
     assert_one_line_error(rc, capsys.readouterr().err, "foo", "--corpus")

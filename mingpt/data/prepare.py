@@ -50,6 +50,7 @@ def prepare(config: PrepareConfig) -> Path:
         raise DataError(f"val_fraction must be in [0, 1), got {config.val_fraction}")
     out = out_dir(config)
     check_replaceable(out)  # before any reading: refusing late wastes the expensive part
+    check_outside_the_corpus(out, config.corpus)
     if is_remote(config.prepared_dir):
         return _prepare_remote(config, RemoteFolder(str(config.prepared_dir)), out)
     sources = list_sources(config.corpus)
@@ -67,6 +68,19 @@ def prepare(config: PrepareConfig) -> Path:
         resume = take_leftover(out, meta) if locked else None
         Job(config, sources).build(out, meta, resume)
     return out
+
+
+def check_outside_the_corpus(out: Path, corpus: str | Sequence[str]) -> None:
+    """DataError where `out` is inside a local folder of the corpus: its files would be read as corpus the next
+    time, and the tokens change at every preparation."""
+    where = out.resolve()
+    for entry in as_list(corpus):
+        folder = Path(entry).expanduser()
+        if entry != BUILTIN_CORPUS and "://" not in entry and folder.is_dir() and \
+                (where == folder.resolve() or folder.resolve() in where.parents):
+            raise DataError(f"the prepared-data folder {out} is inside the corpus folder {entry}: its files would be "
+                            "read as corpus the next time; give one outside it (mingpt-prepare --out, or "
+                            "data.prepared_dir)")
 
 
 def _prepare_remote(config: PrepareConfig, remote: RemoteFolder, out: Path) -> Path:
