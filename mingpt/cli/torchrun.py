@@ -9,14 +9,15 @@ import argparse
 import errno
 import logging
 import os
-import select
 import shutil
-import signal
 import socket
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Iterator
 
 from torch.distributed import DistError, TCPStore, run
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -359,42 +360,55 @@ def _greeting(peer: socket.socket) -> bytes:
 
 
 def check_store_answers(host: str, port: int, endpoint: str) -> None:
-    """A port that accepts connections is not yet a rendezvous store: ask it a store's first question."""
-    why = _store_question(host, port)
-    if why is not None:
+    """A port that accepts connections is not yet a rendezvous store: torch's store client, connecting to
+    another kind of server (an HTTP port, say), waits for good, whatever its timeout. So its first question
+    is asked in a thread, and given STORE_ANSWER_S; standard error is closed meanwhile, as the client logs each
+    failed try with a C++ stack trace (70-190 lines before the one that says what is wrong)."""
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S),
+                             wait_for_workers=False)
+            store.check(["mingpt-torchrun/probe"])
+            outcome.append(None)
+        except Exception as e:
+            outcome.append(e)
+
+    asking = threading.Thread(target=ask, name="store-probe", daemon=True)  # left behind if it never returns
+    with _stderr_closed():
+        asking.start()
+        asking.join(STORE_ANSWER_S)
+    if not outcome or outcome[0] is not None:
+        why = f"({one_line(outcome[0])})" if outcome else f"within {STORE_ANSWER_S:.0f} s"
         raise ConfigError(f"--rdzv-endpoint={endpoint}: {host}:{port} accepts connections but does not answer as a "
                           f"rendezvous store {why}; {what_answers(host, port)}: another kind of server uses that port; "
                           "give the port of mingpt-rendezvous, or of the node that hosts the store")
 
 
-def _store_question(host: str, port: int) -> str | None:
-    """None where a rendezvous store at host:port answers a question within STORE_ANSWER_S; else why not, in words.
-    Asked from a child process, ended after STORE_ANSWER_S: torch's store client, talking to another kind of server
-    (an HTTP port, say), waits for good whatever its timeout, logs each failed try with a C++ stack trace, and, still
-    retrying when its process exits, aborts that process."""
-    read, write = os.pipe()
-    pid = os.fork()  # (before any worker or CUDA: this process has imported torch, and runs no other thread)
-    if pid == 0:
-        os.close(read)
-        quiet = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(quiet, 2)
-        try:
-            TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S),
-                     wait_for_workers=False).check(["mingpt-torchrun/probe"])
-            os.write(write, b"answered")
-        except Exception as e:
-            os.write(write, f"({one_line(e)})".encode()[:400])
-        os._exit(0)
-    os.close(write)
+@contextmanager
+def _stderr_closed() -> Iterator[None]:
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     try:
-        ready, _, _ = select.select([read], [], [], STORE_ANSWER_S)
-        said = os.read(read, 400).decode(errors="replace") if ready else f"within {STORE_ANSWER_S:.0f} s"
+        yield
     finally:
-        os.close(read)
-        os.kill(pid, signal.SIGKILL)  # (a child that has ended is a zombie until waited for: the pid is still its)
-        os.waitpid(pid, 0)
-    return None if said == "answered" else said or "(its question ended with no answer)"
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def command() -> None:
+    """The `mingpt-torchrun` command: main's status. A refusal leaves at once (os._exit, the output flushed): a store
+    client still retrying in a thread (check_store_answers) would abort the process as the interpreter tears down."""
+    status = main()
+    if status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()

@@ -50,6 +50,10 @@ def fingerprint(digests: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
 
 
+class DamagedData(DataError):
+    """A description of ours that contradicts itself or its files: refused, never prepared over in silence."""
+
+
 def read_meta(directory: str | os.PathLike) -> dict:
     """The meta.json of a prepared folder; DataError when it is missing or damaged."""
     path = Path(directory) / META_FILE
@@ -58,7 +62,7 @@ def read_meta(directory: str | os.PathLike) -> dict:
     except FileNotFoundError:
         raise DataError(f"{directory} is not prepared data (no {META_FILE}); run mingpt-prepare") from None
     except OSError as e:  # a link, a FIFO, a folder, too large
-        raise DataError(f"{path} is damaged ({e.strerror or e}); delete {directory} and prepare the data again") \
+        raise DamagedData(f"{path} is damaged ({e.strerror or e}); delete {directory} and prepare the data again") \
             from None
     except UnicodeDecodeError:
         text = ""
@@ -71,11 +75,11 @@ def parse_meta(text: str, path: str, directory: str) -> dict:
     try:
         meta = parse_json(text)
     except ValueError:
-        raise DataError(f"{path} is damaged; delete {directory} and prepare the data again") from None
+        raise DamagedData(f"{path} is damaged; delete {directory} and prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise DataError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} description; prepare the data again")
-    damaged = lambda field, why: DataError(f"{path} is damaged: its {field} is {meta.get(field)!r}, {why}; "
-                                           f"delete {directory} and prepare the data again")
+    damaged = lambda field, why: DamagedData(f"{path} is damaged: its {field} is {meta.get(field)!r}, {why}; "
+                                             f"delete {directory} and prepare the data again")
     digests = meta.get("sha256")
     if not isinstance(digests, dict) or set(digests) != set(TOKEN_FILES) or \
             not all(isinstance(digest, str) for digest in digests.values()):

@@ -17,7 +17,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from mingpt.data.prepared import FORMAT, MAX_META_BYTES, META_FILE, TOKEN_FILES, read_meta
+from mingpt.data.prepared import FORMAT, MAX_META_BYTES, META_FILE, TOKEN_FILES, DamagedData, read_meta
 from mingpt.errors import DataError
 from mingpt.storage import parse_json, read_regular_file
 
@@ -50,10 +50,14 @@ def remove_leftovers(folder: Path, keep: Path | None = None) -> None:
 
 
 def matches(directory: Path, wanted: dict) -> bool:
-    """Whether `directory` holds prepared data whose meta.json says what `wanted` says."""
+    """Whether `directory` holds prepared data whose meta.json says what `wanted` says; DamagedData where its
+    meta.json is one of ours that contradicts itself (tampered with, or a disk's fault: rebuilding it in silence
+    would hide that, and cost the whole preparation)."""
     try:
         meta = read_meta(directory)
-    except DataError:
+    except DamagedData:
+        raise
+    except DataError:  # none, or of an older version: prepared anew
         return False
     return all(meta.get(key) == value for key, value in wanted.items())
 
