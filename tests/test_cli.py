@@ -114,6 +114,20 @@ def test_prepare_refuses_an_output_folder_inside_the_corpus_folder(tmp_path, cor
     assert [p.name for p in (tmp_path / "books").iterdir()] == ["a.txt"]
 
 
+@pytest.mark.parametrize("field, value", [("dtype", "uint32"), ("fingerprint", "0" * 64), ("train_tokens", -1)])
+def test_a_tampered_description_is_refused_naming_the_field_not_prepared_over(tmp_path, corpus_file, capsys,
+                                                                              field, value):
+    out = tmp_path / "p"
+    assert prepare.main(["--corpus", str(corpus_file), "--out", str(out), "--num-workers", "1"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, field: value}))
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    rc = prepare.main(["--corpus", str(corpus_file), "--out", str(out), "--num-workers", "1"])
+    assert_one_line_error(rc, capsys.readouterr().err, f"meta.json is damaged: its {field} is")
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
 def test_prepare_names_an_unknown_protocol(tmp_path, capsys):
     rc = prepare.main(["--corpus", "foo://x", "--out", str(tmp_path / "p")])
     assert_one_line_error(rc, capsys.readouterr().err, "foo", "--corpus")
