@@ -34,8 +34,6 @@ from typing import Callable
 
 from fsspec.spec import AbstractFileSystem
 
-from mingpt.storage import parse_json
-
 log = logging.getLogger(__name__)
 
 # A claim is a small JSON object: anything larger in a claim folder is not one, and is never read whole.
@@ -191,8 +189,8 @@ class GenerationalClaim:
         """The claim of `generation`, or None where there is none or the entry is not a valid claim."""
         data = _read_small(self.files, self.path(generation))
         try:
-            record = parse_json(data) if data is not None else None
-        except ValueError:  # not JSON, not UTF-8
+            record = json.loads(data) if data is not None else None
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested thousands deep
             return None
         named = isinstance(record, dict) and type(record.get("generation")) is int
         return record if named and record["generation"] == generation and self.valid(record) else None

@@ -82,7 +82,7 @@ def test_prepare_uses_an_empty_folder_and_warns_of_a_small_bpe_vocabulary(tmp_pa
 
 @pytest.mark.parametrize("flags, words", [
     (["--tokenizer", "bpe", "--vocab-size", "99999999999999999999"], "at most 16777216"),  # an OverflowError traceback
-    (["--tokenizer", "bpe", "--vocab-size", "300", "--bpe-sample-bytes", "0"], "--bpe-sample-bytes must be at least"),
+    (["--tokenizer", "bpe", "--vocab-size", "300", "--bpe-sample-bytes", "0"], "--bpe-sample-bytes must be a positive"),
 ])
 def test_prepare_refuses_sizes_out_of_range_in_one_line(tmp_path, corpus_file, capsys, flags, words):
     try:

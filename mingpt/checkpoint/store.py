@@ -244,11 +244,10 @@ class SnapshotStore:
                 return snapshot
             except SnapshotError as e:
                 log.warning("%s; falling back to the snapshot before it", e)
-        commits = [s.name for s in listing.committed] + [name for name, _ in listing.damaged if is_snapshot_name(name)]
-        if commits:  # a run that started over would replace them, step by step: they may only be cut short for now
-            raise SnapshotError(f"every snapshot in {self.url} is damaged ({', '.join(sorted(commits)[-3:])}, the lines "
-                                "above say how); nothing is resumed or written: restore them, or give another "
-                                "snapshot.dir for a new run")
+        if listing.committed:  # a run that started over would be a surprise, and set them aside step by step
+            names = ", ".join(s.name for s in listing.committed[-3:])
+            raise SnapshotError(f"every snapshot in {self.url} is damaged ({names}, the lines above say how); nothing "
+                                "is resumed or written: restore them, or give another snapshot.dir for a new run")
         return None
 
     def get(self, name: str) -> Snapshot:

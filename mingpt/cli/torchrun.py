@@ -399,10 +399,10 @@ def _stderr_closed() -> Iterator[None]:
         os.close(saved)
 
 
-def command() -> None:
+def command(argv: list[str] | None = None) -> None:
     """The `mingpt-torchrun` command: main's status. A refusal leaves at once (os._exit, the output flushed): a store
     client still retrying in a thread (check_store_answers) would abort the process as the interpreter tears down."""
-    status = main()
+    status = main(argv)
     if status:
         sys.stdout.flush()
         sys.stderr.flush()
