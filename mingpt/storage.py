@@ -162,6 +162,8 @@ def explain_storage_error(e: BaseException, local: bool = False, setting: str = 
     text = f"{name}: {detail}"
     if local and isinstance(e, PermissionError):
         return f"permission denied ({detail}); make the folder writable for this user or fix {setting}"
+    if local and isinstance(e, (FileExistsError, NotADirectoryError)):
+        return f"it, or a folder above it, is not a folder ({detail}): a file, or a link to nothing; fix {setting}"
     if isinstance(e, FileNotFoundError) and "bucket" in detail.lower():
         return f"the bucket does not exist ({detail}); create it or fix {setting}"
     if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text \

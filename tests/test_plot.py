@@ -77,6 +77,17 @@ def test_a_folder_without_metrics_is_an_error(tmp_path, capsys):
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("output", ["loss.txt", "noext", "folder"])
+def test_an_output_that_is_no_picture_name_is_one_line(tmp_path, capsys, output):
+    """matplotlib refused .txt with a traceback, and wrote noext.png or folder.png where the user named another."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train_loss": 4.0}) + "\n")
+    assert plot_command.main([str(tmp_path), "-o", str(tmp_path / output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"-o {tmp_path / output}: give a file name ending in .png" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "metrics.jsonl"]
+
+
 def test_plot_reads_a_run_in_s3(tmp_path, s3, capsys):
     import boto3
 

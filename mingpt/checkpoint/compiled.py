@@ -104,7 +104,8 @@ class CompiledCaches:
                     lease.check()
                     self.fs.rm_file(f"{self.folder}/{name}")
         except Exception as e:  # committed; older ones can go next time
-            log.warning("could not remove old compile caches from %s: %s", self.url, explain_storage_error(e))
+            log.warning("could not remove old compile caches from %s: %s", self.url,
+                        explain_storage_error(e, self.run.local))
 
     def _manifest(self) -> dict | None:
         self.fs.invalidate_cache(self.folder)  # an object store's listing may predate the last commit

@@ -348,7 +348,7 @@ class SnapshotStore:
         try:
             self._prune(name)
         except Exception as e:  # the snapshot is committed; old ones can go next time
-            log.warning("could not remove old snapshots from %s: %s", self.url, explain_storage_error(e))
+            log.warning("could not remove old snapshots from %s: %s", self.url, explain_storage_error(e, self.local))
         return snapshot
 
     def _replace_damaged_or_keep(self, name: str) -> Snapshot | None:

@@ -27,12 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: plot(args.run, args.output))
 
 
+PICTURES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
 def plot(run: str, output: str) -> None:
     try:
         plt = pyplot()  # first: the one thing a user may have to install
     except ImportError:
         raise MinGPTError('mingpt-plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') \
             from None
+    if not output.lower().endswith(PICTURES) or os.path.isdir(output):  # matplotlib adds .png, or refuses the name
+        raise MinGPTError(f"-o {output}: give a file name ending in {', '.join(PICTURES)} (the picture's format)")
     data = curves(read_records(run))
     if not data.train_loss and not data.val_loss:
         raise MinGPTError(f"{redact(run)}/metrics.jsonl holds no losses yet")
