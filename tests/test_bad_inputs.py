@@ -183,6 +183,15 @@ def test_mingpt_torchrun_refuses_bad_counts_in_one_line(capsys, args):
     assert line.startswith("error: ") and args[-1].split("=")[0] in line and "HUSH" not in line
 
 
+def test_a_command_as_the_training_script_without_no_python_is_one_line(capsys, tmp_path, monkeypatch):
+    """torchrun ran `python mingpt-train`, in every worker: "can't open file", after the data was prepared."""
+    monkeypatch.chdir(tmp_path)
+    assert torchrun.main(["--standalone", "--nproc-per-node=1", "mingpt-train", "trainer.max_steps=1"]) == 2
+    assert "mingpt-train is not a file; a command on the PATH, such as mingpt-train, needs --no-python" in \
+        one_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_live_with_no_store_at_its_endpoint_is_one_line_at_once(capsys, closed_port):
     """The endpoint is this machine's, so the check takes this node for the store's host; under --live the store is
     mingpt-rendezvous's, never the agent's: nothing there is one line (it was a traceback after 12 s)."""

@@ -192,6 +192,9 @@ def check_launch(args: argparse.Namespace, argv: list[str], live_mode: bool = Fa
     """Refuse in one line what torchrun refuses with a traceback (node and worker counts), or only after a
     minute and two tracebacks (a rendezvous endpoint it cannot resolve or reach)."""
     check_nnodes(args.nnodes)
+    if not (args.no_python or args.module or Path(args.training_script).is_file()):
+        raise ConfigError(f"the training script {args.training_script} is not a file; a command on the PATH, such as "
+                          "mingpt-train, needs --no-python before it")
     if live_mode and (args.standalone or not args.rdzv_endpoint):
         raise ConfigError("--live: give --rdzv-endpoint=HOST:PORT, where mingpt-rendezvous --port PORT serves the "
                           "rendezvous and torchft's Lighthouse (not --standalone)")
