@@ -172,7 +172,7 @@ def test_content_that_is_not_text_is_one_line_naming_the_file_and_where(tmp_path
 def test_compressed_input_is_read_in_bounded_pieces_and_a_record_longer_than_the_bound_is_refused(
         tmp_path, monkeypatch, capsys):
     """64 MB of zeros compress to a few KB: they are decompressed a block at a time, never whole; a JSONL line
-    longer than MAX_RECORD_BYTES is one line naming it, compressed or not."""
+    longer than MAX_RECORD_BYTES is one line naming it, compressed or not, and so is a Parquet row."""
     import tracemalloc
 
     from mingpt.cli.prepare import main
@@ -198,6 +198,12 @@ def test_compressed_input_is_read_in_bounded_pieces_and_a_record_longer_than_the
         assert len(err.strip().splitlines()) == 1, err
         assert f"{name}, the record at byte {len(head + fits)}, is longer than 20,000 bytes" in err, err
         assert not (tmp_path / "out").exists()
+    # A Parquet row is held to the same bound (a 100 MB one took 3.6 GB to tokenize): one line naming the row.
+    pq.write_table(pa.table({"text": ["short", "c " * 15_000, "short"]}), tmp_path / "long.parquet")
+    assert main(["--corpus", str(tmp_path / "long.parquet"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "long.parquet, row 1, holds 30,000 bytes of text, more than the " \
+        "20,000 one document may hold" in err, err
     (tmp_path / "fits.jsonl.zst").write_bytes(zstandard.compress((head + fits + head).encode()))
     found = prepared_documents(prepare(PrepareConfig(corpus=str(tmp_path / "fits.jsonl.zst"), val_fraction=0.0,
                                                      prepared_dir=tmp_path / "fits")))

@@ -38,6 +38,8 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import BinaryIO, Callable, Iterator, Sequence
 
+import numpy as np
+
 from mingpt.data.formats import (ZstdReader, check_hub_file, explain_hub_error, from_hub_cache, in_hub_cache,
                                   open_hub_file, parquet_batches, parquet_documents)
 from mingpt.errors import DataError, MinGPTError
@@ -45,7 +47,7 @@ from mingpt.storage import explain_storage_error, is_local, open_fs, parse_json,
 
 BUILTIN_CORPUS = "python-docs"
 PIECE_BYTES = 1 << 20
-MAX_RECORD_BYTES = 64 << 20  # a JSONL line is read whole: memory is bounded by this, whatever the file
+MAX_RECORD_BYTES = 64 << 20  # a JSONL line or a Parquet row is read whole: memory is bounded by this
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
@@ -302,6 +304,16 @@ def read_pieces(sources: Sequence[Source], text_field: str, digests: dict[int, s
             digests[index] = hasher.hexdigest()
 
 
+def _check_rows(ends: bytes, first_row: int, name: str) -> None:
+    """DataError naming the first row of a Parquet batch (its rows' `ends`) whose text is longer than a JSONL record
+    may be: the same bound on a document's memory in every format."""
+    lengths = np.diff(np.frombuffer(ends, dtype=np.int64), prepend=0)
+    if len(lengths) and lengths.max() > MAX_RECORD_BYTES:
+        row = first_row + int(lengths.argmax())
+        raise DataError(f"corpus {name}, row {row}, holds {int(lengths.max()):,} bytes of text, more than the "
+                        f"{MAX_RECORD_BYTES:,} one document may hold; split its text into several rows")
+
+
 def _pieces(index: int, source: Source, text_field: str, chosen: Callable[[int], bool] | None = None) \
         -> Iterator[Piece]:
     """All of `source` (number `index` of the corpus), read through, in pieces cut at safe places; of a
@@ -309,6 +321,7 @@ def _pieces(index: int, source: Source, text_field: str, chosen: Callable[[int],
     with open_source(source) as f:
         if source.format == "parquet":
             for row, data, ends in parquet_batches(f, redact(source.url), text_field, PIECE_BYTES, chosen):
+                _check_rows(ends, row, redact(source.url))
                 yield Piece(index, row, data, len(data), False, len(ends) // 8, ends=ends)
             return
         offset = 0
