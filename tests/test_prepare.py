@@ -231,6 +231,17 @@ def test_bpe_learns_from_a_bounded_sample(tmp_path, small_pieces):
     assert data.tokenizer.decode(ids) == "".join(make_documents(200)) + EOT  # the whole corpus, encoded
 
 
+def test_bpe_samples_a_jsonl_record_longer_than_a_piece(tmp_path, small_pieces):
+    """A record is sampled by the piece it begins in, read to its end: one longer than a piece (2 KB here, 1 MB
+    for real) was left out, and the merges were learnt from the short ones alone, or none."""
+    long = "".join(make_documents(40))  # about 100 KB: fifty pieces
+    records = [{"text": long}] + [{"text": f"short {i}"} for i in range(20)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    out = prepare(PrepareConfig(corpus=str(tmp_path / "c.jsonl"), tokenizer="bpe", vocab_size=400, val_fraction=0.0,
+                                prepared_dir=tmp_path / "prep", bpe_sample_bytes=10**9))
+    assert PreparedData(out).vocab_size == 400  # the short records alone hold too few pairs for 143 merges
+
+
 @pytest.mark.multiproc
 def test_memory_stays_bounded_on_a_large_corpus(tmp_path):
     """About 40 MB of text, in 600 MB: the former whole-corpus preparation needed about 31 bytes per byte

@@ -351,9 +351,13 @@ def sample_pieces(sources: Sequence[Source], text_field: str, chosen: Callable[[
             continue
         for number in range(-(-source.size // piece_bytes)):
             if chosen(index, number):
-                data = _read_range(source, number * piece_bytes, piece_bytes)
-                data = _whole_lines(data, first=number == 0, last=(number + 1) * piece_bytes >= source.size)
-                yield Piece(index, number * piece_bytes, data, len(data), False)
+                start, last = number * piece_bytes, (number + 1) * piece_bytes >= source.size
+                data = _read_range(source, start, piece_bytes)
+                begins = number == 0 or b"\n" in data  # a record: the piece holds the start of one
+                if source.records and not last and begins and not data.endswith(b"\n"):
+                    data += _rest_of_line(source, start + piece_bytes)  # a record longer than a piece is sampled
+                data = _whole_lines(data, first=number == 0, last=last)  # by the piece it begins in
+                yield Piece(index, start, data, len(data), False)
 
 
 def _read_range(source: Source, offset: int, size: int) -> bytes:
@@ -366,6 +370,19 @@ def _read_range(source: Source, offset: int, size: int) -> bytes:
     except Exception as e:
         raise DataError(f"cannot read the corpus {redact(source.url)}: "
                         f"{explain_storage_error(e, local=is_local(fs), setting='data.corpus')}") from None
+
+
+def _rest_of_line(source: Source, offset: int) -> bytes:
+    """The bytes of `source` from `offset` to the end of its line, where that is at most MAX_RECORD_BYTES on (a
+    longer record is the full pass's error to name: here, nothing)."""
+    rest = b""
+    while len(rest) <= MAX_RECORD_BYTES and offset + len(rest) < source.size:
+        block = _read_range(source, offset + len(rest), PIECE_BYTES)
+        end = block.find(b"\n")
+        if end >= 0:
+            return rest + block[:end + 1]
+        rest += block
+    return rest if offset + len(rest) >= source.size else b""
 
 
 def _whole_lines(data: bytes, first: bool, last: bool) -> bytes:
