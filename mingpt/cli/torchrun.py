@@ -205,7 +205,6 @@ def check_launch(args: argparse.Namespace, argv: list[str], live_mode: bool = Fa
         check_endpoint(args.rdzv_endpoint, args.rdzv_conf)
 
 
-# torch's rendezvous backends.
 def use_c10d(args: argparse.Namespace, argv: list[str]) -> None:
     """The agent keeps a job going on torch's c10d rendezvous, which needs no other service. Where the user named no
     backend (torchrun's default, static, is a fixed set of nodes that never changes): c10d, at --rdzv-endpoint; else
@@ -222,7 +221,7 @@ def use_c10d(args: argparse.Namespace, argv: list[str]) -> None:
             args.rdzv_endpoint = f"{args.master_addr}:{args.master_port}"
 
 
-BACKENDS = ("c10d",)
+BACKENDS = ("c10d",)  # the rendezvous backends the agent runs on (torch's others: static, etcd, etcd-v2)
 # The --rdzv-conf keys that are numbers of seconds or attempts, and the least of each (a heartbeat every 0 s
 # is a busy loop; 0 attempts declares every node dead).
 NUMERIC_CONF = {"join_timeout": 1, "last_call_timeout": 0, "close_timeout": 1, "keep_alive_interval": 1,
