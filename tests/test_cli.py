@@ -128,6 +128,20 @@ def test_a_tampered_description_is_refused_naming_the_field_not_prepared_over(tm
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
+def test_preparing_other_data_into_a_link_replaces_the_link_and_leaves_nothing_beside_it(tmp_path, corpus_file):
+    """The link is set aside, then removed (rmtree refuses links: `.link.stale-*` stayed for good); its target, a
+    folder of the user's, is untouched."""
+    assert prepare.main(["--corpus", str(corpus_file), "--out", str(tmp_path / "real"), "--num-workers", "1"]) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "real").iterdir()}
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "other.txt").write_text("other text, other characters: xyz 123\n" * 200)
+    assert prepare.main(["--corpus", str(tmp_path / "other.txt"), "--out", str(tmp_path / "link"),
+                         "--num-workers", "1"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "link", "other.txt", "real"]
+    assert not (tmp_path / "link").is_symlink()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "real").iterdir()} == before
+
+
 def test_prepare_names_an_unknown_protocol(tmp_path, capsys):
     rc = prepare.main(["--corpus", "foo://x", "--out", str(tmp_path / "p")])
     assert_one_line_error(rc, capsys.readouterr().err, "foo", "--corpus")

@@ -46,7 +46,15 @@ def remove_leftovers(folder: Path, keep: Path | None = None) -> None:
     for path in leftovers(folder):
         if path != keep:
             log.info("removing %s, left by a preparation that was stopped", path)
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Remove a scratch folder, or the link to a folder that an --out named (rmtree refuses links: one stayed)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def matches(directory: Path, wanted: dict) -> bool:
@@ -107,5 +115,5 @@ def publish(tmp: Path, out: Path, meta: dict) -> None:
                 out.rename(stale)
             except FileNotFoundError:
                 continue  # someone else moved it meanwhile; try again
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove(stale)
     raise DataError(f"could not replace {out}; is another process preparing different data there?")
