@@ -142,6 +142,19 @@ def test_preparing_other_data_into_a_link_replaces_the_link_and_leaves_nothing_b
     assert {p.name: p.read_bytes() for p in (tmp_path / "real").iterdir()} == before
 
 
+def test_a_token_file_that_is_a_link_is_damaged_never_read(tmp_path, corpus_file):
+    """A train.bin linked to another file of the same size was trained on without a word."""
+    from mingpt.data.prepared import DamagedData, PreparedData
+
+    out = tmp_path / "p"
+    assert prepare.main(["--corpus", str(corpus_file), "--out", str(out), "--num-workers", "1"]) == 0
+    (tmp_path / "elsewhere.bin").write_bytes((out / "train.bin").read_bytes())
+    (out / "train.bin").unlink()
+    (out / "train.bin").symlink_to(tmp_path / "elsewhere.bin")
+    with pytest.raises(DamagedData, match="train.bin is not a regular file"):
+        PreparedData(out)
+
+
 def test_prepare_names_an_unknown_protocol(tmp_path, capsys):
     rc = prepare.main(["--corpus", "foo://x", "--out", str(tmp_path / "p")])
     assert_one_line_error(rc, capsys.readouterr().err, "foo", "--corpus")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -168,6 +169,14 @@ class PreparedData:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self.meta = read_meta(self.directory)
+        for name in TOKEN_FILES:  # read as they are: never through a link to a file elsewhere, nor a FIFO
+            try:
+                regular = stat.S_ISREG(os.lstat(self.directory / name).st_mode)
+            except FileNotFoundError:
+                continue  # (named below)
+            if not regular:
+                raise DamagedData(f"{self.directory / name} is not a regular file (a link, a FIFO, a folder): the "
+                                  f"folder is damaged; delete {self.directory} and prepare the data again")
         self.tokenizer: Tokenizer = load_tokenizer(str(self.directory / TOKENIZER_FILE))
         prepared_with = self.meta.get("vocab_size")
         if self.tokenizer.vocab_size != prepared_with:  # e.g. tokenizer.json copied from another folder
