@@ -192,6 +192,17 @@ def test_a_command_as_the_training_script_without_no_python_is_one_line(capsys, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_mingpt_rendezvous_names_the_lighthouse_port_it_chose_when_that_is_out_of_range(capsys):
+    """--port 65535 put the Lighthouse on 65536: the error named a --lighthouse-port the user never gave."""
+    from mingpt.cli import rendezvous
+
+    with pytest.raises(SystemExit) as refused:
+        rendezvous.main(["--port", "65535"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "--lighthouse-port must be in 1..65535, got 65536 (--port + 1: give --lighthouse-port below 65536)")
+
+
 def test_live_with_no_store_at_its_endpoint_is_one_line_at_once(capsys, closed_port):
     """The endpoint is this machine's, so the check takes this node for the store's host; under --live the store is
     mingpt-rendezvous's, never the agent's: nothing there is one line (it was a traceback after 12 s)."""

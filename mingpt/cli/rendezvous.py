@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         args.lighthouse_port = args.port + 1
     for flag, port in (("--port", args.port), ("--lighthouse-port", args.lighthouse_port)):
         if not 0 < port < 65536:
-            parser.error(f"{flag} must be in 1..65535, got {port}")
+            implied = "" if chosen or flag == "--port" else f" (--port + 1: give --lighthouse-port below {port})"
+            parser.error(f"{flag} must be in 1..65535, got {port}{implied}")
     configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     log.setLevel(logging.INFO)
     stop_signals = {signal.SIGTERM, signal.SIGINT}
