@@ -16,7 +16,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import _registry as fsspec_registry
 
-from mingpt.data import corpus
+from mingpt.data import corpus, pieces
 from mingpt.data.prepare import PrepareConfig, prepare, verify
 from mingpt.data.prepared import read_meta
 from mingpt.errors import DataError
@@ -53,7 +53,7 @@ def write_jsonl(folder: Path, docs: list[str], compress: bool) -> None:
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of 2 KB: many Parquet batches per row group, JSONL files cut into many pieces."""
-    monkeypatch.setattr(corpus, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 2048)
 
 
 @pytest.fixture
@@ -181,14 +181,14 @@ def test_compressed_input_is_read_in_bounded_pieces_and_a_record_longer_than_the
     zeros.write_bytes(zstandard.ZstdCompressor().compress(bytes(64 << 20)))
     tracemalloc.start()
     try:
-        read = sum(piece.size for piece in corpus.read_pieces(corpus.list_sources(str(zeros)), "text"))
+        read = sum(piece.size for piece in pieces.read_pieces(corpus.list_sources(str(zeros)), "text"))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert read == 64 << 20 and peak < 16 << 20, peak
 
-    monkeypatch.setattr(corpus, "PIECE_BYTES", 2048)
-    monkeypatch.setattr(corpus, "MAX_RECORD_BYTES", 20_000)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(pieces, "MAX_RECORD_BYTES", 20_000)
     fits, head = json.dumps({"text": "a " * 8_000}) + "\n", json.dumps({"text": "short"}) + "\n"
     lines = head + fits + json.dumps({"text": "b " * 15_000}) + "\n" + head
     for name, data in [("long.jsonl", lines.encode()), ("long.jsonl.zst", zstandard.compress(lines.encode()))]:
@@ -331,7 +331,7 @@ def test_a_shared_hub_cache_is_read_only_through_its_own_blobs(tmp_path, monkeyp
     [good] = corpus.list_sources(str(snapshot / "data" / "a.txt"))
     (snapshot / "data" / "a.txt").unlink()
     (snapshot / "data" / "a.txt").symlink_to(secret)
-    for read in (lambda: corpus.open_source(good), lambda: next(corpus.sample_pieces([good], "text", lambda s, n: True))):
+    for read in (lambda: corpus.open_source(good), lambda: next(pieces.sample_pieces([good], "text", lambda s, n: True))):
         with pytest.raises(DataError, match="outside its repository"):
             read()
     assert not good.local_plain  # workers get its bytes from the process that checked it

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mingpt.data import corpus as corpus_module
+from mingpt.data import pieces
 from mingpt.data.corpus import builtin_bytes
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.prepare import PrepareConfig, default_out_dir, prepare, verify
@@ -294,7 +294,7 @@ def test_another_vocab_size_or_text_field_over_an_existing_folder_prepares_anew(
 
 def stopped_preparation(tmp_path: Path, corpus: Path, monkeypatch, after: int = 3) -> PrepareConfig:
     """A preparation of `corpus` stopped (as by Ctrl-C) after `after` pieces: its scratch folder is left."""
-    monkeypatch.setattr(corpus_module, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 2048)
     config = PrepareConfig(corpus=str(corpus), prepared_dir=tmp_path / "prep", num_workers=1)
     save, calls = Tokenized.save, []
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from launch import REPO
-from mingpt.data import corpus, job, progress
+from mingpt.data import job, pieces, progress
 from mingpt.data.corpus import builtin_bytes
 from mingpt.data.prepared import PreparedData
 from mingpt.errors import DataError
@@ -43,7 +43,7 @@ def make_documents(count: int) -> list[str]:
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of 2 KB, so that documents are cut into many pieces."""
-    monkeypatch.setattr(corpus, "PIECE_BYTES", 2048)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 2048)
 
 
 def prepared_documents(out: Path) -> dict[str, list[str]]:

@@ -21,7 +21,8 @@ from typing import Iterator
 import numpy as np
 
 from mingpt.data import tasks
-from mingpt.data.corpus import Piece, Source, read_pieces
+from mingpt.data.corpus import Source
+from mingpt.data.pieces import Piece, read_pieces
 from mingpt.data.pool import WorkerPool
 from mingpt.data.prepared import (
     FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, file_sha256, fingerprint, token_dtype,

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Sequence
 
 from mingpt.claim import MachineLock
-from mingpt.data.corpus import BUILTIN_CORPUS, Source, as_list, list_sources, read_pieces
+from mingpt.data.corpus import BUILTIN_CORPUS, Source, as_list, list_sources
 from mingpt.data.job import Job
+from mingpt.data.pieces import read_pieces
 from mingpt.data.prepared import META_FILE, file_sha256, read_meta
 from mingpt.data.progress import Progress
 from mingpt.data.remote import RemoteFolder

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import numpy as np
 
-from mingpt.data.corpus import Piece, documents
+from mingpt.data.pieces import Piece, documents
 from mingpt.data.split import is_val_record
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 

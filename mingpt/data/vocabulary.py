@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Iterable, Iterator, Sequence
 
 from mingpt.data import tasks
-from mingpt.data.corpus import Piece, Source, sample_pieces
+from mingpt.data.corpus import Source
+from mingpt.data.pieces import Piece, sample_pieces
 from mingpt.data.pool import WorkerPool
 from mingpt.data.progress import Progress
 from mingpt.data.settings import PrepareConfig
