@@ -18,9 +18,10 @@ from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, assert_equal_we
                     latest_step, ledger, output, overrides, rendezvous, torchrun, wait_for, weights, worker)
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.packing import pack
-from mingpt.errors import ConfigError, DataError
+from mingpt.errors import ConfigError, DataError, PeerLeft
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
-from mingpt.training.live import LiveAgreement
+from mingpt.training.launcher import PEER_LOST
+from mingpt.training.live import COLLECTIVE_TIMEOUT_S, LiveAgreement
 
 
 def test_a_group_with_other_data_than_the_first_groups_is_refused_naming_both(monkeypatch):
@@ -52,6 +53,24 @@ def test_a_group_of_another_layout_than_the_first_groups_is_refused_naming_both(
     assert str(refused.value) == (
         "this node runs 1 worker(s) per node, ddp, where live job layout-check runs 2 worker(s) per node, hsdp (as "
         "its first node started): start every node of a job with the same --nproc-per-node and trainer.parallelism")
+
+
+def test_a_vote_that_never_ends_loses_a_peer_and_waits_longer_than_a_collective():
+    """The group's processes may reach the vote a collective's timeout apart (one learns of a dead group at once,
+    another when its collective times out); a process of the group that never votes ends the generation."""
+    asked = []
+
+    class SilentGroup:
+        def should_commit(self, timeout):
+            asked.append(timeout)
+            raise TimeoutError("Timeout expired")
+
+    group = LiveAgreement.__new__(LiveAgreement)
+    group.manager = SilentGroup()
+    with pytest.raises(PeerLeft) as ended:
+        group._vote()
+    assert ended.value.exit_code == PEER_LOST and "TimeoutError: Timeout expired" in str(ended.value)
+    assert asked[0] > timedelta(seconds=COLLECTIVE_TIMEOUT_S)
 
 
 # -- the transport a joining node heals through ----------------------------------------------------------------

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from mingpt.errors import ConfigError, DataError, TrainingError, one_line
 from mingpt.training.agreement import Outcome, Share
-from mingpt.training.distributed import World
+from mingpt.training.distributed import World, peer_lost
 
 if TYPE_CHECKING:  # FSDP's modules: the launcher, which reads this module's names, need not import them
     from mingpt.training.parallel import Topology
@@ -51,7 +51,11 @@ log = logging.getLogger(__name__)
 HEARTBEAT_TIMEOUT_MS = 1000  # Lighthouse: a group silent this long is left out of the next quorum
 JOIN_TIMEOUT_MS = 1000  # Lighthouse: how long a quorum waits for live groups that have not asked yet
 QUORUM_TICK_MS = 100  # Lighthouse: how often it looks whether a quorum can form
-COLLECTIVE_TIMEOUT_S = 10.0  # a cross-group collective, the commit vote, a heal's transfer (Manager's timeout)
+COLLECTIVE_TIMEOUT_S = 10.0  # a cross-group collective, a heal's transfer (Manager's timeout)
+# The commit vote, which waits for every process of the group. Longer than a collective's timeout: when a group
+# dies mid-step, one process may learn it at once (a refused connection) and another only when its collective
+# times out, so they reach the vote up to a collective's timeout apart.
+COMMIT_TIMEOUT_S = 3 * COLLECTIVE_TIMEOUT_S
 # Forming a quorum: past it, the Lighthouse is taken for lost, and the group meets it again under a new Manager.
 # Longer than a collective's timeout: a live group may still be in a collective that times out on the dead one,
 # and a group that left for a new Manager meanwhile leaves the quorum an address that no longer answers.
@@ -256,10 +260,17 @@ class LiveAgreement:
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
-        committed = self.manager.should_commit()
+        committed = self._vote()
         self._say_what_changed(committed)
         loss, _, failing = numbers.tolist()
         return Outcome(loss / self.global_batch_size, stops, failing > 0, False, committed, int(generation))
+
+    def _vote(self) -> bool:
+        """Whether the step is committed: every process of every group of the step succeeded."""
+        try:
+            return self.manager.should_commit(timeout=timedelta(seconds=COMMIT_TIMEOUT_S))
+        except TimeoutError as e:  # a process of this group never voted: it died or hangs
+            raise peer_lost(e) from e
 
     def _meet_again(self, error: Exception) -> None:
         """The Lighthouse did not answer for a quorum: it stopped, or restarts. Meet it again, as the same group
