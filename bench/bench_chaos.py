@@ -101,12 +101,11 @@ def workers(agent: int) -> dict[int, int]:
         return found
     for pid in map(int, children):
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            name = Path(f"/proc/{pid}/comm").read_text().strip()  # mingpt-workerN (launcher.name_this_worker)
         except OSError:  # the worker has just ended
             continue
-        rank = next((int(v.split(b"=")[1]) for v in environ if v.startswith(b"LOCAL_RANK=")), None)
-        if rank is not None:
-            found[rank] = pid
+        if name.startswith("mingpt-worker") and name[len("mingpt-worker"):].isdigit():
+            found[int(name[len("mingpt-worker"):])] = pid
     return found
 
 

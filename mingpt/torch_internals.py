@@ -5,6 +5,8 @@ torch promises nothing about names that start with an underscore, and mingpt nee
   assigning ranks), its count of restarts left and its worker processes (`ElasticAgent`);
 - the dynamic rendezvous: who is in the round, leaving it, and how long a waiting agent sleeps;
 - two helpers of torchrun's command line, so that mingpt-torchrun reads it as torch does;
+- how torchrun's launcher starts a worker process (`SubprocessHandler._popen`), which mingpt's forkserver
+  replaces;
 - DCP's fsspec reader and writer, and the private classes that its index (a pickle) names;
 - Inductor's local cache folder, its C++ code caches, its CPU feature probes and its counters, which
   carry compile caches between machines (mingpt.training.compile_cache).
@@ -21,7 +23,7 @@ import importlib
 import inspect
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -33,6 +35,7 @@ INSTALL = "pip install torch==2.13.0"
 
 RENDEZVOUS = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 RENDEZVOUS_UTILS = "torch.distributed.elastic.rendezvous.utils"
+SUBPROCESS_HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 DCP_FSSPEC = "torch.distributed.checkpoint._fsspec_filesystem"
 INDUCTOR_CODECACHE = "torch._inductor.codecache"
 INDUCTOR_CACHE_DIR = "torch._inductor.runtime.cache_dir_utils"
@@ -52,6 +55,7 @@ DCP_INDEX_CLASSES = (
 LAUNCHER_NAMES = (
     (RENDEZVOUS, "_delay"), (RENDEZVOUS, "_Action"), (RENDEZVOUS, "_RendezvousContext"),
     (RENDEZVOUS_UTILS, "_matches_machine_hostname"), (RENDEZVOUS_UTILS, "_parse_rendezvous_config"),
+    (SUBPROCESS_HANDLER, "SubprocessHandler"),
 )
 SHARDED_NAMES = (
     (DCP_FSSPEC, "FileSystem"), (DCP_FSSPEC, "FsspecReader"), (DCP_FSSPEC, "FsspecWriter"),
@@ -131,6 +135,10 @@ def _check_objects() -> list[str]:
         "DynamicRendezvousHandler._state_holder.sync": callable(getattr(getattr(handler, "_state_holder", None),
                                                                         "sync", None)),
     }
+    starts = _find(SUBPROCESS_HANDLER, "SubprocessHandler")
+    fields["SubprocessHandler._popen(args, env), with _stdout and _stderr"] = starts is None or (
+        tuple(inspect.signature(starts._popen).parameters)[1:] == ("args", "env")
+        and {"_stdout", "_stderr"} <= set(starts.__init__.__code__.co_names))
     state = getattr(getattr(handler, "_state_holder", None), "state", None)
     for name in ("participants", "wait_list"):
         fields[f"DynamicRendezvousHandler._state_holder.state.{name}"] = hasattr(state, name)
@@ -193,6 +201,19 @@ class ElasticAgent(LocalElasticAgent):
     def worker_pids(self) -> list[int]:
         """The pids of this node's running workers (none before they start)."""
         return list(self._pcontext.pids().values()) if self._pcontext is not None else []
+
+
+def start_workers_with(start: Callable[[tuple, dict, Any, Any], Any]) -> None:
+    """torch's launcher starts each worker through `start(args, env, stdout, stderr)` (the command, its environment,
+    and its open log files or None), which returns what the launcher uses of a Popen (pid, poll, wait), or None
+    where torch is to start it as usual."""
+    handler = _find(SUBPROCESS_HANDLER, "SubprocessHandler")
+    usual = handler._popen
+
+    def _popen(self, args: tuple, env: dict):
+        return start(args, env, self._stdout, self._stderr) or usual(self, args, env)
+
+    handler._popen = _popen
 
 
 # -- the dynamic rendezvous ---------------------------------------------------------------------------------

@@ -224,11 +224,14 @@ def children(pid: int) -> list[int]:
 
 
 def worker(agent_pid: int, local_rank: int) -> int:
-    """The PID of the agent's worker with this LOCAL_RANK."""
+    """The PID of the agent's worker with this LOCAL_RANK: named by it (launcher.name_this_worker), since one
+    forked from the agent's server has the server's environment in /proc."""
     for pid in children(agent_pid):
-        environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-        if f"LOCAL_RANK={local_rank}".encode() in environ:
-            return pid
+        try:
+            if (Path("/proc") / str(pid) / "comm").read_text().strip() == f"mingpt-worker{local_rank}":
+                return pid
+        except OSError:  # it has just ended
+            continue
     raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under {agent_pid}")
 
 

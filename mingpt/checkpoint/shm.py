@@ -28,7 +28,8 @@ def process_folder(kind: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"mingpt-{kind}-{pid}-{start_time(pid)}-"))  # 0700
 
 
-AGENT_FOLDERS = ("torchrun", "progress")  # the process folders of mingpt-torchrun's agent: its logs, its watchdog's
+AGENT_FOLDERS = ("torchrun", "progress", "forkserver")  # mingpt-torchrun's process folders: its logs, its watchdog's,
+# its workers' server's socket
 
 
 def remove_ended_agents_folders() -> None:

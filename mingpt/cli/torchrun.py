@@ -29,7 +29,7 @@ from mingpt import torch_internals
 from mingpt.checkpoint.shm import process_folder
 from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError, one_line
-from mingpt.training import agent, live
+from mingpt.training import agent, forkserver, live
 from mingpt.training.app import CONF_DIR, compose_config
 from mingpt.training.launcher import STORE_SHARING, merge_rendezvous_conf, watch_nccl
 from mingpt.training.preparation import fetch_hellaswag, prepare_data
@@ -41,6 +41,7 @@ mingpt-torchrun: torch's torchrun (the same options, below), plus what an elasti
   - quick rendezvous settings, under any --rdzv-conf keys of yours, and the agents' store sharing off;
   - an agent that keeps the job going while nodes die, leave and join, without using up --max-restarts;
   - a watchdog that names a hung worker with its Python stack and restarts the workers in seconds;
+  - workers forked from a server that has imported torch and the trainer, not started anew each time;
   - on GPUs, NCCL's async error handling, heartbeat monitor and flight recorder;
   - --live (before the training script): this node is one torchft replica group, and nodes dying,
     leaving and joining restart no worker on any other node (mingpt-rendezvous serves the Lighthouse).
@@ -52,8 +53,9 @@ CHECK = "check with `nc -zv {host} {port}` from this node (docs/launching.md: Mu
 
 def main(argv: list[str] | None = None) -> int:
     """`mingpt-torchrun`: torchrun with the same arguments, the agents' store sharing off (unless the
-    user set the variable), quick rendezvous settings (merged under the user's `--rdzv-conf`), and an
-    agent that keeps the job going while nodes die, leave and join (mingpt.training.agent)."""
+    user set the variable), quick rendezvous settings (merged under the user's `--rdzv-conf`), workers forked
+    from a server that has imported the trainer (mingpt.training.forkserver), and an agent that keeps the job
+    going while nodes die, leave and join (mingpt.training.agent)."""
     argv = sys.argv[1:] if argv is None else argv
     if _asks_for_help(argv):
         print(ADDS)
@@ -68,11 +70,31 @@ def main(argv: list[str] | None = None) -> int:
         status = run_command(lambda: join_live(args))
     if status:
         return status
+    server = warm_workers(args)  # now, for a job that goes ahead: its imports overlap the rendezvous
+    try:
+        return _launch(args, server)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def warm_workers(args: argparse.Namespace) -> forkserver.Server | None:
+    """The server this node's workers are forked from, where they run a Python script (and MINGPT_WARM_WORKERS is
+    not 0)."""
+    if args.no_python or args.module or not Path(args.training_script).is_file() or \
+            os.environ.get(forkserver.SWITCH) == "0":
+        return None
+    return forkserver.Server(process_folder("forkserver"), args.training_script)
+
+
+def _launch(args: argparse.Namespace, server: forkserver.Server | None) -> int:
     os.environ.setdefault(STORE_SHARING, "1")
     watch_nccl(os.environ)
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
           file=sys.stderr, flush=True)
     agent.install()
+    if server is not None:
+        torch_internals.start_workers_with(server.start)
     own_logs = _own_log_dir(args)
     try:
         record(run.run)(args)

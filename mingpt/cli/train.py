@@ -24,6 +24,7 @@ from mingpt.errors import MinGPTError, PeerLeft
 from mingpt.training import app
 from mingpt.training.app import CONF_DIR, register
 from mingpt.training.config import Config, from_hydra, validate
+from mingpt.training.launcher import name_this_worker
 
 register()  # the schema and the model presets (mingpt.training.app)
 log = logging.getLogger("mingpt")
@@ -103,6 +104,7 @@ def print_version(args: list[str]) -> None:
 
 
 def main() -> None:
+    name_this_worker()
     try:
         os.getcwd()
     except FileNotFoundError:

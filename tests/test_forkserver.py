@@ -1,0 +1,123 @@
+"""The server that mingpt-torchrun forks its workers from (mingpt.training.forkserver): a real server process,
+started by this test process as an agent starts it, forking real workers that this process adopts."""
+
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from mingpt.training.forkserver import Server
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = """\
+import os, sys
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "color", os.environ.get("COLOR"), "path0", sys.path[0])
+print("parent", os.getppid(), "session", os.getsid(0), "own", os.getpid(), "torch", "torch" in sys.modules)
+print("to stderr", file=sys.stderr)
+how = sys.argv[1]
+if how == "raise":
+    raise RuntimeError("the script failed")
+if how == "wait":
+    import time
+    time.sleep(60)
+sys.exit(int(how))
+"""
+
+
+@pytest.fixture
+def server(tmp_path):
+    folder = tmp_path / "server"
+    folder.mkdir(mode=0o700)
+    script = tmp_path / "scripts" / "work.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT)
+    started = Server(folder, str(script))
+    yield started, script
+    started.stop()
+
+
+def start(server, script, how: str, tmp_path: Path, env=None):
+    out, err = (open(tmp_path / f"{how}.{name}", "w") for name in ("out", "err"))
+    with out, err:
+        return server.start((sys.executable, "-u", str(script), how), env or {"COLOR": "green"}, out, err)
+
+
+def test_a_worker_is_forked_warm_with_its_arguments_streams_and_environment_and_adopted_by_the_agent(
+        server, tmp_path, monkeypatch):
+    server, script = server
+    monkeypatch.chdir(tmp_path)
+    worker = start(server, script, "3", tmp_path)
+    assert worker is not None
+    assert worker.wait(timeout=60) == 3
+    out = (tmp_path / "3.out").read_text().split()
+    assert out[:out.index("color")] == ["argv", "['3']", "cwd", str(tmp_path)]
+    assert out[out.index("color") + 1] == "green" and out[out.index("path0") + 1] == str(script.parent)
+    fields = dict(zip(out[out.index("parent")::2], out[out.index("parent") + 1::2]))
+    assert fields["parent"] == str(os.getpid())  # adopted: this process waits for it, as for a started one
+    assert fields["session"] == fields["own"] == str(worker.pid)  # a session of its own, as torch starts one
+    assert fields["torch"] == "True"  # imported in the server, before the fork
+    assert (tmp_path / "3.err").read_text() == "to stderr\n"
+
+
+def test_exits_exceptions_and_signals_end_a_forked_worker_as_they_end_a_python(server, tmp_path):
+    server, script = server
+    assert start(server, script, "0", tmp_path).wait(timeout=60) == 0
+    failed = start(server, script, "raise", tmp_path)
+    assert failed.wait(timeout=60) == 1
+    assert (tmp_path / "raise.err").read_text().splitlines()[-1] == "RuntimeError: the script failed"
+    waiting = start(server, script, "wait", tmp_path)
+    with pytest.raises(Exception) as timed_out:
+        waiting.wait(timeout=0.5)
+    assert type(timed_out.value).__name__ == "TimeoutExpired"
+    os.killpg(waiting.pid, signal.SIGTERM)  # as torch's launcher stops a worker: its session
+    assert waiting.wait(timeout=60) == -signal.SIGTERM
+
+
+def test_a_server_that_has_ended_leaves_workers_to_be_started_as_usual(server, tmp_path, caplog):
+    server, script = server
+    server.process.kill()
+    server.process.wait()
+    assert start(server, script, "0", tmp_path) is None
+    assert start(server, script, "0", tmp_path) is None
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and said[0].startswith(
+        "mingpt-torchrun: workers start as new Pythons: their server does not answer ("), said
+
+
+def test_other_commands_are_left_to_torch(server, tmp_path):
+    server, script = server
+    assert server.start(("/bin/true",), {}, None, None) is None
+    assert server.start((sys.executable, "-u", "-m", "json.tool"), {}, None, None) is None
+    assert not server.failed
+
+
+def test_only_the_agent_may_ask_the_server(server, tmp_path):
+    """Another process of this user's reaching the socket gets nothing forked."""
+    server, script = server
+    assert start(server, script, "0", tmp_path).wait(timeout=60) == 0  # the server is ready
+    request = json.dumps({"argv": [str(script), "5"], "env": {}, "cwd": str(tmp_path)}).encode()  # a valid one
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # not the server's parent
+        answer = b""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(30)
+                conn.connect(server.path)
+                socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
+                conn.shutdown(socket.SHUT_WR)
+                answer = conn.recv(100)
+        except OSError:  # closed with the request unread (a reset, a broken pipe)
+            pass
+        finally:
+            os.write(writer, answer or b"nothing")
+            os._exit(0)
+    os.close(writer)
+    assert os.read(reader, 100) == b"nothing"
+    os.waitpid(child, 0)
+    assert start(server, script, "4", tmp_path).wait(timeout=60) == 4  # and the server goes on
