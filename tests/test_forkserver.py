@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed import run
 
+from mingpt.cli.torchrun import warm_workers
 from mingpt.training.forkserver import Server
 
 pytestmark = pytest.mark.multiproc
@@ -121,3 +123,12 @@ def test_only_the_agent_may_ask_the_server(server, tmp_path):
     assert os.read(reader, 100) == b"nothing"
     os.waitpid(child, 0)
     assert start(server, script, "4", tmp_path).wait(timeout=60) == 4  # and the server goes on
+
+
+def test_no_server_under_mingpt_warm_workers_0_nor_for_commands_that_are_no_python_script(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for argv in (["--no-python", "true"], ["-m", "json.tool"], [str(tmp_path / "missing.py")]):
+        assert warm_workers(run.parse_args(argv)) is None
+    monkeypatch.setenv("MINGPT_WARM_WORKERS", "0")
+    assert warm_workers(run.parse_args([str(script)])) is None
