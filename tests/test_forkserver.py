@@ -12,7 +12,7 @@ import pytest
 from torch.distributed import run
 
 from mingpt.cli.torchrun import warm_workers
-from mingpt.training.forkserver import Server
+from mingpt.training.forkserver import Server, cuda_touched
 
 pytestmark = pytest.mark.multiproc
 
@@ -132,3 +132,12 @@ def test_no_server_under_mingpt_warm_workers_0_nor_for_commands_that_are_no_pyth
         assert warm_workers(run.parse_args(argv)) is None
     monkeypatch.setenv("MINGPT_WARM_WORKERS", "0")
     assert warm_workers(run.parse_args([str(script)])) is None
+
+
+def test_a_server_whose_imports_touched_cuda_is_told_by_the_driver_library_in_its_memory():
+    """A fork cannot carry CUDA: asking for the device count loads the driver while torch still calls CUDA
+    uninitialized, so the server looks for the library among its mappings too."""
+    untouched = "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libtorch_cuda.so\n7f20-7f30 r-xp 0 08:01 2 /usr/lib/libcudart.so.12\n"
+    assert not cuda_touched(untouched)
+    assert cuda_touched(untouched + "7f40-7f50 r-xp 0 08:01 3 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n")
+    assert not cuda_touched(Path("/proc/self/maps").read_text())  # this process: torch imported, no GPU used

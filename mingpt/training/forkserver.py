@@ -164,7 +164,7 @@ def serve(path: str, script: str) -> dict:
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # where a worker imports from, as `python SCRIPT`
     for module in WARM_MODULES:
         importlib.import_module(module)
-    if sys.modules["torch"].cuda.is_initialized():
+    if cuda_touched(Path("/proc/self/maps").read_text()):
         log.warning("mingpt-torchrun: importing the trainer initialized CUDA, which a fork cannot carry: "
                     "workers start as new Pythons")
         sys.exit(0)
@@ -175,7 +175,7 @@ def serve(path: str, script: str) -> dict:
                 continue
             try:
                 request, streams = _receive(conn)
-            except (OSError, ValueError) as e:  # the agent died while asking: the server dies with it
+            except (OSError, ValueError) as e:  # cut short: the agent died while asking (the server dies with it)
                 log.debug("a request that could not be read: %s", e)
                 continue
             sys.stdout.flush()
@@ -193,6 +193,13 @@ def serve(path: str, script: str) -> dict:
             os.waitpid(middle, 0)
             for fd in streams:
                 os.close(fd)
+
+
+def cuda_touched(maps: str) -> bool:
+    """Whether this process has initialized CUDA: torch's own state, or the driver library loaded (which asking
+    for the device count does, while torch still calls CUDA uninitialized). `maps`: /proc/self/maps."""
+    torch = sys.modules.get("torch")
+    return bool(torch and torch.cuda.is_initialized()) or "/libcuda.so" in maps
 
 
 def _peer(conn: socket.socket) -> tuple[int, int, int]:
