@@ -103,8 +103,6 @@ def max_nodes(args: list[str], nnodes: str = "1") -> int:
 
 
 _PR_SET_PDEATHSIG = 1
-
-
 _PR_SET_NAME = 15
 
 
