@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mingpt"
 # packages that share a layer do not import each other.
 LAYERS = [
     {"mingpt.errors"},
-    {"mingpt.storage", "mingpt.claim", "mingpt.torch_internals"},
+    {"mingpt.storage", "mingpt.claim", "mingpt.processes", "mingpt.torch_internals"},
     {"mingpt.rundir", "mingpt.shape"},
     {"mingpt.model", "mingpt.tokenizers"},
     {"mingpt.checkpoint", "mingpt.data", "mingpt.metrics"},

@@ -12,19 +12,17 @@ and reaps them when it stops (an error, Ctrl-C, SIGTERM), and the kernel kills t
 from __future__ import annotations
 
 import collections
-import ctypes
 import multiprocessing
 import os
 import signal
-import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterable, Iterator
 
 from mingpt.errors import DataError, check_stopped, deferred_stops
+from mingpt.processes import signal_when_parent_dies
 
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class WorkerTraceback(Exception):
@@ -177,9 +175,8 @@ def _serve(conn: Connection, setup: Callable[[Any], None], context: Any, parent:
 
 def _start_worker(parent: int) -> None:
     """Make this forked worker die with `parent` and leave stopping to it."""
-    if sys.platform == "linux":  # the kernel SIGKILLs this process when its parent ends, even by SIGKILL
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent ended between the fork and the prctl
+    # The kernel SIGKILLs this process when its parent ends, even by SIGKILL.
+    if not signal_when_parent_dies(signal.SIGKILL, parent):  # the parent ended between the fork and the prctl
         os._exit(1)
     # Ctrl-C and a SIGTERM sent to the whole process group (torchrun's) are for the parent to act on: it stops
     # the workers itself, so a worker never ends first with a traceback of its own or a "worker died".

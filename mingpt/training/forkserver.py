@@ -23,7 +23,6 @@ launcher.name_this_worker). CUDA cannot cross a fork: the server does not serve 
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import io
 import json
@@ -38,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from mingpt.processes import PR_SET_CHILD_SUBREAPER, prctl, signal_when_parent_dies
+
 log = logging.getLogger(__name__)
 
 SWITCH = "MINGPT_WARM_WORKERS"  # 0: every worker starts as a new Python, as under plain torchrun
@@ -45,7 +46,6 @@ SERVER_WAIT_S = 60.0  # how long the agent waits for the server to fork a worker
 # What a worker of the trainer imports: torch's compiler is most of it (the optimizer and DDP import it).
 WARM_MODULES = ("torch", "torch._dynamo", "hydra", "mingpt.training.app", "mingpt.training.trainer")
 ADOPT_WAIT_S = 5.0  # how long a forked worker waits to be adopted by the agent (its forking child to exit)
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 # -- the agent's side ----------------------------------------------------------------------------------------
@@ -67,7 +67,8 @@ class Server:
             return None
         streams = [0, stdout.fileno() if stdout else 1, stderr.fileno() if stderr else 2]
         request = json.dumps({"argv": list(args[2:]), "env": env, "cwd": os.getcwd()}).encode()
-        _set_subreaper(True)
+        if not prctl(PR_SET_CHILD_SUBREAPER, 1):  # not Linux: the worker could not be adopted
+            return None
         try:
             with self._connect() as conn:
                 socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], streams)
@@ -79,7 +80,7 @@ class Server:
             log.warning("mingpt-torchrun: workers start as new Pythons: their server does not answer (%s)", e)
             return None
         finally:
-            _set_subreaper(False)
+            prctl(PR_SET_CHILD_SUBREAPER, 0)
         return Forked(pid, args)
 
     def _connect(self) -> socket.socket:
@@ -135,10 +136,6 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _set_subreaper(on: bool) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
-
-
 def _read_all(conn: socket.socket) -> bytes:
     chunks = []
     while chunk := conn.recv(4096):
@@ -152,8 +149,6 @@ def _read_all(conn: socket.socket) -> bytes:
 def serve(path: str, script: str) -> dict:
     """Import what a worker of `script` imports, then fork a worker for each request of the agent, for ever.
     Returns only in a worker: its request."""
-    from mingpt.training.launcher import signal_when_parent_dies
-
     agent = os.getppid()
     if not signal_when_parent_dies(signal.SIGKILL):
         sys.exit(0)

@@ -10,11 +10,12 @@ all of it, but the agent reads it, so the worker cannot set it for itself: the l
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 from pathlib import Path
+
+from mingpt.processes import PR_SET_NAME, prctl, signal_when_parent_dies
 
 STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -102,37 +103,17 @@ def max_nodes(args: list[str], nnodes: str = "1") -> int:
         return 1
 
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
-
-
 def name_this_worker() -> None:
     """Name a worker of torchrun's by its local rank (`mingpt-worker0`, as ps and top show it): one forked from the
     agent's server (mingpt.training.forkserver) has the server's command line and initial environment in /proc."""
     local_rank = os.environ.get("LOCAL_RANK", "")
     if "TORCHELASTIC_RUN_ID" in os.environ and local_rank.isdigit():
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, f"mingpt-worker{local_rank}".encode(), 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux
-            pass
+        prctl(PR_SET_NAME, f"mingpt-worker{local_rank}".encode())
 
 
 def end_with_the_agent() -> None:
     """A worker that torchrun started is sent SIGTERM when its agent dies (SIGKILL, the OOM killer), as when the
     agent stops it: it saves its step and leaves. It trained on alone before, holding the run, so that the same
     command started again was refused, until a collective failed."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        signal_when_parent_dies(signal.SIGTERM)
-
-
-def signal_when_parent_dies(sig: int) -> bool:
-    """Have the kernel send this process `sig` when its parent dies; False where the parent has died already."""
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux
-        return True
-    if os.getppid() != parent:  # it died before the request was made
-        os.kill(os.getpid(), sig)
-        return False
-    return True
+    if "TORCHELASTIC_RUN_ID" in os.environ and not signal_when_parent_dies(signal.SIGTERM):
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent died before the request was made

@@ -12,7 +12,6 @@ warning, unwatched.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
 import os
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from mingpt.processes import PR_SET_PTRACER, prctl
 from mingpt.storage import open_own_file, private_folder, read_own_file
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ PHASES = ("starting", "computing", "evaluating", "saving")
 # step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s, the step this process started
 # computing at (-1 before), and the allowance of that first step (trainer.dist_timeout_s)
 RECORD = struct.Struct("<qqddqd")
-_PR_SET_PTRACER = 0x59616D61
 
 
 class Mark(NamedTuple):
@@ -101,10 +100,7 @@ def let_the_agent_read_my_stack() -> None:
     py-spy it starts) as allowed to; and write every thread's stack to stderr on SIGUSR1, for a process
     that still runs where py-spy is missing."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, os.getppid(), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: py-spy asks for what it needs there
-        pass
+    prctl(PR_SET_PTRACER, os.getppid())  # (not Linux: py-spy asks for what it needs there)
 
 
 def read(path: str) -> Mark | None:
