@@ -1,14 +1,18 @@
 """The server that mingpt-torchrun forks its workers from (mingpt.training.forkserver): a real server process,
-started by this test process as an agent starts it, forking real workers that this process adopts."""
+serving this test process as it serves an agent, forking real workers that this process adopts; and the server of
+a real mingpt-torchrun."""
 
 import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+from launch import BIN, output
 from torch.distributed import run
 
 from mingpt.cli.torchrun import warm_workers
@@ -38,9 +42,13 @@ def server(tmp_path):
     script = tmp_path / "scripts" / "work.py"
     script.parent.mkdir()
     script.write_text(SCRIPT)
-    started = Server(folder, str(script))
+    serving = subprocess.Popen([sys.executable, "-c", "import sys; from mingpt.training import forkserver; "
+                                "forkserver.be_the_server(*sys.argv[1:])", str(folder / "socket"), str(script)],
+                               stdin=subprocess.DEVNULL)
+    started = Server(serving.pid, folder=folder)
     yield started, script
     started.stop()
+    serving.wait()
 
 
 def start(server, script, how: str, tmp_path: Path, env=None):
@@ -82,8 +90,7 @@ def test_exits_exceptions_and_signals_end_a_forked_worker_as_they_end_a_python(s
 
 def test_a_server_that_has_ended_leaves_workers_to_be_started_as_usual(server, tmp_path, caplog):
     server, script = server
-    server.process.kill()
-    server.process.wait()
+    server.stop()
     assert start(server, script, "0", tmp_path) is None
     assert start(server, script, "0", tmp_path) is None
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -125,13 +132,80 @@ def test_only_the_agent_may_ask_the_server(server, tmp_path):
     assert start(server, script, "4", tmp_path).wait(timeout=60) == 4  # and the server goes on
 
 
+class Unforked:
+    """What warm_workers asks of a server, recorded."""
+
+    def __init__(self):
+        self.scripts = []
+
+    def serve(self, folder: Path, script: str) -> None:
+        self.scripts.append(script)
+
+
 def test_no_server_under_mingpt_warm_workers_0_nor_for_commands_that_are_no_python_script(tmp_path, monkeypatch):
     script = tmp_path / "train.py"
     script.write_text("")
+    unforked = Unforked()
     for argv in (["--no-python", "true"], ["-m", "json.tool"], [str(tmp_path / "missing.py")]):
-        assert warm_workers(run.parse_args(argv)) is None
+        assert warm_workers(run.parse_args(argv), unforked) is None
+    assert warm_workers(run.parse_args([str(script)]), unforked) is unforked and unforked.scripts == [str(script)]
     monkeypatch.setenv("MINGPT_WARM_WORKERS", "0")
-    assert warm_workers(run.parse_args([str(script)])) is None
+    assert fork_stopped() is None
+
+
+def test_no_server_is_forked_while_another_thread_runs():
+    """A fork holds only the thread that forked: a lock another thread held would stay locked in the copy."""
+    waiting = threading.Event()
+    thread = threading.Thread(target=waiting.wait)
+    thread.start()
+    try:
+        assert fork_stopped() is None
+    finally:
+        waiting.set()
+        thread.join()
+
+
+def fork_stopped() -> Server | None:
+    """Server.fork(), stopped at once where it forked."""
+    server = Server.fork()
+    if server is not None:
+        server.stop()
+    return server
+
+
+WHO = """\
+import json, os, sys
+from pathlib import Path
+
+def cmdline(pid):
+    return Path(f"/proc/{pid}/cmdline").read_text()
+
+def parent(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+agent = os.getppid()
+servers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent(p.name) == agent
+           and (p / "comm").read_text().strip() == "mingpt-server"]
+print("who", json.dumps({"agent": agent, "same_command": cmdline("self") == cmdline(agent), "servers": servers,
+                         "torch": "torch" in sys.modules}))
+"""
+
+
+def test_mingpt_torchrun_forks_its_workers_from_a_copy_of_itself_which_ends_with_it(procs, tmp_path):
+    """The server is a copy of the agent as it started (torch imported, no new Python run): a worker has the agent's
+    command line and torch before its script imports it, and is the agent's child. The server ends with the agent,
+    and its folder goes."""
+    script = tmp_path / "who.py"
+    script.write_text(WHO)
+    job = procs.start([str(BIN / "mingpt-torchrun"), "--standalone", "--nproc-per-node=1", "--max-restarts=0",
+                       str(script)], "job")
+    assert job.wait(timeout=120) == 0, output(job)
+    [line] = [line for line in output(job).splitlines() if line.startswith("who ")]
+    who = json.loads(line[4:])
+    assert who["agent"] == job.pid and who["same_command"] and who["torch"]
+    [server] = who["servers"]
+    assert not Path(f"/proc/{server}").exists()
+    assert not list(Path("/tmp").glob(f"mingpt-forkserver-{job.pid}-*"))
 
 
 def test_a_server_whose_imports_touched_cuda_is_told_by_the_driver_library_in_its_memory():

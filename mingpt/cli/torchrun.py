@@ -51,11 +51,12 @@ log = logging.getLogger(__name__)
 CHECK = "check with `nc -zv {host} {port}` from this node (docs/launching.md: Multinode troubleshooting)"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, server: forkserver.Server | None = None) -> int:
     """`mingpt-torchrun`: torchrun with the same arguments, the agents' store sharing off (unless the
     user set the variable), quick rendezvous settings (merged under the user's `--rdzv-conf`), workers forked
     from a server that has imported the trainer (mingpt.training.forkserver), and an agent that keeps the job
-    going while nodes die, leave and join (mingpt.training.agent)."""
+    going while nodes die, leave and join (mingpt.training.agent). `server`: the copy of this process that workers
+    are forked from (command forks it), or None: each worker starts as a new Python."""
     argv = sys.argv[1:] if argv is None else argv
     if _asks_for_help(argv):
         print(ADDS)
@@ -70,21 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         status = run_command(lambda: join_live(args))
     if status:
         return status
-    server = warm_workers(args)  # now, for a job that goes ahead: its imports overlap the rendezvous
-    try:
-        return _launch(args, server)
-    finally:
-        if server is not None:
-            server.stop()
+    return _launch(args, warm_workers(args, server))  # now, for a job that goes ahead: imports overlap the rendezvous
 
 
-def warm_workers(args: argparse.Namespace) -> forkserver.Server | None:
-    """The server this node's workers are forked from, where they run a Python script (and MINGPT_WARM_WORKERS is
-    not 0)."""
-    if args.no_python or args.module or not Path(args.training_script).is_file() or \
-            os.environ.get(forkserver.SWITCH) == "0":
+def warm_workers(args: argparse.Namespace, server: forkserver.Server | None) -> forkserver.Server | None:
+    """`server`, told to serve this node's workers where they run a Python script; else None."""
+    if server is None or args.no_python or args.module or not Path(args.training_script).is_file():
         return None
-    return forkserver.Server(process_folder("forkserver"), args.training_script)
+    server.serve(process_folder("forkserver"), args.training_script)
+    return server
 
 
 def _launch(args: argparse.Namespace, server: forkserver.Server | None) -> int:
@@ -425,8 +420,16 @@ def _stderr_closed() -> Iterator[None]:
 
 def command(argv: list[str] | None = None) -> None:
     """The `mingpt-torchrun` command: main's status. A refusal leaves at once (os._exit, the output flushed): a store
-    client still retrying in a thread (check_store_answers) would abort the process as the interpreter tears down."""
-    status = main(argv)
+    client still retrying in a thread (check_store_answers) would abort the process as the interpreter tears down.
+
+    The workers' server is forked first, from this process as it started (mingpt.training.forkserver). The workers
+    forked from it leave through this function's first line, as their scripts end: nothing may catch around it."""
+    server = forkserver.Server.fork()
+    try:
+        status = main(argv, server)
+    finally:
+        if server is not None:
+            server.stop()
     if status:
         sys.stdout.flush()
         sys.stderr.flush()

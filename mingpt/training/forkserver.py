@@ -1,24 +1,28 @@
-"""Warm workers: mingpt-torchrun's agent starts each worker by forking it from a server that has imported
-torch and the trainer already, instead of starting a Python that imports them again.
+"""Warm workers: mingpt-torchrun's agent starts each worker by forking it from a server that has imported torch and
+the trainer, instead of starting a Python that imports them again.
 
-A worker's imports are seconds of CPU (torch, its compiler's modules, the trainer's), more than the first
-steps of a small job. Every worker of every generation paid them: at every restart, on the CPUs the other
-nodes train on, and while a node that joins keeps the others waiting. The server (one per agent, started once
-the job goes ahead, so that its imports overlap the rendezvous) pays them once.
+A worker's imports are seconds of CPU (torch, its compiler's modules, the trainer's), more than the first steps of
+a small job. Every worker of every generation paid them: at every restart, on the CPUs the other nodes train on,
+and while a node that joins keeps the others waiting. The server, one per agent, pays them once, and only in part:
+it is a copy of the agent, which has imported torch already.
 
-How a worker starts (`Server.start`, in the agent, where torch's launcher would start a Python):
-1. the agent sends the command's arguments, its environment and folder, and its standard streams (their file
-   descriptors) over a Unix socket in the agent's own folder;
-2. the server forks a child, which forks the worker and exits. The orphaned worker is adopted by the agent,
-   its subreaper for that moment: the worker is the agent's child, as a started one would be (the agent waits
-   for it, signals it and its session, and reads its exit status; when the agent dies, the worker is told);
-3. the worker starts a session of its own, takes the streams, the environment and the folder, and runs the
-   script as `python -u SCRIPT ARGS...` would, in the modules the server imported.
+How the server comes to be and a worker starts:
+1. `mingpt-torchrun` forks the server first thing (`Server.fork`), before it reads its arguments and before it
+   starts any thread: a copy of the agent as it started. The copy waits until the job goes ahead (`Server.serve`),
+   then imports what a worker imports while the agent meets the others, and listens on a Unix socket in the
+   agent's own folder;
+2. for each worker (`Server.start`, where torch's launcher would start a Python), the agent sends the command's
+   arguments, its environment and folder, and its standard streams (their file descriptors);
+3. the server forks a child, which forks the worker and exits. The orphaned worker is adopted by the agent, its
+   subreaper for that moment: the worker is the agent's child, as a started one would be (the agent waits for it,
+   signals it and its session, and reads its exit status; when the agent dies, the worker is told);
+4. the worker starts a session of its own, takes the streams, the environment and the folder, and runs the script
+   as `python -u SCRIPT ARGS...` would, in the modules the server imported (`be_the_server`).
 
-Where the server cannot serve (it has ended, it is not ready within SERVER_WAIT_S, the command is not
-`python -u SCRIPT`), or under MINGPT_WARM_WORKERS=0, the worker starts as torch starts it. A forked worker
-shows the server's command line and environment in /proc (`ps` names it by its local rank:
-launcher.name_this_worker). CUDA cannot cross a fork: the server does not serve if importing initialized it.
+Where the server cannot serve (it was not forked: MINGPT_WARM_WORKERS=0, or threads ran already; it has ended; it
+is not ready within SERVER_WAIT_S; the command is not `python -u SCRIPT`), the worker starts as torch starts it.
+A forked worker shows the agent's command line and the server's environment in /proc (`ps` names it by its local
+rank: launcher.name_this_worker). CUDA cannot cross a fork: the server does not serve if importing initialized it.
 """
 
 from __future__ import annotations
@@ -28,16 +32,19 @@ import io
 import json
 import logging
 import os
+import runpy
 import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
-from mingpt.processes import PR_SET_CHILD_SUBREAPER, prctl, signal_when_parent_dies
+from mingpt.processes import PR_SET_CHILD_SUBREAPER, PR_SET_NAME, prctl, signal_when_parent_dies
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +61,50 @@ ADOPT_WAIT_S = 5.0  # how long a forked worker waits to be adopted by the agent 
 class Server:
     """The server an agent starts its workers from; `start` forks one, or says None (start it as torch would)."""
 
-    def __init__(self, folder: Path, script: str):
-        self.folder, self.path = folder, str(folder / "socket")
-        self.process = subprocess.Popen([sys.executable, "-m", __name__, self.path, script],
-                                        stdin=subprocess.DEVNULL)
-        self.failed = False
+    def __init__(self, pid: int, orders: int | None = None, folder: Path | None = None):
+        self.pid, self._orders, self.failed = pid, orders, False
+        self.folder, self.path = folder, str(folder / "socket") if folder else None
+        self._ended = False
 
-    def start(self, args: tuple, env: dict[str, str], stdout, stderr) -> Forked | None:
-        """Fork the worker `args` (torch's command: python -u SCRIPT ARGS) with `env` and the streams (open
-        files, or None: the agent's own), adopted by this process; None where the server cannot."""
-        if self.failed or len(args) < 3 or args[0] != sys.executable or args[1] != "-u" or args[2].startswith("-"):
+    @classmethod
+    def fork(cls) -> Server | None:
+        """A copy of this process that waits for `serve`; None under MINGPT_WARM_WORKERS=0, and where threads run
+        (a fork holds only this one: a lock another held would stay locked in the copy). The copy never returns:
+        it ends when it is stopped, when this process ends, or, in a worker it forked, as the worker's script does
+        (its SystemExit or exception leaves through the caller's frames, so nothing there may catch it)."""
+        if os.environ.get(SWITCH) == "0" or threading.active_count() > 1 or not hasattr(os, "fork"):
+            return None
+        orders, agent_end = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(agent_end)
+            _wait_for_orders(orders)  # returns only in a worker, once its script has run
+            sys.exit(0)  # the script ran to its end: Python's exit (threads joined, exit functions run)
+        os.close(orders)
+        return cls(pid, agent_end)
+
+    def serve(self, folder: Path, script: str) -> None:
+        """Have the server import what a worker of `script` imports, and listen in `folder` (the agent's own)."""
+        self.folder, self.path = folder, str(folder / "socket")
+        orders, self._orders = self._orders, None
+        try:
+            with open(orders, "wb") as pipe:  # the server reads to the end
+                pipe.write(json.dumps({"path": self.path, "script": script}).encode())
+        except OSError as e:  # it has ended
+            self.failed = True
+            log.warning("mingpt-torchrun: workers start as new Pythons: their server has ended (%s)", e)
+
+    def start(self, args: tuple, env: dict[str, str], stdout, stderr, cwd: str | None = None) -> Forked | None:
+        """Fork the worker `args` (torch's command: python -u SCRIPT ARGS) with `env`, the streams (open files, or
+        None: the agent's own) and `cwd` (else this process's folder), adopted by this process; None where the
+        server cannot."""
+        if self.failed or self.path is None or len(args) < 3 or args[0] != sys.executable or args[1] != "-u" \
+                or args[2].startswith("-"):
             return None
         streams = [0, stdout.fileno() if stdout else 1, stderr.fileno() if stderr else 2]
-        request = json.dumps({"argv": list(args[2:]), "env": env, "cwd": os.getcwd()}).encode()
+        request = json.dumps({"argv": list(args[2:]), "env": env, "cwd": cwd or os.getcwd()}).encode()
         if not prctl(PR_SET_CHILD_SUBREAPER, 1):  # not Linux: the worker could not be adopted
             return None
         try:
@@ -94,14 +132,28 @@ class Server:
                 return conn
             except (FileNotFoundError, ConnectionRefusedError):
                 conn.close()
-                if self.process.poll() is not None or time.monotonic() > deadline:
+                if self.has_ended() or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 
+    def has_ended(self) -> bool:
+        if not self._ended:
+            try:
+                self._ended = os.waitpid(self.pid, os.WNOHANG)[0] != 0
+            except ChildProcessError:  # reaped already, or not this process's child
+                self._ended = True
+        return self._ended
+
     def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self._orders is not None:  # never told to serve: it ends as it reads nothing
+            os.close(self._orders)
+            self._orders = None
+        if not self.has_ended():
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self._ended = True
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class Forked:
@@ -146,23 +198,54 @@ def _read_all(conn: socket.socket) -> bytes:
 # -- the server's side -----------------------------------------------------------------------------------------
 
 
-def serve(path: str, script: str) -> dict:
-    """Import what a worker of `script` imports, then fork a worker for each request of the agent, for ever.
-    Returns only in a worker: its request."""
+def _wait_for_orders(orders: int) -> None:
+    """The forked server: wait for the agent's order, then serve (`be_the_server`). Nothing to read: the job did not
+    go ahead, or the agent has ended. Returns only in a worker, once its script has run."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it stops the workers
+        prctl(PR_SET_NAME, b"mingpt-server")
+        with open(orders, "rb") as pipe:
+            order = pipe.read()
+    except BaseException:  # a Ctrl-C in the moment before it was ignored
+        os._exit(1)
+    if not order:
+        os._exit(0)
+    order = json.loads(order)
+    be_the_server(order["path"], order["script"])
+
+
+def be_the_server(path: str, script: str, modules: tuple[str, ...] = WARM_MODULES) -> None:
+    """Import `modules`, then fork a worker for each request of this process's parent (the agent) on the socket
+    `path`, until the parent ends. Returns only in a worker, once its script has run: the script's exit and
+    exceptions are Python's own, and leave through the caller's frames."""
+    try:
+        request = serve(path, script, modules)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    if request is None:
+        os._exit(0)
+    become_the_worker(request)
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def serve(path: str, script: str, modules: tuple[str, ...]) -> dict | None:
+    """Import `modules` as a worker of `script` would, then fork a worker for each request of the agent, for ever.
+    Returns only in a worker (its request), or None where it cannot serve."""
     agent = os.getppid()
     if not signal_when_parent_dies(signal.SIGKILL):
-        sys.exit(0)
+        return None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it stops the workers
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)  # in the agent's own folder (0700)
     listener.listen()
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # where a worker imports from, as `python SCRIPT`
-    for module in WARM_MODULES:
+    for module in modules:
         importlib.import_module(module)
     if cuda_touched(Path("/proc/self/maps").read_text()):
         log.warning("mingpt-torchrun: importing the trainer initialized CUDA, which a fork cannot carry: "
                     "workers start as new Pythons")
-        sys.exit(0)
+        return None
     while True:
         conn, _ = listener.accept()
         with conn:
@@ -223,6 +306,7 @@ def become_the_worker(request: dict) -> None:
     while os.getppid() == request["middle"] and time.monotonic() < deadline:  # until the forking child exits
         time.sleep(0.001)
     os.setsid()
+    prctl(PR_SET_NAME, os.path.basename(sys.executable)[:15].encode())  # a Python's name, until the script's own
     for target, fd in enumerate(request["streams"]):
         os.dup2(fd, target)
         os.close(fd)
@@ -241,11 +325,3 @@ def become_the_worker(request: dict) -> None:
                                             errors=stream.errors, write_through=True))
     sys.argv = request["argv"]
     sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-
-
-if __name__ == "__main__":
-    job = serve(sys.argv[1], sys.argv[2])
-    become_the_worker(job)
-    import runpy
-
-    runpy.run_path(sys.argv[0], run_name="__main__")  # its exit, exceptions and signals are Python's own
