@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from importlib import metadata
 
 import hydra
@@ -32,9 +33,15 @@ log = logging.getLogger("mingpt")
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def run(raw: DictConfig) -> None:
+    """The job under Hydra's own main: for its flags (--help, --cfg, --config-dir...) and its settings (hydra.*)."""
+    train_job(lambda: from_hydra(raw))
+
+
+def train_job(settings: Callable[[], Config]) -> None:
+    """Train with the Config that `settings` gives; its errors, and training's, as this command reports them."""
     configure_logging(logging.WARNING, "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     try:
-        cfg: Config = from_hydra(raw)
+        cfg = settings()
         validate(cfg)
         # torch and the trainer: imported once the settings are known to be sound, so that --help and a bad
         # value are quick (torch's start-up is seconds of CPU).
@@ -86,11 +93,12 @@ def refuse_multirun(args: list[str]) -> None:
             sys.exit(2)
 
 
-def check_config(args: list[str]) -> None:
-    """Exit 2 with one line, before Hydra starts, for what Hydra would refuse in many (a setting or option that
-    does not exist, a value of the wrong type, a YAML file of the user's that is not YAML) and a value out of range."""
+def check_config(args: list[str]) -> Config:
+    """The Config of the command line `args`; exit 2 with one line, before Hydra starts, for what Hydra would refuse
+    in many (a setting or option that does not exist, a value of the wrong type, a YAML file of the user's that is
+    not YAML) and a value out of range."""
     try:
-        app.compose_config(CONF_DIR, args)
+        return app.compose_config(CONF_DIR, args)
     except MinGPTError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -113,9 +121,12 @@ def main() -> None:
         sys.exit(2)
     print_version(sys.argv[1:])
     refuse_multirun(sys.argv[1:])
-    check_config(sys.argv[1:])
+    cfg = check_config(sys.argv[1:])
     try:
-        run()
+        if any(arg.startswith("-") or arg.lstrip("+~").startswith("hydra") for arg in sys.argv[1:]):
+            run()
+        else:  # settings alone: the Config composed above is the job's (Hydra's main would compose it twice more)
+            train_job(lambda: cfg)
     except KeyboardInterrupt as e:  # SIGTERM before training, or a second Ctrl-C cutting the first one's stop short
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"interrupted ({signal.Signals(signum).name}): the last snapshot may not have been written; run the "
