@@ -27,6 +27,7 @@ rank: launcher.name_this_worker). CUDA cannot cross a fork: the server does not 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import io
 import json
@@ -246,6 +247,7 @@ def serve(path: str, script: str, modules: tuple[str, ...]) -> dict | None:
         log.warning("mingpt-torchrun: importing the trainer initialized CUDA, which a fork cannot carry: "
                     "workers start as new Pythons")
         return None
+    gc.freeze()  # what the imports made is never garbage: a worker's collections skip it, and leave its pages shared
     while True:
         conn, _ = listener.accept()
         with conn:
