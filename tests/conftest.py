@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import Processes, Reference, train_here
+from launch import Processes, Reference, WarmPython, train_here
 
 
 def pytest_configure(config):
@@ -33,10 +33,18 @@ def cache_in_tmp(tmp_path_factory):
     os.environ["HF_HUB_OFFLINE"] = "1"
 
 
+@pytest.fixture(scope="session")
+def warm_python(tmp_path_factory, cache_in_tmp):
+    """The Python that this test process's commands are forked from (launch.WarmPython), started on first use."""
+    warm = WarmPython(tmp_path_factory.mktemp("warm"))
+    yield warm
+    warm.stop()
+
+
 @pytest.fixture
-def procs(tmp_path):
+def procs(tmp_path, warm_python):
     """Processes a test starts (see launch.Processes); whatever still runs is ended after the test."""
-    started = Processes(tmp_path)
+    started = Processes(tmp_path, warm_python)
     yield started
     started.close()
 
@@ -153,10 +161,10 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, warm_python):
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "reference"  # the session's
     root.mkdir(exist_ok=True)
-    procs = Processes(root)
+    procs = Processes(root, warm_python)
     yield Reference(root, procs)
     procs.close()

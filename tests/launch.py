@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mingpt.checkpoint.shm import remove_ended_agents_folders
+from mingpt.training import forkserver
 from mingpt.training.app import compose_config
 from mingpt.training.config import Config
 
@@ -89,23 +90,77 @@ def env() -> dict:
     return e
 
 
+class WarmPython:
+    """A Python of the test process's own, with torch, the trainer and the launcher imported, serving it as an
+    agent's server serves the agent (mingpt.training.forkserver): the commands the tests start (a console script of
+    mingpt's, or `python SCRIPT`, in the tests' environment) are forked from it instead of importing torch again,
+    about 2 s of CPU each. They are real processes of their own as mingpt-torchrun's workers are; the tests of what
+    a new Python does (the commands' imports, their installation) start theirs with subprocess.
+
+    MINGPT_TEST_WARM=0 starts every command as a new Python."""
+
+    MODULES = (*forkserver.WARM_MODULES, "mingpt.cli.torchrun", "mingpt.cli.rendezvous")
+
+    def __init__(self, folder: Path):
+        self.folder, self.environment = folder, env()  # the session's, whatever a test sets before the first use
+        self.process: subprocess.Popen | None = None
+        self.server: forkserver.Server | None = None
+
+    def start(self, args: list[str], cwd: Path, stdout, stderr) -> forkserver.Forked | None:
+        """`args` forked in `cwd`, its output to the open files, in a session of its own; None where it is no
+        command of the project's, or the server cannot."""
+        script = args[1:] if args[0] == sys.executable and len(args) > 1 and args[1].endswith(".py") else args
+        if not (script[0].endswith(".py") or script[0].startswith(str(BIN / "mingpt-"))) or \
+                not Path(script[0]).is_file() or os.environ.get("MINGPT_TEST_WARM") == "0":
+            return None
+        if self.server is None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from mingpt.training import forkserver; "
+                 "forkserver.be_the_server(sys.argv[1], sys.argv[2], tuple(sys.argv[3:]))",
+                 str(self.folder / "socket"), MAIN, *self.MODULES], env=self.environment, stdin=subprocess.DEVNULL)
+            self.server = forkserver.Server(self.process.pid, folder=self.folder)
+        forked = self.server.start((sys.executable, "-u", *script), env(), stdout, stderr, cwd=str(cwd))
+        if forked is not None:
+            forked.args = args  # as a Popen's: the command as given
+        return forked
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.process.wait()
+
+
 class Processes:
     """Starts commands in new sessions, logging each to a file; ends them all on close."""
 
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.started: list[subprocess.Popen] = []
+    def __init__(self, workdir: Path, warm: WarmPython | None = None):
+        self.workdir, self.warm = workdir, warm
+        self.started: list[subprocess.Popen | forkserver.Forked] = []
 
-    def start(self, args: list[str], name: str, cwd: Path | None = None,
-              environment: dict | None = None) -> subprocess.Popen:
+    def start(self, args: list[str], name: str, cwd: Path | None = None, environment: dict | None = None,
+              errors: Path | None = None) -> subprocess.Popen | forkserver.Forked:
+        """`args`, its output logged to NAME.log (its standard error too, or to `errors`), forked from the warm
+        Python where it can be and `environment` is the tests' own."""
         log_path = self.workdir / f"{name}.log"
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(args, cwd=cwd or self.workdir, env=environment or env(), stdout=log,
-                                    stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        with open(log_path, "ab") as log, open(errors or os.devnull, "ab") as error_log:
+            stderr = error_log if errors else log
+            proc = None
+            if self.warm is not None and environment is None:
+                proc = self.warm.start(args, cwd or self.workdir, log, stderr)
+            if proc is None:
+                proc = subprocess.Popen(args, cwd=cwd or self.workdir, env=environment or env(), stdout=log,
+                                        stderr=stderr, start_new_session=True)
         proc.log_path = log_path
         self.started.append(proc)
         return proc
+
+    def run(self, args: list[str], name: str, cwd: Path | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        """`args` run to its end, as subprocess.run(..., capture_output=True, text=True) runs it."""
+        errors = self.workdir / f"{name}.err"
+        proc = self.start(args, name, cwd, errors=errors)
+        returncode = proc.wait(timeout=timeout)
+        return subprocess.CompletedProcess(args, returncode, output(proc), errors.read_text(errors="replace"))
 
     def close(self) -> None:
         for proc in self.started:

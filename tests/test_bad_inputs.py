@@ -214,20 +214,19 @@ def test_live_with_no_store_at_its_endpoint_is_one_line_at_once(capsys, closed_p
 
 
 @pytest.mark.multiproc
-def test_without_rdzv_backend_the_agent_meets_on_c10d_where_torchruns_default_failed(tmp_path):
+def test_without_rdzv_backend_the_agent_meets_on_c10d_where_torchruns_default_failed(tmp_path, procs):
     """torchrun's default backend, static, gave a traceback at the first rendezvous (the agent keeps a job going on
     c10d): with none named, the endpoint given is c10d's."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    done = subprocess.run([str(BIN / "mingpt-torchrun"), "--nnodes=1", "--nproc-per-node=1",
-                           f"--rdzv-endpoint=127.0.0.1:{port}", "--no-python", "echo", "ran"],
-                          env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = procs.run([str(BIN / "mingpt-torchrun"), "--nnodes=1", "--nproc-per-node=1",
+                      f"--rdzv-endpoint=127.0.0.1:{port}", "--no-python", "echo", "ran"], "agent")
     assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.multiproc
-def test_a_port_that_closes_each_connection_is_one_line_with_no_cpp_stack(tmp_path):
+def test_a_port_that_closes_each_connection_is_one_line_with_no_cpp_stack(tmp_path, procs):
     """torch's store client logs each failed try with a C++ stack trace, and one still retrying at exit aborted the
     process (status 134): one line, exit 2."""
     server = socket.create_server(("127.0.0.1", 0))
@@ -244,9 +243,8 @@ def test_a_port_that_closes_each_connection_is_one_line_with_no_cpp_stack(tmp_pa
 
     threading.Thread(target=close_each, daemon=True).start()
     try:
-        done = subprocess.run([str(BIN / "mingpt-torchrun"), "--nnodes=1", "--nproc-per-node=1",
-                               f"--rdzv-endpoint=127.0.0.1:{port}", "--no-python", "true"],
-                              env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        done = procs.run([str(BIN / "mingpt-torchrun"), "--nnodes=1", "--nproc-per-node=1",
+                          f"--rdzv-endpoint=127.0.0.1:{port}", "--no-python", "true"], "agent")
     finally:
         stop.set()
         server.close()

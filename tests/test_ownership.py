@@ -55,8 +55,7 @@ def test_a_second_job_into_a_live_run_is_refused_and_changes_nothing(tmp_path, p
     first = procs.start(job(tmp_path), "first")
     wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first job's snapshot", [first])
 
-    second = subprocess.run(job(tmp_path, "seed=7", "trainer.lr=1e-3"), cwd=tmp_path, env=env(),
-                            capture_output=True, text=True, timeout=120)
+    second = procs.run(job(tmp_path, "seed=7", "trainer.lr=1e-3"), "second")
     assert second.returncode == 2, second.stderr
     message = [line for line in second.stderr.splitlines() if "in use by another job" in line]
     assert len(message) == 1 and "Traceback" not in second.stderr

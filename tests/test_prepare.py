@@ -270,7 +270,7 @@ def test_a_truncated_gz_is_explained_and_leaves_nothing(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_the_trainer_takes_a_hydra_list_of_sources_text_jsonl_and_a_parquet_glob(tmp_path):
+def test_the_trainer_takes_a_hydra_list_of_sources_text_jsonl_and_a_parquet_glob(tmp_path, procs):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -281,12 +281,11 @@ def test_the_trainer_takes_a_hydra_list_of_sources_text_jsonl_and_a_parquet_glob
     for k, start in enumerate((30, 35)):
         pq.write_table(pa.table({"text": docs[start : start + 5], "id": [1] * 5}), tmp_path / "shards" / f"{k}.parquet")
     shards = f"'{tmp_path / 'shards'}/*.parquet'"
-    result = subprocess.run(
+    result = procs.run(
         [sys.executable, str(REPO / "train" / "main.py"),
          f"data.corpus=[{tmp_path / 'books'},{tmp_path / 'web.jsonl'},{shards}]",
          "model=gpt-nano", "data.block_size=32", "trainer.max_steps=2", "trainer.eval_every=0",
-         f"snapshot.dir={tmp_path / 'snap'}", f"data.prepared_dir={tmp_path / 'prep'}"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+         f"snapshot.dir={tmp_path / 'snap'}", f"data.prepared_dir={tmp_path / 'prep'}"], "train", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done: step 2" in result.stderr
     found = prepared_documents(tmp_path / "prep")

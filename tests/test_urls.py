@@ -1,14 +1,13 @@
 """URLs a user gives (snapshot.dir, data.corpus, ...): credentials in them are never shown, file: URLs
 mean what RFC 8089 says or are refused, and local folders derived from a URL stay in their folder."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import s3_keys
-from launch import MAIN, SMALL, env, train_here
+from launch import MAIN, SMALL, Processes, train_here
 from mingpt.cli import prepare
 from mingpt.errors import MinGPTError
 from mingpt.metrics.loggers import TensorBoardLogger
@@ -18,9 +17,9 @@ from mingpt.storage import explain_storage_error, open_fs, redact
 HUSH = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYHUSH"  # a made-up AWS secret (they may hold "/"); "HUSH" must never show
 
 
-def run(args: list[str], cwd: Path) -> tuple[int, str]:
+def run(procs: Processes, args: list[str], cwd: Path) -> tuple[int, str]:
     """Run a command line as a user would; its exit code and its whole output."""
-    result = subprocess.run(args, cwd=cwd, env=env(), capture_output=True, text=True, timeout=120)
+    result = procs.run(args, "command", cwd)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -92,10 +91,10 @@ def test_a_file_system_that_cannot_connect_when_made_is_one_error_without_creden
         assert "HU" not in str(refused.value) and "wJalrX" not in str(refused.value)
 
 
-def test_the_trainer_refuses_an_s3_url_with_credentials_and_never_shows_them(tmp_path, s3):
+def test_the_trainer_refuses_an_s3_url_with_credentials_and_never_shows_them(tmp_path, s3, procs):
     """Against a live S3 server: one line, exit 2, before any data work, nothing written to the bucket."""
     url = f"s3://AKIAKEY:{HUSH}@{s3.bucket}/run"
-    rc, text = run([sys.executable, MAIN, *SMALL, f"snapshot.dir={url}",
+    rc, text = run(procs, [sys.executable, MAIN, *SMALL, f"snapshot.dir={url}",
                     f"data.prepared_dir={tmp_path / 'prepared'}"], tmp_path)
     assert rc == 2, text
     assert "HUSH" not in text and f"s3://***@{s3.bucket}/run" in text and "Traceback" not in text
@@ -113,10 +112,10 @@ def test_a_password_holding_an_at_sign_is_never_shown_in_part(tmp_path, closed_p
     assert "SH" not in shown and "***@127.0.0.1" in shown, shown
 
 
-def test_mingpt_prepare_never_shows_corpus_credentials(tmp_path, closed_port, capsys):
+def test_mingpt_prepare_never_shows_corpus_credentials(tmp_path, closed_port, capsys, procs):
     """An s3:// corpus with credentials is refused; an https:// one (basic auth, which HTTP does use)
     fails to connect, and the client's error, which names the URL, is shown without them."""
-    rc, text = run([sys.executable, "-m", "mingpt.cli.prepare", "--corpus", f"s3://AKIAKEY:{HUSH}@bucket/c.txt",
+    rc, text = run(procs, [sys.executable, "-m", "mingpt.cli.prepare", "--corpus", f"s3://AKIAKEY:{HUSH}@bucket/c.txt",
                     "--out", str(tmp_path / "p")], tmp_path)
     assert rc == 2 and text.startswith("error: ") and len(text.splitlines()) == 1, text
     assert "HUSH" not in text and "s3://***@bucket/c.txt" in text
@@ -163,11 +162,11 @@ def test_other_file_urls_are_refused_with_what_to_write_instead(url, problem, tm
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_trainer_refuses_a_file_url_with_a_password_and_writes_nothing(tmp_path):
+def test_the_trainer_refuses_a_file_url_with_a_password_and_writes_nothing(tmp_path, procs):
     """It used to commit snapshots into ./user:HUSH@localhost/..."""
     work = tmp_path / "work"
     work.mkdir()
-    rc, text = run([sys.executable, MAIN, *SMALL, f"snapshot.dir=file://user:{HUSH}@localhost{tmp_path}/run",
+    rc, text = run(procs, [sys.executable, MAIN, *SMALL, f"snapshot.dir=file://user:{HUSH}@localhost{tmp_path}/run",
                     f"data.prepared_dir={tmp_path / 'prepared'}"], work)
     assert rc == 2, text
     assert "HUSH" not in text and "user name or password" in text and "Traceback" not in text
