@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launch import REPO, env
+from launch import BIN, REPO, env
 from mingpt.cli import prepare, sample
 
 PREPARE = [sys.executable, "-m", "mingpt.cli.prepare"]
@@ -201,9 +201,9 @@ def test_sample_refuses_nonsense_flags(char_run, capsys, monkeypatch, flags, wor
 
 
 @pytest.mark.multiproc
-def test_sample_of_no_new_tokens_prints_the_prompt(tmp_path, char_run):
-    result = subprocess.run([*SAMPLE, str(char_run), "--prompt", "the cat", "--max-new-tokens", "0"], cwd=tmp_path,
-                            env=env(), capture_output=True, text=True, timeout=120)
+def test_sample_of_no_new_tokens_prints_the_prompt(char_run, procs):
+    result = procs.run([str(BIN / "mingpt-sample"), str(char_run), "--prompt", "the cat", "--max-new-tokens", "0"],
+                       "sample")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "the cat\n" and result.stderr == f"# {char_run}/step-000000040 (step 40)\n"
 

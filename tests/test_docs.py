@@ -179,10 +179,9 @@ def test_there_are_python_examples_to_run():
 
 
 @pytest.mark.parametrize("block", [block for block in PYTHON_BLOCKS if not block.not_run], ids=str)
-def test_python_block_runs(block, tmp_path):
+def test_python_block_runs(block, tmp_path, procs):
     (tmp_path / "example.py").write_text(block.text)
-    result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env(), capture_output=True,
-                            text=True, timeout=60)
+    result = procs.run([sys.executable, str(tmp_path / "example.py")], "example", timeout=60)
     assert result.returncode == 0, f"{block} failed:\n{result.stdout}\n{result.stderr}"
 
 

@@ -4,14 +4,13 @@ import json
 import math
 import re
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import TEXT, s3_keys
-from launch import MAIN, SMALL, kill_node, latest_step, output, standalone, train_here, wait_for
+from launch import BIN, MAIN, SMALL, kill_node, latest_step, output, standalone, train_here, wait_for
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.errors import MinGPTError
 from s3server import ACCESS_KEY, SECRET_KEY
@@ -150,14 +149,14 @@ def test_startup_storage_errors_are_clear_and_do_not_leak_secrets(tmp_path, s3, 
 
 
 @pytest.mark.multiproc
-def test_sample_from_an_s3_snapshot(tmp_path, s3):
+def test_sample_from_an_s3_snapshot(tmp_path, s3, procs):
     url = f"s3://{s3.bucket}/run"
     # Credentials given as storage options: used, but never logged nor stored.
     options = [f"+snapshot.storage_options.key={ACCESS_KEY}", f"+snapshot.storage_options.secret={SECRET_KEY}"]
     text = train_here(tmp_path, *job(tmp_path, url, 20, extra=options))
     assert SECRET_KEY not in text
-    result = subprocess.run([sys.executable, "-m", "mingpt.cli.sample", url, "--max-new-tokens", "40", "--seed", "1",
-                             "--prompt", "The "], capture_output=True, text=True, timeout=120)
+    result = procs.run([str(BIN / "mingpt-sample"), url, "--max-new-tokens", "40", "--seed", "1", "--prompt", "The "],
+                       "sample")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The ") and len(result.stdout) == len("The ") + 40 + 1  # char tokens, newline
     assert f"{url}/step-000000020" in result.stderr
