@@ -12,9 +12,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from launch import BIN, output
 from torch.distributed import run
 
+from launch import BIN, output
 from mingpt.cli.torchrun import warm_workers
 from mingpt.training.forkserver import Server, cuda_touched
 
