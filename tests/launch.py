@@ -157,6 +157,7 @@ class Processes:
     def run(self, args: list[str], name: str, cwd: Path | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
         """`args` run to its end, as subprocess.run(..., capture_output=True, text=True) runs it."""
+        name = f"{name}-{len(self.started)}"  # its own logs, however often a test runs it
         errors = self.workdir / f"{name}.err"
         proc = self.start(args, name, cwd, errors=errors)
         returncode = proc.wait(timeout=timeout)
