@@ -11,11 +11,11 @@ from launch import Processes, Reference, WarmPython, train_here
 
 
 def pytest_configure(config):
-    """Bytecode caches are written, whatever PYTHONDONTWRITEBYTECODE says: the suite starts some 200 Python
-    processes, and without caches each one compiles what it imports from source again (packages installed
-    by uv come without them), 0.3-0.7 s of CPU a process.
+    """Bytecode caches are written, whatever PYTHONDONTWRITEBYTECODE says: the suite starts dozens of new Pythons
+    (those not forked warm: launch.WarmPython), and without caches each one compiles what it imports from source
+    again (pip's torch comes with them, uv's packages only with --compile-bytecode), 0.3-0.7 s of CPU a process.
 
-    Under pytest-xdist each test process trains with one thread: the other core is the other process's.
+    Under pytest-xdist each test process trains with one thread: the cores are shared with the other ones.
     So does every process a test starts (launch.env() sets it too, but not every test starts its processes
     with that): two threads each on two shared cores spin-wait for one another."""
     sys.dont_write_bytecode = False
