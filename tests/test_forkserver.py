@@ -4,6 +4,7 @@ a real mingpt-torchrun."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,13 +134,14 @@ def test_only_the_agent_may_ask_the_server(server, tmp_path):
 
 
 class Unforked:
-    """What warm_workers asks of a server, recorded."""
+    """What warm_workers asks of a server, recorded; the folder it is given removed, as a server's stop removes it."""
 
     def __init__(self):
         self.scripts = []
 
     def serve(self, folder: Path, script: str) -> None:
         self.scripts.append(script)
+        shutil.rmtree(folder)
 
 
 def test_no_server_under_mingpt_warm_workers_0_nor_for_commands_that_are_no_python_script(tmp_path, monkeypatch):
