@@ -269,6 +269,8 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path, m
                 newcomer = start_node()
                 pause(120, until=lambda: newcomer.entered is not None)
                 pause(chance.uniform(0, 2.5))
+            if done() or not live():  # it finished while the newcomer came (or nothing is left to kill)
+                break
             sig = chance.choice([signal.SIGKILL, signal.SIGTERM])
             victim = chance.choice(live())
             rows.append(Death(time.time(), sig.name, aimed))
