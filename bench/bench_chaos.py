@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from jobs import free_port
+from mingpt.checkpoint.shm import remove_ended_agents_folders
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = [str(Path(sys.executable).parent / "mingpt-torchrun"), "--standalone", "--nproc-per-node=2"]
@@ -283,6 +284,7 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path, m
         for node in nodes:
             stop(node.proc)
         stop(store)
+        remove_ended_agents_folders()  # what the SIGKILLed agents left in /tmp, which the next job would remove
     return summarize(seed, mode, snap, nodes, rows, max_steps, reference, work)
 
 
