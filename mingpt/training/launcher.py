@@ -105,7 +105,7 @@ def max_nodes(args: list[str], nnodes: str = "1") -> int:
 
 def name_this_worker() -> None:
     """Name a worker of torchrun's by its local rank (`mingpt-worker0`, as ps and top show it): one forked from the
-    agent's server (mingpt.training.forkserver) has the server's command line and initial environment in /proc."""
+    agent's server (mingpt.training.forkserver) has the agent's command line and the server's environment in /proc."""
     local_rank = os.environ.get("LOCAL_RANK", "")
     if "TORCHELASTIC_RUN_ID" in os.environ and local_rank.isdigit():
         prctl(PR_SET_NAME, f"mingpt-worker{local_rank}".encode())
