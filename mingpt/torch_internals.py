@@ -9,12 +9,15 @@ torch promises nothing about names that start with an underscore, and mingpt nee
   replaces;
 - DCP's fsspec reader and writer, and the private classes that its index (a pickle) names;
 - Inductor's local cache folder, its C++ code caches, its CPU feature probes and its counters, which
-  carry compile caches between machines (mingpt.training.compile_cache).
+  carry compile caches between machines (mingpt.training.compile_cache);
+- Dynamo's callbacks at the start and end of each compile, which tell the agent's watchdog that a worker
+  compiles (mingpt.training.progress).
 
 `check()` looks each one up, on a real rendezvous handler and a real agent where they are fields, and fails
 in one line that names torch's version and what is missing. mingpt-torchrun checks the launcher's names
 before its agent starts (without importing DCP, which is slow to import and which it does not need), a
-worker checks DCP's before any work, and the tests check all: on another torch, nothing degrades in silence.
+worker checks DCP's before any work, a compiling worker Dynamo's before its first compile
+(`watch_compiles`), and the tests check all: on another torch, nothing degrades in silence.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ INDUCTOR_CODECACHE = "torch._inductor.codecache"
 INDUCTOR_CACHE_DIR = "torch._inductor.runtime.cache_dir_utils"
 INDUCTOR_VEC_ISA = "torch._inductor.cpu_vec_isa"
 DYNAMO_UTILS = "torch._dynamo.utils"
+DYNAMO_CALLBACK = "torch._dynamo.callback"
 COMPILER_CACHE = "torch.compiler._cache"
 
 # Private classes that DCP's index of a sharded snapshot names, which its unpickler must allow.
@@ -351,3 +355,25 @@ def compile_counters() -> dict[str, int]:
             "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
             "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
             "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"]}
+
+
+# -- Dynamo's compiles ----------------------------------------------------------------------------------------
+
+
+def watch_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Callable[[], None]:
+    """Call `started()` when torch begins to compile in this process and `ended()` when it is done, whatever
+    compiles (Dynamo tracing a frame, a backward compiled when first run, CUDA graphs recorded; a compile
+    inside another counts once); returns what stops the calls. TorchInternalsError where this torch has no
+    such callbacks."""
+    handler = _find(DYNAMO_CALLBACK, "callback_handler")
+    if handler is None:
+        raise _missing_error([f"{DYNAMO_CALLBACK}.callback_handler"])
+    on_start, on_end = (lambda args: started()), (lambda args: ended())
+    handler.register_start_callback(on_start)
+    handler.register_end_callback(on_end)
+
+    def unwatch() -> None:
+        handler.remove_start_callback(on_start)
+        handler.remove_end_callback(on_end)
+
+    return unwatch

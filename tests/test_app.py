@@ -63,6 +63,9 @@ def one_line(error: BaseException) -> str:
         ("data=python-doc", ["data=python-doc is no data option (did you mean python-docs?)"]),
         ("~trainer.lr", ["~trainer.lr: settings cannot be deleted"]),
         ("trainer.lr.x=1", ["unknown setting trainer.lr.x:"]),
+        # A byte that is not UTF-8, as Python gives it from a command line: Hydra's parser said LexerNoViableAlt.
+        ("data.corpus=caf\udce9.txt", ["the setting 'data.corpus=caf\\udce9.txt' is not UTF-8 text: its '\\udce9' "
+                                       "at character 15 is a lone surrogate"]),
         # Hydra settings that moved relative snapshot folders under another, or wrote Hydra's output beside them.
         ("hydra.job.chdir=true", ["the application keeps hydra.job.chdir as it is"]),
         ("hydra.run.dir=elsewhere", ["the application keeps hydra.run.dir as it is"]),

@@ -208,6 +208,18 @@ def test_sample_of_no_new_tokens_prints_the_prompt(char_run, procs):
     assert result.stdout == "the cat\n" and result.stderr == f"# {char_run}/step-000000040 (step 40)\n"
 
 
+@pytest.mark.parametrize("run", ["char_run", "bpe_run"])
+def test_a_prompt_of_bytes_that_are_not_utf8_is_one_line_and_exit_2(request, run):
+    """As a shell passes $'\\xff\\xfe hello': Python gives the bytes as lone surrogates, which no tokenizer can
+    encode. A new Python, as users start it: the bytes reach sys.argv as they would."""
+    result = subprocess.run([str(BIN / "mingpt-sample"), str(request.getfixturevalue(run)), "--prompt",
+                             b"\xff\xfe hello", "--max-new-tokens", "3"], env=env(), capture_output=True, text=True,
+                            timeout=120)
+    assert_one_line_error(result.returncode, result.stderr, "--prompt: the text is not UTF-8: its '\\udcff' at "
+                                                            "character 0 is a lone surrogate")
+    assert result.stdout == ""
+
+
 @pytest.mark.parametrize("trouble", ["forbidden", "unreachable"])
 def test_sample_explains_an_s3_snapshot_it_cannot_read(s3, closed_port, monkeypatch, capsys, trouble):
     for name, value in s3_trouble(trouble, closed_port).items():

@@ -52,14 +52,20 @@ def blob_path(run: RunDir) -> Path:
     return Path(run.compile_cache, manifest["file"])
 
 
+# What torch.backends.cpu.get_cpu_capability() says on one CPU or another (ATEN_CPU_CAPABILITY lowers it).
+CPU_CAPABILITIES = ("DEFAULT", "NO AVX", "AVX2", "AVX512", "SVE256", "VSX", "Z VECTOR")
+
+
 def test_the_key_changes_with_what_makes_compiled_code_valid():
+    """Whatever CPU runs it: the key is this CPU's capability's, and differs for any other."""
+    here = describe(NANO, CPU, torch.float32, "ddp")
+    assert here["capability"] == torch.backends.cpu.get_cpu_capability()
     assert key_of(describe(NANO, CPU, torch.float32, "ddp")) == KEY  # a digest, the same in every process
     wider = GPTConfig.from_preset("gpt-nano", vocab_size=65, block_size=64)
     others = [describe(wider, CPU, torch.float32, "ddp"), describe(NANO, CPU, torch.bfloat16, "ddp"),
-              describe(NANO, CPU, torch.float32, "fsdp"),
-              {**describe(NANO, CPU, torch.float32, "ddp"), "torch": "2.99.0"},
-              {**describe(NANO, CPU, torch.float32, "ddp"), "capability": "AVX2"}]
-    assert len({KEY, *map(key_of, others)}) == 6
+              describe(NANO, CPU, torch.float32, "fsdp"), {**here, "torch": "2.99.0"},
+              *({**here, "capability": other} for other in CPU_CAPABILITIES if other != here["capability"])]
+    assert len({KEY, *map(key_of, others)}) == len(others) + 1
 
 
 def test_committed_caches_read_back_and_only_the_newest_key_stays(any_run):

@@ -1,5 +1,6 @@
 """Corpora as people get them: Parquet shards, zstd-compressed JSONL, Hugging Face Hub URLs."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -152,7 +153,7 @@ def test_content_that_is_not_text_is_one_line_naming_the_file_and_where(tmp_path
              ("deep.jsonl", f"deep.jsonl, the record at byte {len(ok)} is not a JSON record (JSON nested too deeply"),
              ("digits.jsonl", f"digits.jsonl, the record at byte {len(ok)} is not a JSON record (Exceeds the limit"),
              ("surrogate.jsonl", f"surrogate.jsonl, the record at byte {len(ok.encode())} is not UTF-8 text: its "
-                                 "'\\ud800' at character 2 is half of a UTF-16 pair"),
+                                 "'\\ud800' at character 2 is a lone surrogate"),
              ("bad.jsonl", f"bad.jsonl is not UTF-8 text (bad byte at offset {len(ok.encode()) + 13})"),
              ("bad.txt", "bad.txt is not UTF-8 text (bad byte at offset 8)")]
     for name, message in cases:
@@ -244,7 +245,7 @@ def hub_cache(root: Path, repo: str, files: dict[str, bytes]) -> None:
     (folder / "refs").mkdir(parents=True)
     (folder / "refs" / "main").write_text(commit)
     for path, data in files.items():
-        blob = folder / "blobs" / f"blob{len(data)}{abs(hash(path))}"
+        blob = folder / "blobs" / hashlib.sha256(data).hexdigest()  # as an LFS file's (a small one: git's sha1)
         blob.parent.mkdir(parents=True, exist_ok=True)
         blob.write_bytes(data)
         link = folder / "snapshots" / commit / path

@@ -1,18 +1,23 @@
 """What gets prepared: corpora of symbolic links (a Hugging Face cache), and the fingerprint of the result."""
 
+import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from launch import env
 from mingpt.cli.prepare import main
 from mingpt.data.prepare import PrepareConfig, prepare, verify
 from mingpt.data.prepared import PreparedData
 from mingpt.errors import DataError
 
 EOT = "<|endoftext|>"
+PREPARE = str(Path(sys.executable).parent / "mingpt-prepare")
 
 
 def hf_cache(root: Path) -> Path:
@@ -62,6 +67,27 @@ def test_a_link_loop_or_a_broken_link_is_one_line(tmp_path, capsys, make, messag
     with pytest.raises(DataError, match=message):
         prepare(PrepareConfig(corpus=str(snapshot), prepared_dir=tmp_path / "prep"))
     assert not (tmp_path / "prep").exists()
+
+
+def test_a_file_in_a_folder_of_ones_own_named_blobs_is_read_again_once_edited(tmp_path):
+    """Only a Hugging Face cache names a blob by its content. A corpus that links into a folder of the user's own
+    named blobs (its file named like a hash, even) is versioned by the file's mtime: edited in place to text of
+    the same size, it is prepared again, by mingpt-prepare as users run it."""
+    blob = tmp_path / "blobs" / hashlib.sha256(b"anything").hexdigest()
+    blob.parent.mkdir()
+    blob.write_text("the first text\n")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "input.txt").symlink_to(blob)
+
+    def prepared() -> list[str]:
+        result = subprocess.run([PREPARE, "--corpus", str(tmp_path / "corpus"), "--out", str(tmp_path / "prep")],
+                                capture_output=True, text=True, timeout=120, env=env())
+        assert result.returncode == 0, result.stderr
+        return documents(tmp_path / "prep")
+
+    assert prepared() == ["the first text\n"]
+    blob.write_text("the other text\n")  # the same size, the same name
+    assert prepared() == ["the other text\n"]
 
 
 def test_the_fingerprint_follows_the_tokens(tmp_path, corpus_file):

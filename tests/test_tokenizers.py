@@ -8,7 +8,8 @@ import pytest
 
 from conftest import offline_env
 from mingpt.errors import TokenizerError
-from mingpt.tokenizers import BPETokenizer, CharTokenizer, load_tokenizer, tokenizer_from_dict, train_tokenizer
+from mingpt.tokenizers import (BPETokenizer, CharTokenizer, huggingface, load_tokenizer, load_tokenizer_folder,
+                               tokenizer_from_dict, train_tokenizer)
 
 TEXT = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer\n" * 20
 UNICODE = "Grüße aus Köln — 東京タワー, naïve café, emoji 🤖 and tabs\tand\r\nnewlines.  Spaces   too."
@@ -118,6 +119,30 @@ def test_damaged_or_foreign_tokenizer_files_are_refused(tmp_path):
     with pytest.raises(TokenizerError, match="does not exist"):
         load_tokenizer(str(tmp_path / "missing.json"))
 
+    path.write_text(json.dumps({**json.loads(CharTokenizer("ab").to_json()), "chars": "ab\udcff"}))
+    with pytest.raises(TokenizerError, match="a char vocabulary must be UTF-8 text: its '.udcff' at character 2"):
+        load_tokenizer(str(path))  # a vocabulary that sampling could never write out
+
+
+# What Python makes of b"caf\xe9" in a command line (a byte that is not UTF-8), then of a JSON escape "\ud800".
+NOT_UTF8 = "caf\udce9 \ud800"
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", "Hugging Face char", "Hugging Face bpe"])
+def test_text_that_is_not_utf8_is_one_tokenizer_error_for_every_tokenizer(tmp_path, kind):
+    """No tokenizer encodes a lone surrogate, nor replaces it in silence (tiktoken's encode_ordinary would)."""
+    tok = train_tokenizer(kind.split()[-1], TEXT, vocab_size=300)
+    if kind.startswith("Hugging Face"):  # the same vocabulary as a Hugging Face folder, read back
+        for name, data in huggingface.tokenizer_files(tok, 64).items():
+            (tmp_path / name).write_bytes(data)
+        tok = load_tokenizer_folder(str(tmp_path))
+    for encode in (tok.encode, tok.encode_array):
+        with pytest.raises(TokenizerError) as refused:
+            encode(NOT_UTF8)
+        assert str(refused.value) == ("the text is not UTF-8: its '\\udce9' at character 3 is a lone surrogate "
+                                      "(Python's stand-in for a byte that is not UTF-8, or half of a UTF-16 pair from a "
+                                      "JSON escape)")
+
 
 def test_bpe_decode_bytes_of_a_split_character():
     tok = BPETokenizer.train(TEXT, 300)  # never saw '東', so it is three byte tokens
@@ -157,11 +182,17 @@ def test_named_encoding_that_tiktoken_can_load_works_and_round_trips(tmp_path, c
         ENCODING_CONSTRUCTORS = {"bytes_only": _bytes_only}
     """))
     code = textwrap.dedent(f"""
+        from mingpt.errors import TokenizerError
         from mingpt.tokenizers import train_tokenizer, load_tokenizer
         tok = train_tokenizer("bytes_only", "")
         assert tok.kind == "tiktoken" and tok.vocab_size == 256
         text = {UNICODE!r}
         assert tok.decode(tok.encode(text)) == text
+        try:
+            tok.encode({NOT_UTF8!r})
+            raise AssertionError("a lone surrogate was encoded")
+        except TokenizerError as e:
+            assert "is a lone surrogate" in str(e)
         tok.save({str(tmp_path / 'tok.json')!r})
         assert load_tokenizer({str(tmp_path / 'tok.json')!r}).encode(text) == tok.encode(text)
         print("ok")

@@ -53,6 +53,15 @@ def test_without_dcps_fsspec_classes_a_sharded_run_is_refused_and_their_stand_in
         writer("folder")
 
 
+def test_without_dynamos_compile_callbacks_watching_compiles_is_refused_in_one_line(monkeypatch):
+    from torch._dynamo import callback
+
+    monkeypatch.delattr(callback, "callback_handler")
+    lacks = r"lacks what mingpt relies on: torch\._dynamo\.callback\.callback_handler"
+    with pytest.raises(TorchInternalsError, match=lacks):
+        torch_internals.watch_compiles(lambda: None, lambda: None)
+
+
 def test_torchs_private_steps_call_the_agents_public_ones(tmp_path):
     """What torch's loop calls (its private names) reaches what mingpt's agent overrides."""
     called = []

@@ -10,9 +10,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from launch import SMALL, config, metrics, output, standalone, wait_for, worker
 from mingpt.errors import ConfigError
+from mingpt.model import GPT, GPTConfig
 from mingpt.training import progress, watchdog
 from mingpt.training.distributed import World
 from mingpt.training.stragglers import WINDOW, StepTimes
@@ -120,39 +122,87 @@ def test_auto_hang_timeout_waits_for_step_times_then_takes_20_median_steps_at_le
         dog.close()
 
 
-def test_the_first_step_of_a_generation_is_allowed_the_collective_timeout_not_the_hang_timeout(tmp_path, monkeypatch):
-    """A first step that compiles for minutes is not a hang (trainer.hang_timeout_s=5); past
-    trainer.dist_timeout_s it is; and the step after it has the hang timeout again."""
+@pytest.mark.parametrize("step, phase", [(40, "computing"), (47, "compiling")])
+def test_a_first_step_or_a_compile_is_allowed_the_collective_timeout_not_the_hang_timeout(tmp_path, monkeypatch,
+                                                                                          step, phase):
+    """A first step that warms up, or a compile at any later step (evaluation, a last batch of another shape),
+    for minutes is not a hang (trainer.hang_timeout_s=5); past trainer.dist_timeout_s it is; and the step
+    after it has the hang timeout again."""
     ended = []
     monkeypatch.setattr(watchdog, "stack", lambda pid: "  (a stack)")
     fake_kill(monkeypatch, ended)
     dog = watchdog.Watchdog()
     own, dog.folder = dog.folder, tmp_path
     try:
-        pids = marks(tmp_path, {101: (40, "computing", 240), 102: (40, "computing", 240)}, 5.0, first=40)
-        assert dog.check(pids) == [] and ended == []  # 4 minutes into the first step after a restart at step 40
-        marks(tmp_path, {101: (40, "computing", 460), 102: (40, "computing", 240)}, 5.0, first=40)
+        pids = marks(tmp_path, {101: (step, phase, 240), 102: (step, phase, 240)}, 5.0, first=40)
+        assert dog.check(pids) == [] and ended == []  # 4 minutes into it, the workers having restarted at step 40
+        marks(tmp_path, {101: (step, phase, 460), 102: (step, phase, 240)}, 5.0, first=40)
         assert dog.check(pids) == [101]  # past 1.5 x 300 s
-        assert "its first step, allowed trainer.dist_timeout_s 300 s" in dog.finding
-        marks(tmp_path, {101: (41, "computing", 8), 102: (41, "computing", 6)}, 5.0, first=40)
-        assert dog.check(pids) == [101] and ended == [101, 101]  # the second step: 1.5 x 5 s
+        assert f"at step {step}, {phase}, for 460 s; a first step or a compile, allowed trainer.dist_timeout_s " \
+               "300 s" in dog.finding
+        marks(tmp_path, {101: (step + 1, "computing", 8), 102: (step + 1, "computing", 6)}, 5.0, first=40)
+        assert dog.check(pids) == [101] and ended == [101, 101]  # the next step: 1.5 x 5 s
     finally:
         dog.folder = own
         dog.close()
+
+
+def test_every_compile_of_a_worker_is_marked_compiling_while_it_lasts(tmp_path, monkeypatch):
+    """A real torch.compile of a GPT: its first compile, the recompile that evaluation makes (model.eval() fails
+    a guard) and the one a batch of another shape makes each mark the step as compiling while they last, in
+    whatever phase they come; after each, the phase the worker was in is back, marked afresh. (The backend reads
+    the mark as torch compiles and then runs the graph as it is: Inductor would take half a minute here.)"""
+    folder = tmp_path / "progress"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv(progress.PROGRESS_DIR, str(folder))
+    path = str(folder / str(os.getpid()))
+    seen = []  # the mark as each compile found it
+
+    def backend(graph, example_inputs):
+        seen.append(progress.read(path)[:2])
+        return graph.forward
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=17, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    model.compile(backend=backend, dynamic=False)
+    batch = torch.randint(0, 17, (2, 16))
+    torch.compiler.reset()  # what other tests of this process compiled counts towards no recompile limit
+    worker = progress.Progress(hang_timeout_s=5.0, warmup_s=300.0)
+    try:
+        worker.watch_compiles()
+        for step, phase, run, compiles in [
+            (0, "computing", lambda: model(batch, batch)[1].backward(), True),
+            (1, "computing", lambda: model(batch, batch)[1].backward(), False),  # compiled already
+            (7, "computing", lambda: model.eval()(batch, batch), True),  # evaluation after step 7
+            (7, "evaluating", lambda: model(batch[:1], batch[:1]), True),  # a batch of another shape
+        ]:
+            worker.mark(step, phase)
+            before, compiled = progress.read(path).when, len(seen)
+            run()
+            assert (len(seen) > compiled) == compiles and set(seen[compiled:]) <= {(step, "compiling")}, seen
+            after = progress.read(path)
+            assert after[:2] == (step, phase) and (after.when > before) == compiles, (step, phase)
+        worker.close()
+        unwatched, compiled = progress.read(path), len(seen)
+        model(batch[:1, :8], batch[:1, :8])  # compiles once more, no longer watched
+        assert len(seen) > compiled and progress.read(path) == unwatched
+    finally:
+        worker.close()
+        torch.compiler.reset()
 
 
 def test_a_worker_marks_the_step_it_started_at_and_whether_it_completed_one(tmp_path, monkeypatch):
     folder = tmp_path / "progress"
     folder.mkdir(mode=0o700)
     monkeypatch.setenv(progress.PROGRESS_DIR, str(folder))
-    worker = progress.Progress(hang_timeout_s=5.0, first_step_s=300.0)
+    worker = progress.Progress(hang_timeout_s=5.0, warmup_s=300.0)
     path = str(folder / str(os.getpid()))
     try:
         assert progress.read(path)[:2] == (0, "starting") and not progress.read(path).progressed
         worker.mark(40, "starting")  # resumed at step 40
         worker.mark(40, "computing")
         mark = progress.read(path)
-        assert (mark.first, mark.first_timeout, mark.in_first_step, mark.progressed) == (40, 300.0, True, False)
+        assert (mark.first, mark.warmup_timeout, mark.in_first_step, mark.progressed) == (40, 300.0, True, False)
         worker.mark(41, "saving")  # step 40 done
         assert progress.read(path).progressed and not progress.read(path).in_first_step
     finally:
@@ -209,14 +259,14 @@ def test_a_progress_folder_that_is_not_the_agents_own_is_ignored_with_one_warnin
     for folder in ("missing", "file", "link", "shared", "fifo-inside"):
         caplog.clear()
         monkeypatch.setenv(progress.PROGRESS_DIR, str(tmp_path / folder))
-        marks = progress.Progress(hang_timeout_s=0.0, first_step_s=300.0)
+        marks = progress.Progress(hang_timeout_s=0.0, warmup_s=300.0)
         marks.mark(3, "computing")
         assert marks.fd is None, folder
         assert caplog.text.count("progress is not reported") == 1, folder
         assert progress.read(str(tmp_path / folder / str(os.getpid()))) is None  # a FIFO is never waited on
     monkeypatch.setenv(progress.PROGRESS_DIR, str(private))  # as the agent makes it
     caplog.clear()
-    marks = progress.Progress(hang_timeout_s=7.0, first_step_s=300.0)
+    marks = progress.Progress(hang_timeout_s=7.0, warmup_s=300.0)
     try:
         marks.mark(3, "computing")
         assert progress.read(str(private / str(os.getpid())))[:2] == (3, "computing") and not caplog.text

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from mingpt.checkpoint.store import SnapshotError
 from mingpt.cli import command_parser, configure_logging, run_command, summary
-from mingpt.errors import ConfigError
+from mingpt.errors import ConfigError, TokenizerError
 
 if TYPE_CHECKING:  # torch and the model are imported once the flags are read, so that --help is quick
     import torch
@@ -92,7 +92,10 @@ def sample(args: argparse.Namespace) -> None:
     check_args(args)
     device = pick_device(args.device)
     snapshot, model, tokenizer = open_model(args.snapshot, device)
-    prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)
+    try:
+        prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)
+    except TokenizerError as e:  # bytes that are not UTF-8, characters a char vocabulary lacks
+        raise ConfigError(f"--prompt: {e}") from None
     if prompt.numel() == 0:
         raise SnapshotError("the prompt encodes to no tokens; give a non-empty --prompt")
     print(f"# {snapshot.url} (step {snapshot.step})", file=sys.stderr)

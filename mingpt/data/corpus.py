@@ -32,8 +32,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import BinaryIO, Sequence
 
-from mingpt.data.formats import (ZstdReader, check_hub_file, explain_hub_error, from_hub_cache, in_hub_cache,
-                                  open_hub_file)
+from mingpt.data.formats import (ZstdReader, check_hub_file, explain_hub_error, from_hub_cache, hub_blob_name,
+                                  in_hub_cache, open_hub_file)
 from mingpt.errors import DataError, MinGPTError
 from mingpt.storage import explain_storage_error, is_local, open_fs, redact
 
@@ -172,17 +172,15 @@ def _local_tree(fs, folder: str, above: dict | None = None) -> dict[str, dict]:
 
 
 def _followed(fs, path: str, info: dict) -> dict:
-    """The info of what the local symbolic link `path` points to (its own where it is not a link). A link into
-    a Hugging Face cache's blobs/ folder is versioned by the blob's name, its hash: the same on every machine
-    that downloaded the same file, whenever it did (an mtime is not)."""
+    """The info of what the local symbolic link `path` points to (its own where it is not a link). A file of a
+    Hugging Face cache is versioned by its blob's name, its content's hash: the same on every machine that
+    downloaded the same file, whenever it did (an mtime is not). Any other link, by its target's mtime."""
     if not info.get("islink"):
         return info
     try:
-        target = os.path.realpath(path)
         followed = fs.info(path)  # a path, not a directory entry: fsspec follows the link
-        if os.path.basename(os.path.dirname(target)) == "blobs":
-            followed = {**followed, "blob_id": os.path.basename(target)}
-        return followed
+        blob = hub_blob_name(path)
+        return {**followed, "blob_id": blob} if blob else followed
     except OSError as e:
         if e.errno not in (errno.ENOENT, errno.ELOOP):
             raise

@@ -213,11 +213,26 @@ def from_hub_cache(url: str) -> str:
 
 # A file of a repository in a Hugging Face cache: REPO/snapshots/REVISION/PATH, each file a link into REPO/blobs.
 HUB_SNAPSHOT = re.compile(r"^(?P<repo>/.*/(?:datasets|spaces|models)--[^/]+)/snapshots/[^/]+(?=/)")
+# A blob's name there is its content's hash: git's sha1 of a small file, the sha256 of a large (LFS) one.
+HUB_BLOB_NAME = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 
 
 def in_hub_cache(path: str) -> bool:
     """Whether the local `path` is a file of a repository's snapshot in a Hugging Face cache."""
     return HUB_SNAPSHOT.match(path) is not None
+
+
+def hub_blob_name(path: str) -> str | None:
+    """The hash that names the content of `path`, where it is a file of a repository's snapshot in a Hugging Face
+    cache that links to a blob of that repository; None for any other file. A folder of the user's own that
+    happens to be named blobs names nothing by its content: its files can be edited in place."""
+    found = HUB_SNAPSHOT.match(path)
+    if found is None:
+        return None
+    folder, name = os.path.split(os.path.realpath(path))
+    if folder != os.path.join(os.path.realpath(found["repo"]), "blobs") or not HUB_BLOB_NAME.match(name):
+        return None
+    return name
 
 
 def check_hub_file(path: str) -> str:

@@ -12,7 +12,6 @@ whole.
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, replace
 from typing import BinaryIO, Callable, Iterator, Sequence
 
@@ -21,6 +20,7 @@ import numpy as np
 from mingpt.data.corpus import Source, open_source
 from mingpt.data.formats import in_hub_cache, open_hub_file, parquet_batches, parquet_documents
 from mingpt.errors import DataError
+from mingpt.tokenizers.base import lone_surrogate
 from mingpt.storage import explain_storage_error, is_local, open_fs, parse_json, redact
 
 PIECE_BYTES = 1 << 20
@@ -239,20 +239,11 @@ def documents(piece: Piece, form: str, text_field: str, name: str) -> Iterator[t
             fields = ", ".join(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
             raise DataError(f"{where} has no text field {text_field!r}; set data.text_field (--text-field) to the "
                             f"field holding the text (this record has: {fields})")
-        if b"\\u" in line:  # only a JSON escape can make a lone surrogate, which no text holds
-            _check_no_surrogate(text, where)
+        problem = lone_surrogate(text) if b"\\u" in line else None  # only a JSON escape can make one here
+        if problem:
+            raise DataError(f"{where} is not UTF-8 text: {problem}; fix that record")
         yield number, text
         number += 1
-
-
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
-
-
-def _check_no_surrogate(text: str, where: str) -> None:
-    found = _SURROGATE.search(text)
-    if found:
-        raise DataError(f"{where} is not UTF-8 text: its {found.group()!r} at character {found.start()} is half of a "
-                        "UTF-16 pair (a lone surrogate); fix that record")
 
 
 def _decode(data: bytes, name: str, offset: int) -> str:

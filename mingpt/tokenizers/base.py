@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from typing import Sequence
 
 import fsspec
 import numpy as np
+
+from mingpt.errors import TokenizerError
 
 FORMAT = "mingpt-tokenizer"
 FORMAT_VERSION = 1
@@ -25,8 +28,20 @@ class Tokenizer(ABC):
     @abstractmethod
     def vocab_size(self) -> int: ...
 
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text`; TokenizerError where it is not text that UTF-8 can hold (see `lone_surrogate`)."""
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode`, as an array of integers: for a whole corpus."""
+        try:
+            return self._encode(text)
+        except UnicodeEncodeError:
+            raise TokenizerError(f"the text is not UTF-8: {lone_surrogate(text)}") from None
+
     @abstractmethod
-    def encode(self, text: str) -> list[int]: ...
+    def _encode(self, text: str) -> np.ndarray:
+        """The ids of `text`, as an array; UnicodeEncodeError where it holds a lone surrogate."""
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -35,10 +50,6 @@ class Tokenizer(ABC):
         """The UTF-8 bytes of `ids`; a BPE token may hold part of a character, so a stream
         of tokens is best decoded through bytes and an incremental UTF-8 decoder."""
         return self.decode(ids).encode("utf-8")
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """`encode` for a whole corpus, as an array of integers."""
-        return np.asarray(self.encode(text), dtype=np.int64)
 
     @abstractmethod
     def to_dict(self) -> dict:
@@ -55,3 +66,17 @@ class Tokenizer(ABC):
 
     def describe(self) -> str:
         return f"{self.kind} (vocab {self.vocab_size})"
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Where `text` holds a lone surrogate, a character that no UTF-8 text holds, which one, in words; else None.
+    Python makes one of each byte of a command-line argument that is not UTF-8, and a JSON escape of half
+    a UTF-16 pair makes one."""
+    found = _LONE_SURROGATE.search(text)
+    if found is None:
+        return None
+    return (f"its {found.group()!r} at character {found.start()} is a lone surrogate (Python's stand-in for a "
+            "byte that is not UTF-8, or half of a UTF-16 pair from a JSON escape)")

@@ -32,12 +32,9 @@ class _TiktokenBacked(Tokenizer):
     def vocab_size(self) -> int:
         return self.encoding.n_vocab
 
-    def encode(self, text: str) -> list[int]:
-        # Special tokens are plain text here: a corpus saying "<|endoftext|>" is not a control signal.
-        return self.encoding.encode_ordinary(text)
-
-    def encode_array(self, text: str) -> np.ndarray:
-        # Straight into an array (uint32), without a Python list between; special tokens are text here too.
+    def _encode(self, text: str) -> np.ndarray:
+        # Special tokens are plain text here: a corpus saying "<|endoftext|>" is not a control signal. (Not
+        # encode_ordinary: it puts U+FFFD for a lone surrogate in silence.)
         return self.encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -7,7 +7,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from mingpt.errors import TokenizerError
-from mingpt.tokenizers.base import EOT, Tokenizer
+from mingpt.tokenizers.base import EOT, Tokenizer, lone_surrogate
 
 
 class CharTokenizer(Tokenizer):
@@ -19,6 +19,9 @@ class CharTokenizer(Tokenizer):
         chars = sorted(set(chars))
         if not chars or any(len(c) != 1 for c in chars):
             raise TokenizerError("a char vocabulary must be a non-empty list of single characters")
+        problem = lone_surrogate("".join(chars))
+        if problem:  # it could never be written out as UTF-8
+            raise TokenizerError(f"a char vocabulary must be UTF-8 text: {problem}")
         self.chars = chars
         self.codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)  # sorted
         self.eot_id = len(chars) if eot else None
@@ -35,10 +38,7 @@ class CharTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self.symbols)
 
-    def encode(self, text: str) -> list[int]:
-        return self.encode_array(text).tolist()
-
-    def encode_array(self, text: str) -> np.ndarray:
+    def _encode(self, text: str) -> np.ndarray:
         # Vectorised: look every code point up in the sorted vocabulary at once.
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         ids = np.searchsorted(self.codepoints, points)

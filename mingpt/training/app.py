@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mingpt.errors import ConfigError
 from mingpt.shape import PRESETS
+from mingpt.tokenizers.base import lone_surrogate
 from mingpt.training.config import Config, ModelConfig, check_known, from_hydra, validate
 
 
@@ -110,6 +111,9 @@ def check_overrides(conf_dir: Path, args: list[str]) -> None:
     options = group_options(command)
     parser = OverridesParser.create()
     for arg in command.overrides:
+        not_text = lone_surrogate(arg)
+        if not_text:  # Hydra's parser would say LexerNoViableAltException
+            raise ConfigError(f"the setting {arg!r} is not UTF-8 text: {not_text}")
         if not ("=" in arg or arg.startswith("~")):
             continue
         try:

@@ -4,7 +4,12 @@ made (MINGPT_PROGRESS_DIR). It needs no collective, so a hung collective cannot 
 stops marking is seen by its agent, which names it, writes its Python stack to the log and restarts the
 workers.
 
-Each mark is one pwrite of 32 bytes. Processes that torchrun did not start (no agent) mark nothing, and so
+Whatever torch compiles, at any step and in any phase (the first step, evaluation after training steps, a
+last batch of another shape, a recompile after a guard failed), is marked as the phase `compiling` while it
+lasts: the watchdog allows it trainer.dist_timeout_s, as a generation's first step, and the end of a compile
+counts as progress.
+
+Each mark is one pwrite of 48 bytes. Processes that torchrun did not start (no agent) mark nothing, and so
 does a process whose MINGPT_PROGRESS_DIR is not a folder of this user's alone (mode 0700, not a link), as
 its agent makes: in a folder others can write, they could plant a FIFO or a link. It trains on, with one
 warning, unwatched.
@@ -19,19 +24,20 @@ import signal
 import struct
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
+from mingpt import torch_internals
 from mingpt.processes import PR_SET_PTRACER, prctl
 from mingpt.storage import open_own_file, private_folder, read_own_file
 
 log = logging.getLogger(__name__)
 
 PROGRESS_DIR = "MINGPT_PROGRESS_DIR"
-# A phase the watchdog judges by the step time (computing, evaluating) or leaves to other timeouts
-# (starting: trainer.dist_timeout_s and the rendezvous; saving: the store's own).
-PHASES = ("starting", "computing", "evaluating", "saving")
+# A phase the watchdog judges by the step time (computing, evaluating), by the warm-up allowance (compiling)
+# or leaves to other timeouts (starting: trainer.dist_timeout_s and the rendezvous; saving: the store's own).
+PHASES = ("starting", "computing", "evaluating", "saving", "compiling")
 # step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s, the step this process started
-# computing at (-1 before), and the allowance of that first step (trainer.dist_timeout_s)
+# computing at (-1 before), and the allowance of that first step and of a compile (trainer.dist_timeout_s)
 RECORD = struct.Struct("<qqddqd")
 
 
@@ -43,7 +49,7 @@ class Mark(NamedTuple):
     when: float
     timeout: float  # trainer.hang_timeout_s (0: the agent chooses)
     first: int  # the step this process started computing at: its generation's first, where -1 none yet
-    first_timeout: float  # how long that first step may take (compiling, warming up)
+    warmup_timeout: float  # how long that first step (warming up) or a compile may take
 
     @property
     def progressed(self) -> bool:
@@ -54,18 +60,38 @@ class Mark(NamedTuple):
     def in_first_step(self) -> bool:
         return self.step == self.first
 
+    @property
+    def warming_up(self) -> bool:
+        """Whether this process is in its first step or compiling: allowed `warmup_timeout`."""
+        return self.in_first_step or self.phase == "compiling"
+
 
 class Progress:
     """Marks of this process's progress, where an agent watches them."""
 
-    def __init__(self, hang_timeout_s: float, first_step_s: float):
-        self.hang_timeout_s, self.first_step_s = hang_timeout_s, first_step_s
+    def __init__(self, hang_timeout_s: float, warmup_s: float):
+        self.hang_timeout_s, self.warmup_s = hang_timeout_s, warmup_s
         folder = os.environ.get(PROGRESS_DIR)
         self.fd = _open_mark_file(Path(folder)) if folder else None
         if self.fd is not None:
             let_the_agent_read_my_stack()
         self.step, self.phase, self.first = 0, "starting", -1
+        self._before_compiling = "starting"
+        self._unwatch: Callable[[], None] | None = None
         self.mark(0, "starting")
+
+    def watch_compiles(self) -> None:
+        """Mark every compile of torch in this process, from now on, as the phase `compiling`. (Only a process
+        that compiles calls it: importing what tells of compiles takes a second or two.)"""
+        if self.fd is not None and self._unwatch is None:
+            self._unwatch = torch_internals.watch_compiles(self._compiling, self._compiled)
+
+    def _compiling(self) -> None:
+        self._before_compiling = self.phase
+        self.mark(self.step, "compiling")
+
+    def _compiled(self) -> None:
+        self.mark(self.step, self._before_compiling)
 
     def mark(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
@@ -73,9 +99,12 @@ class Progress:
             self.first = step
         if self.fd is not None:
             os.pwrite(self.fd, RECORD.pack(step, PHASES.index(phase), time.monotonic(), self.hang_timeout_s,
-                                           self.first, self.first_step_s), 0)
+                                           self.first, self.warmup_s), 0)
 
     def close(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -111,5 +140,5 @@ def read(path: str) -> Mark | None:
         return None
     if len(data) < RECORD.size:
         return None
-    step, phase, when, timeout, first, first_timeout = RECORD.unpack(data)
-    return Mark(step, PHASES[phase] if 0 <= phase < len(PHASES) else "starting", when, timeout, first, first_timeout)
+    step, phase, when, timeout, first, warmup_timeout = RECORD.unpack(data)
+    return Mark(step, PHASES[phase] if 0 <= phase < len(PHASES) else "starting", when, timeout, first, warmup_timeout)

@@ -286,6 +286,7 @@ class Trainer:
                 announce=distributed.first_on_its_node())  # each node: its machine may have other caches
             self.compile_cache.load()
         if self.compiled:
+            self.progress.watch_compiles()  # a compile at any step is work, not a hang (training.watchdog)
             # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
             # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds; the
             # run's compile caches, loaded above, do that on any machine.

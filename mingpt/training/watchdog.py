@@ -6,10 +6,10 @@ Each worker marks its step and phase (mingpt.training.progress). A worker is hun
 phase judged by the step time (computing, evaluating) is older than its hang timeout:
 trainer.hang_timeout_s, or (0, auto) HANG_STEPS times the median time of a step here, at least HANG_FLOOR_S,
 once MEASURED steps have been timed after the first ones (which compile and warm up). The first step of
-each worker's generation (compiling, warming up: minutes on GPUs) is allowed trainer.dist_timeout_s, as
-long as its first collective may wait for it. While one worker
-hangs the others wait for it in their collectives, so their marks age too; the hung one is the one that
-is stopped (SIGSTOP, a debugger), or else the one whose mark is the oldest, once that is older than
+each worker's generation (warming up: minutes on GPUs) and every compile, whenever it comes (marked
+`compiling`), are allowed trainer.dist_timeout_s, as long as a collective may wait for them. While one
+worker hangs the others wait for it in their collectives, so their marks age too; the hung one is the one
+that is stopped (SIGSTOP, a debugger), or else the one whose mark is the oldest, once that is older than
 1.5 times the timeout (a hang on another node: that node's agent acts first).
 
 Its stack comes from py-spy (`py-spy dump --nonblocking`, which reads a stopped process from outside),
@@ -42,7 +42,7 @@ HANG_FLOOR_S = 20.0  # ... and never sooner than this
 MEASURED = 5  # step times needed before auto acts
 SKIPPED = 3  # the first step times of a generation, left out (compile, warm-up, the first copies)
 STACK_TIMEOUT_S = 15.0
-JUDGED = ("computing", "evaluating")  # the phases judged by the step time (mingpt.training.progress)
+JUDGED = ("computing", "evaluating", "compiling")  # the phases judged (mingpt.training.progress)
 
 
 class Watchdog:
@@ -72,7 +72,7 @@ class Watchdog:
         timeout = self.timeout(marks)
         stale = {}  # pid -> (mark, the time it was allowed)
         for pid, mark in marks.items():
-            allowed = mark.first_timeout if mark.in_first_step else timeout  # compiling, warming up: a first step
+            allowed = mark.warmup_timeout if mark.warming_up else timeout
             if mark.phase in JUDGED and allowed and now - mark.when > allowed:
                 stale[pid] = (mark, allowed)
         if not stale:
@@ -85,7 +85,7 @@ class Watchdog:
         for pid in hung:
             mark, allowed = stale[pid]
             how = "stopped" if pid in stopped else "no progress"
-            which = "its first step, allowed trainer.dist_timeout_s" if mark.in_first_step else "hang timeout"
+            which = "a first step or a compile, allowed trainer.dist_timeout_s" if mark.warming_up else "hang timeout"
             self.finding = (f"hung: {self.host} pid {pid} ({how}; at step {mark.step}, {mark.phase}, for "
                             f"{now - mark.when:.0f} s; {which} {allowed:.0f} s)")
             log.error("mingpt-torchrun: worker %s on %s made no progress for %.0f s (step %d, %s; %s); its stack, then "
