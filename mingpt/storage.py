@@ -279,6 +279,23 @@ def private_folder(path: Path | str, others: int = 0o077) -> bool:
     return stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and found.st_mode & others == 0
 
 
+def others_may_replace_in(folder: Path | str) -> str | None:
+    """Why another user could rename, remove or replace what this user makes in `folder` (None: none but root can):
+    the folder, or one above it, is another user's, or others may write in it and it lacks the sticky bit that /tmp
+    and /dev/shm have."""
+    path = Path(os.path.realpath(folder))
+    for place in (path, *path.parents):
+        try:
+            found = os.stat(place)
+        except OSError as e:
+            return f"{place} cannot be looked at ({e.strerror or e})"
+        if found.st_uid not in (0, os.getuid()):
+            return f"{place} belongs to another user (uid {found.st_uid})"
+        if found.st_mode & 0o022 and not found.st_mode & stat.S_ISVTX:
+            return f"other users may write in {place}, which has no sticky bit"
+    return None
+
+
 def own_file(path: Path) -> os.stat_result:
     """lstat of `path`; OSError unless it is a regular file of this user's."""
     found = os.lstat(path)

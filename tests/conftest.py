@@ -34,9 +34,9 @@ def cache_in_tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def warm_python(tmp_path_factory, cache_in_tmp):
+def warm_python(cache_in_tmp):
     """The Python that this test process's commands are forked from (launch.WarmPython), started on first use."""
-    warm = WarmPython(tmp_path_factory.mktemp("warm"))
+    warm = WarmPython()
     yield warm
     warm.stop()
 

@@ -84,6 +84,7 @@ def env() -> dict:
     e = dict(os.environ)
     # Launched as users type it: mingpt-torchrun sets what torchrun needs, nothing here does.
     e.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    e.pop("PYTEST_CURRENT_TEST", None)  # the test's phase: not the command's business, and it changes
     e["OMP_NUM_THREADS"] = "1"
     e["PYTHONUNBUFFERED"] = "1"
     e["CUDA_VISIBLE_DEVICES"] = ""  # the tests are about CPUs and gloo, whatever GPUs this machine has
@@ -101,8 +102,8 @@ class WarmPython:
 
     MODULES = (*forkserver.WARM_MODULES, "mingpt.cli.torchrun", "mingpt.cli.rendezvous")
 
-    def __init__(self, folder: Path):
-        self.folder, self.environment = folder, env()  # the session's, whatever a test sets before the first use
+    def __init__(self):
+        self.environment = env()  # the session's, whatever a test sets before the first use
         self.process: subprocess.Popen | None = None
         self.server: forkserver.Server | None = None
 
@@ -114,11 +115,14 @@ class WarmPython:
                 not Path(script[0]).is_file() or os.environ.get("MINGPT_TEST_WARM") == "0":
             return None
         if self.server is None:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from mingpt.training import forkserver; "
-                 "forkserver.be_the_server(sys.argv[1], sys.argv[2], tuple(sys.argv[3:]))",
-                 str(self.folder / "socket"), MAIN, *self.MODULES], env=self.environment, stdin=subprocess.DEVNULL)
-            self.server = forkserver.Server(self.process.pid, folder=self.folder)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            with theirs:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", "import socket, sys; from mingpt.training import forkserver; "
+                     "forkserver.be_the_server(socket.socket(fileno=int(sys.argv[1])), sys.argv[2], "
+                     "tuple(sys.argv[3:]))", str(theirs.fileno()), MAIN, *self.MODULES],
+                    env=self.environment, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
+            self.server = forkserver.Server(self.process.pid, ours, self.environment)
         forked = self.server.start((sys.executable, "-u", *script), env(), stdout, stderr, cwd=str(cwd))
         if forked is not None:
             forked.args = args  # as a Popen's: the command as given
@@ -154,12 +158,12 @@ class Processes:
         self.started.append(proc)
         return proc
 
-    def run(self, args: list[str], name: str, cwd: Path | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], name: str, cwd: Path | None = None, timeout: float = 120,
+            environment: dict | None = None) -> subprocess.CompletedProcess:
         """`args` run to its end, as subprocess.run(..., capture_output=True, text=True) runs it."""
         name = f"{name}-{len(self.started)}"  # its own logs, however often a test runs it
         errors = self.workdir / f"{name}.err"
-        proc = self.start(args, name, cwd, errors=errors)
+        proc = self.start(args, name, cwd, environment, errors=errors)
         returncode = proc.wait(timeout=timeout)
         return subprocess.CompletedProcess(args, returncode, output(proc), errors.read_text(errors="replace"))
 

@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from launch import (BIN, ENDLESS_STEPS, env, kill_node, latest_step, output, overrides, standalone, train_here,
                     wait_for, worker)
 from mingpt.claim import start_time
+from mingpt.storage import others_may_replace_in
 from mingpt.torch_internals import ElasticAgent
 from mingpt.training import agent as agent_module
 from mingpt.training.agent import Agent, Rendezvous
@@ -302,6 +303,27 @@ def test_what_a_killed_agent_left_in_tmp_goes_when_the_next_agent_starts(tmp_pat
     after = procs.start([*agent, "true"], "after", environment=environment)
     assert after.wait(timeout=120) == 0, output(after)
     assert sorted(p.name for p in temp.iterdir()) == [alive.name]
+
+
+def test_a_temporary_folder_in_which_others_could_replace_the_agents_files_is_refused_in_one_line(tmp_path, procs):
+    """TMPDIR that other users may write in, without the sticky bit /tmp has: one of them could rename the agent's
+    folders and put their own in their place. Refused before anything starts, whichever folder above it is so."""
+    shared = tmp_path / "shared"
+    (shared / "mine").mkdir(parents=True, mode=0o700)
+    shared.chmod(0o777)
+    for temp in (shared, shared / "mine"):
+        result = procs.run([str(BIN / "mingpt-torchrun"), "--standalone", "--nproc-per-node=1", "--no-python", "true"],
+                           "refused", environment={**env(), "TMPDIR": str(temp)})
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"error: the temporary folder {temp} (TMPDIR) is not safe: other users may write in {shared}, which has "
+            "no sticky bit, so another user could replace mingpt's files there; point TMPDIR at a folder of your "
+            "own, or at one with the sticky bit (as /tmp has)"]
+        assert list((shared / "mine").iterdir()) == []
+    shared.chmod(0o1777)  # as /tmp
+    assert others_may_replace_in(shared / "mine") is None
+    os.chown(shared / "mine", 65534, 65534)  # nobody's
+    assert others_may_replace_in(shared / "mine") == f"{shared / 'mine'} belongs to another user (uid 65534)"
 
 
 def test_a_job_started_without_torchrun_removes_what_killed_agents_left_too(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ a real mingpt-torchrun."""
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -15,15 +14,16 @@ from pathlib import Path
 import pytest
 from torch.distributed import run
 
-from launch import BIN, output
+import launch
+from launch import BIN, env, output
 from mingpt.cli.torchrun import warm_workers
-from mingpt.training.forkserver import Server, cuda_touched
+from mingpt.training.forkserver import Server, cannot_fork, other_threads
 
 pytestmark = pytest.mark.multiproc
 
 SCRIPT = """\
 import os, sys
-print("argv", sys.argv[1:], "cwd", os.getcwd(), "color", os.environ.get("COLOR"), "path0", sys.path[0])
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "rank", os.environ.get("RANK"), "path0", sys.path[0])
 print("parent", os.getppid(), "session", os.getsid(0), "own", os.getpid(), "torch", "torch" in sys.modules)
 print("to stderr", file=sys.stderr)
 how = sys.argv[1]
@@ -38,15 +38,16 @@ sys.exit(int(how))
 
 @pytest.fixture
 def server(tmp_path):
-    folder = tmp_path / "server"
-    folder.mkdir(mode=0o700)
     script = tmp_path / "scripts" / "work.py"
     script.parent.mkdir()
     script.write_text(SCRIPT)
-    serving = subprocess.Popen([sys.executable, "-c", "import sys; from mingpt.training import forkserver; "
-                                "forkserver.be_the_server(*sys.argv[1:])", str(folder / "socket"), str(script)],
-                               stdin=subprocess.DEVNULL)
-    started = Server(serving.pid, folder=folder)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with theirs:
+        serving = subprocess.Popen([sys.executable, "-c", "import socket, sys; from mingpt.training import forkserver; "
+                                    "forkserver.be_the_server(socket.socket(fileno=int(sys.argv[1])), sys.argv[2])",
+                                    str(theirs.fileno()), str(script)], env=env(), stdin=subprocess.DEVNULL,
+                                   pass_fds=[theirs.fileno()])
+    started = Server(serving.pid, ours, env())
     yield started, script
     started.stop()
     serving.wait()
@@ -55,7 +56,7 @@ def server(tmp_path):
 def start(server, script, how: str, tmp_path: Path, env=None):
     out, err = (open(tmp_path / f"{how}.{name}", "w") for name in ("out", "err"))
     with out, err:
-        return server.start((sys.executable, "-u", str(script), how), env or {"COLOR": "green"}, out, err)
+        return server.start((sys.executable, "-u", str(script), how), env or {**launch.env(), "RANK": "3"}, out, err)
 
 
 def test_a_worker_is_forked_warm_with_its_arguments_streams_and_environment_and_adopted_by_the_agent(
@@ -66,8 +67,8 @@ def test_a_worker_is_forked_warm_with_its_arguments_streams_and_environment_and_
     assert worker is not None
     assert worker.wait(timeout=60) == 3
     out = (tmp_path / "3.out").read_text().split()
-    assert out[:out.index("color")] == ["argv", "['3']", "cwd", str(tmp_path)]
-    assert out[out.index("color") + 1] == "green" and out[out.index("path0") + 1] == str(script.parent)
+    assert out[:out.index("rank")] == ["argv", "['3']", "cwd", str(tmp_path)]
+    assert out[out.index("rank") + 1] == "3" and out[out.index("path0") + 1] == str(script.parent)
     fields = dict(zip(out[out.index("parent")::2], out[out.index("parent") + 1::2]))
     assert fields["parent"] == str(os.getpid())  # adopted: this process waits for it, as for a started one
     assert fields["session"] == fields["own"] == str(worker.pid)  # a session of its own, as torch starts one
@@ -106,42 +107,40 @@ def test_other_commands_are_left_to_torch(server, tmp_path):
     assert not server.failed
 
 
-def test_only_the_agent_may_ask_the_server(server, tmp_path):
-    """Another process of this user's reaching the socket gets nothing forked."""
+def test_a_worker_whose_environment_is_not_the_one_the_server_imported_under_starts_as_a_new_python(
+        server, tmp_path, caplog):
+    """What the server's imports read from the environment (torch's, Inductor's, Hugging Face's settings) would not
+    be what a new Python's imports read: only torchrun's own variables for each worker may differ."""
     server, script = server
-    assert start(server, script, "0", tmp_path).wait(timeout=60) == 0  # the server is ready
-    request = json.dumps({"argv": [str(script), "5"], "env": {}, "cwd": str(tmp_path)}).encode()  # a valid one
-    reader, writer = os.pipe()
-    child = os.fork()
-    if child == 0:  # not the server's parent
-        answer = b""
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.settimeout(30)
-                conn.connect(server.path)
-                socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
-                conn.shutdown(socket.SHUT_WR)
-                answer = conn.recv(100)
-        except OSError:  # closed with the request unread (a reset, a broken pipe)
-            pass
-        finally:
-            os.write(writer, answer or b"nothing")
-            os._exit(0)
-    os.close(writer)
-    assert os.read(reader, 100) == b"nothing"
-    os.waitpid(child, 0)
-    assert start(server, script, "4", tmp_path).wait(timeout=60) == 4  # and the server goes on
+    assert start(server, script, "0", tmp_path, {**launch.env(), "TORCH_LOGS": "dynamo"}) is None
+    assert start(server, script, "0", tmp_path, {k: v for k, v in launch.env().items() if k != "HOME"}) is None
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == ["mingpt-torchrun: a worker starts as a new Python: its environment is not the one its server "
+                    "imported under (TORCH_LOGS)"]  # once, naming the variables, never their values
+    assert start(server, script, "4", tmp_path).wait(timeout=60) == 4  # and the others are forked
+
+
+def test_the_server_listens_on_no_path_that_another_process_could_reach(server, tmp_path):
+    """The agent and its server talk over a socket pair made before the fork: no other process of any user can
+    connect to the server, or pose as it, through the file system."""
+    server, script = server
+    assert start(server, script, "0", tmp_path).wait(timeout=60) == 0  # the server serves
+    sockets = {os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server.pid}/fd")}
+    inodes = {link[len("socket:["):-1] for link in sockets if link.startswith("socket:[")}
+    assert inodes  # its end of the pair
+    with open("/proc/net/unix") as table:
+        named = [line.split() for line in table.read().splitlines()[1:] if len(line.split()) > 7]
+    assert [fields[7] for fields in named if fields[6] in inodes] == []
 
 
 class Unforked:
-    """What warm_workers asks of a server, recorded; the folder it is given removed, as a server's stop removes it."""
+    """What warm_workers asks of a server, recorded."""
 
     def __init__(self):
         self.scripts = []
 
-    def serve(self, folder: Path, script: str) -> None:
+    def serve(self, script: str) -> None:
         self.scripts.append(script)
-        shutil.rmtree(folder)
 
 
 def test_no_server_under_mingpt_warm_workers_0_nor_for_commands_that_are_no_python_script(tmp_path, monkeypatch):
@@ -179,24 +178,25 @@ WHO = """\
 import json, os, sys
 from pathlib import Path
 
-def cmdline(pid):
-    return Path(f"/proc/{pid}/cmdline").read_text()
-
-def parent(pid):
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+def parent_and_name(pid):
+    try:  # one read: the process may end while the others are looked at
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None, None
+    return int(stat.rsplit(")", 1)[1].split()[1]), stat[stat.index("(") + 1:stat.rindex(")")]
 
 agent = os.getppid()
-servers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and parent(p.name) == agent
-           and (p / "comm").read_text().strip() == "mingpt-server"]
-print("who", json.dumps({"agent": agent, "same_command": cmdline("self") == cmdline(agent), "servers": servers,
-                         "torch": "torch" in sys.modules}))
+servers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+           and parent_and_name(p.name) == (agent, "mingpt-server")]
+command = lambda pid: Path(f"/proc/{pid}/cmdline").read_text()
+print("who", json.dumps({"agent": agent, "servers": servers, "torch": "torch" in sys.modules,
+                         "same_command": command("self") == command(agent)}))
 """
 
 
 def test_mingpt_torchrun_forks_its_workers_from_a_copy_of_itself_which_ends_with_it(procs, tmp_path):
     """The server is a copy of the agent as it started (torch imported, no new Python run): a worker has the agent's
-    command line and torch before its script imports it, and is the agent's child. The server ends with the agent,
-    and its folder goes."""
+    command line and torch before its script imports it, and is the agent's child. The server ends with the agent."""
     script = tmp_path / "who.py"
     script.write_text(WHO)
     job = procs.start([str(BIN / "mingpt-torchrun"), "--standalone", "--nproc-per-node=1", "--max-restarts=0",
@@ -207,13 +207,27 @@ def test_mingpt_torchrun_forks_its_workers_from_a_copy_of_itself_which_ends_with
     assert who["agent"] == job.pid and who["same_command"] and who["torch"]
     [server] = who["servers"]
     assert not Path(f"/proc/{server}").exists()
-    assert not list(Path("/tmp").glob(f"mingpt-forkserver-{job.pid}-*"))
 
 
-def test_a_server_whose_imports_touched_cuda_is_told_by_the_driver_library_in_its_memory():
+def test_a_server_whose_imports_touched_cuda_or_started_a_thread_does_not_fork():
     """A fork cannot carry CUDA: asking for the device count loads the driver while torch still calls CUDA
-    uninitialized, so the server looks for the library among its mappings too."""
+    uninitialized, so the server looks for the library among its mappings too. A fork holds one thread: another's
+    locks would stay held in the worker."""
     untouched = "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libtorch_cuda.so\n7f20-7f30 r-xp 0 08:01 2 /usr/lib/libcudart.so.12\n"
-    assert not cuda_touched(untouched)
-    assert cuda_touched(untouched + "7f40-7f50 r-xp 0 08:01 3 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n")
-    assert not cuda_touched(Path("/proc/self/maps").read_text())  # this process: torch imported, no GPU used
+    assert cannot_fork(untouched, threads=[]) is None
+    assert cannot_fork(untouched + "7f40-7f50 r-xp 0 08:01 3 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n", []) == \
+        "initialized CUDA, which a fork cannot carry"
+    assert cannot_fork(untouched, threads=["OpenBLAS", "telemetry"]) == "started 2 thread(s) (OpenBLAS, telemetry), " \
+        "whose locks a fork would copy held"
+    assert cannot_fork(Path("/proc/self/maps").read_text(), []) is None  # this process: torch imported, no GPU used
+
+
+def test_the_threads_of_a_process_are_named_by_python_or_else_by_the_kernel():
+    waiting = threading.Event()
+    thread = threading.Thread(target=waiting.wait, name="an-import's")
+    thread.start()
+    try:
+        assert "an-import's" in other_threads()
+    finally:
+        waiting.set()
+        thread.join()

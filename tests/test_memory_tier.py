@@ -16,6 +16,9 @@ import torch
 
 from launch import REPO, train_here, wait_for
 from mingpt.checkpoint.memory import MemoryTier, unusable
+from mingpt.errors import ConfigError
+from mingpt.training.config import SnapshotConfig
+from mingpt.training.recovery import check_memory_dir
 
 
 def newest(tier: MemoryTier):
@@ -223,6 +226,23 @@ def test_a_tier_folder_another_user_made_is_never_read_nor_written(shared_memory
     ours.mark_reached(100)
     assert {p.name: p.read_bytes() for p in ours.folder.iterdir()} == before
     assert caplog.text.count("memory tier off") == 1 and "another user may have made it" in caplog.text
+
+
+def test_a_tier_in_a_folder_where_others_could_replace_its_folders_is_refused_or_off(tmp_path):
+    """snapshot.memory_dir that other users may write in, without the sticky bit /dev/shm has: snapshot.memory=on
+    is refused in one line before any work; auto turns the tier off with one warning (MemoryCopies)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    cfg = SnapshotConfig(memory="on", memory_dir=str(shared))
+    with pytest.raises(ConfigError) as refused:
+        check_memory_dir(cfg)
+    assert str(refused.value) == (
+        f"snapshot.memory=on keeps the state in snapshot.memory_dir={shared}, but other users may write in {shared}, "
+        "which has no sticky bit, so another user could replace the tier's folders on this machine; give a folder "
+        "this user can write (/dev/shm), or use snapshot.memory=auto or off")
+    shared.chmod(0o1777)  # as /dev/shm
+    check_memory_dir(cfg)
 
 
 def test_a_planted_link_never_makes_the_tier_write_elsewhere(shared_memory, tmp_path):

@@ -51,7 +51,8 @@ from fsspec.implementations.local import LocalFileSystem
 from mingpt.checkpoint.packing import pack, unpack
 from mingpt.checkpoint.shm import allocate
 from mingpt.claim import MachineLock, process_alive
-from mingpt.storage import own_file, parse_json, private_folder, read_own_file, replace_atomically
+from mingpt.storage import (others_may_replace_in, own_file, parse_json, private_folder, read_own_file,
+                            replace_atomically)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def unusable(root: str) -> str | None:
         return "it is not a folder"
     if not os.access(root, os.W_OK | os.X_OK):
         return "this user cannot write in it"
+    if problem := others_may_replace_in(root):
+        return f"{problem}, so another user could replace the tier's folders"
     return None
 
 

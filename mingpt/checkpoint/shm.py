@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from mingpt.claim import process_alive, start_time
-from mingpt.storage import open_own_file, private_folder
+from mingpt.errors import ConfigError
+from mingpt.storage import open_own_file, others_may_replace_in, private_folder
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +24,22 @@ log = logging.getLogger(__name__)
 def process_folder(kind: str) -> Path:
     """A new folder of this user's alone in the machine's temporary folder, `mingpt-KIND-PID-START-XXXXXXXX`
     (this process's pid and start time); first the folders of this kind of processes that have ended go."""
+    check_temporary_folder()
     remove_ended(kind)
     pid = os.getpid()
     return Path(tempfile.mkdtemp(prefix=f"mingpt-{kind}-{pid}-{start_time(pid)}-"))  # 0700
 
 
-AGENT_FOLDERS = ("torchrun", "progress", "forkserver")  # mingpt-torchrun's process folders: its logs, its watchdog's,
-# its workers' server's socket
+def check_temporary_folder() -> None:
+    """Refuse a temporary folder (TMPDIR) in which another user could replace this process's folders."""
+    root = tempfile.gettempdir()
+    if problem := others_may_replace_in(root):
+        raise ConfigError(f"the temporary folder {root} (TMPDIR) is not safe: {problem}, so another user could "
+                          "replace mingpt's files there; point TMPDIR at a folder of your own, or at one with the "
+                          "sticky bit (as /tmp has)")
+
+
+AGENT_FOLDERS = ("torchrun", "progress")  # mingpt-torchrun's process folders: its logs, its watchdog's
 
 
 def remove_ended_agents_folders() -> None:

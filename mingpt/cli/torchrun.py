@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mingpt import torch_internals
-from mingpt.checkpoint.shm import process_folder
+from mingpt.checkpoint.shm import check_temporary_folder, process_folder
 from mingpt.cli import configure_logging, run_command
 from mingpt.errors import ConfigError, one_line
 from mingpt.training import agent, forkserver, live
@@ -71,14 +71,14 @@ def main(argv: list[str] | None = None, server: forkserver.Server | None = None)
         status = run_command(lambda: join_live(args))
     if status:
         return status
-    return _launch(args, warm_workers(args, server))  # now, for a job that goes ahead: imports overlap the rendezvous
+    return _launch(args, server)
 
 
 def warm_workers(args: argparse.Namespace, server: forkserver.Server | None) -> forkserver.Server | None:
     """`server`, told to serve this node's workers where they run a Python script; else None."""
     if server is None or args.no_python or args.module or not Path(args.training_script).is_file():
         return None
-    server.serve(process_folder("forkserver"), args.training_script)
+    server.serve(args.training_script)
     return server
 
 
@@ -88,7 +88,8 @@ def _launch(args: argparse.Namespace, server: forkserver.Server | None) -> int:
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
           file=sys.stderr, flush=True)
     agent.install()
-    if server is not None:
+    # Now, for a job that goes ahead, with the workers' environment set: the server's imports overlap the rendezvous.
+    if warm_workers(args, server) is not None:
         torch_internals.start_workers_with(server.start)
     own_logs = _own_log_dir(args)
     try:
@@ -208,6 +209,7 @@ HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", 
 def check_launch(args: argparse.Namespace, argv: list[str], live_mode: bool = False) -> None:
     """Refuse in one line what torchrun refuses with a traceback (node and worker counts), or only after a
     minute and two tracebacks (a rendezvous endpoint it cannot resolve or reach)."""
+    check_temporary_folder()  # where the agent keeps its logs and its watchdog's marks
     check_nnodes(args.nnodes)
     if not (args.no_python or args.module or Path(args.training_script).is_file()):
         raise ConfigError(f"the training script {args.training_script} is not a file; a command on the PATH, such as "

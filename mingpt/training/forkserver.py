@@ -8,41 +8,44 @@ it is a copy of the agent, which has imported torch already.
 
 How the server comes to be and a worker starts:
 1. `mingpt-torchrun` forks the server first thing (`Server.fork`), before it reads its arguments and before it
-   starts any thread: a copy of the agent as it started. The copy waits until the job goes ahead (`Server.serve`),
-   then imports what a worker imports while the agent meets the others, and listens on a Unix socket in the
-   agent's own folder;
-2. for each worker (`Server.start`, where torch's launcher would start a Python), the agent sends the command's
+   starts any thread: a copy of the agent as it started, joined to it by a socket pair made before the fork, which
+   no other process can reach. The copy drops the descriptors it inherited and waits until the job goes ahead;
+2. the agent tells it the script and the environment the workers will share (`Server.serve`), and the server
+   imports what a worker imports under that environment while the agent meets the others;
+3. for each worker (`Server.start`, where torch's launcher would start a Python), the agent sends the command's
    arguments, its environment and folder, and its standard streams (their file descriptors);
-3. the server forks a child, which forks the worker and exits. The orphaned worker is adopted by the agent, its
+4. the server forks a child, which forks the worker and exits. The orphaned worker is adopted by the agent, its
    subreaper for that moment: the worker is the agent's child, as a started one would be (the agent waits for it,
    signals it and its session, and reads its exit status; when the agent dies, the worker is told);
-4. the worker starts a session of its own, takes the streams, the environment and the folder, and runs the script
-   as `python -u SCRIPT ARGS...` would, in the modules the server imported (`be_the_server`).
+5. the worker starts a session of its own, takes the streams, the environment and the folder, draws new random
+   seeds, and runs the script as `python -u SCRIPT ARGS...` would, in the modules the server imported
+   (`be_the_server`).
 
-Where the server cannot serve (it was not forked: MINGPT_WARM_WORKERS=0, or threads ran already; it has ended; it
-is not ready within SERVER_WAIT_S; the command is not `python -u SCRIPT`), the worker starts as torch starts it.
-A forked worker shows the agent's command line and the server's environment in /proc (`ps` names it by its local
-rank: launcher.name_this_worker). CUDA cannot cross a fork: the server does not serve if importing initialized it.
+A worker is forked only where it would be the worker a new Python would be. Else it starts as torch starts it:
+the server was not forked (MINGPT_WARM_WORKERS=0, or threads ran already); it has ended, or does not answer
+within SERVER_WAIT_S; its imports initialized CUDA (which a fork cannot carry) or started a thread (whose locks a
+fork would copy held); the agent's environment changed since the server imported under it; the command is not
+`python -u SCRIPT`. What cannot be made the same is listed in docs/launching.md (Warm workers).
 """
 
 from __future__ import annotations
 
+import builtins
 import gc
 import importlib
+import importlib.machinery
 import io
 import json
 import logging
 import os
-import runpy
-import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 from mingpt.processes import PR_SET_CHILD_SUBREAPER, PR_SET_NAME, prctl, signal_when_parent_dies
@@ -54,18 +57,28 @@ SERVER_WAIT_S = 60.0  # how long the agent waits for the server to fork a worker
 # What a worker of the trainer imports: torch's compiler is most of it (the optimizer and DDP import it).
 WARM_MODULES = ("torch", "torch._dynamo", "hydra", "mingpt.training.app", "mingpt.training.trainer")
 ADOPT_WAIT_S = 5.0  # how long a forked worker waits to be adopted by the agent (its forking child to exit)
+MESSAGE_LIMIT = 1 << 24  # bytes of a request (a worker's arguments and environment)
+# What the launcher gives each worker on top of the agent's environment: torchrun's ranks and TORCHELASTIC_*
+# settings, mingpt's MINGPT_* (the agent's membership, its watchdog's folder). Code reads them as it runs, not as
+# it imports (the worker applies OMP_NUM_THREADS itself), so a forked worker may differ from its server in these alone.
+PER_WORKER = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+                        "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS"})
+PER_WORKER_PREFIXES = ("TORCHELASTIC_", "MINGPT_")
 
 
 # -- the agent's side ----------------------------------------------------------------------------------------
 
 
 class Server:
-    """The server an agent starts its workers from; `start` forks one, or says None (start it as torch would)."""
+    """The server an agent starts its workers from; `start` forks one, or says None (start it as torch would).
+    `channel`: this process's end of the socket pair the server holds the other end of."""
 
-    def __init__(self, pid: int, orders: int | None = None, folder: Path | None = None):
-        self.pid, self._orders, self.failed = pid, orders, False
-        self.folder, self.path = folder, str(folder / "socket") if folder else None
-        self._ended = False
+    def __init__(self, pid: int, channel: socket.socket, environment: dict[str, str] | None = None):
+        self.pid, self._channel, self.failed = pid, channel, False
+        self.environment = environment  # what the server imported under; None until told to serve
+        self._ended = self._told = False
+        self._asking = threading.Lock()  # one request at a time on the channel
 
     @classmethod
     def fork(cls) -> Server | None:
@@ -75,67 +88,62 @@ class Server:
         (its SystemExit or exception leaves through the caller's frames, so nothing there may catch it)."""
         if os.environ.get(SWITCH) == "0" or threading.active_count() > 1 or not hasattr(os, "fork"):
             return None
-        orders, agent_end = os.pipe()
+        agent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            os.close(agent_end)
-            _wait_for_orders(orders)  # returns only in a worker, once its script has run
+            agent_end.close()
+            _wait_for_orders(server_end)  # returns only in a worker, once its script has run
             sys.exit(0)  # the script ran to its end: Python's exit (threads joined, exit functions run)
-        os.close(orders)
+        server_end.close()
         return cls(pid, agent_end)
 
-    def serve(self, folder: Path, script: str) -> None:
-        """Have the server import what a worker of `script` imports, and listen in `folder` (the agent's own)."""
-        self.folder, self.path = folder, str(folder / "socket")
-        orders, self._orders = self._orders, None
+    def serve(self, script: str) -> None:
+        """Have the server import what a worker of `script` imports, under this process's environment as it is
+        now: the workers', but for what torchrun gives each (PER_WORKER)."""
+        self.environment = dict(os.environ)
         try:
-            with open(orders, "wb") as pipe:  # the server reads to the end
-                pipe.write(json.dumps({"path": self.path, "script": script}).encode())
+            _send(self._channel, {"script": script, "env": self.environment})
         except OSError as e:  # it has ended
-            self.failed = True
-            log.warning("mingpt-torchrun: workers start as new Pythons: their server has ended (%s)", e)
+            self._give_up(f"their server has ended ({e})")
 
     def start(self, args: tuple, env: dict[str, str], stdout, stderr, cwd: str | None = None) -> Forked | None:
         """Fork the worker `args` (torch's command: python -u SCRIPT ARGS) with `env`, the streams (open files, or
         None: the agent's own) and `cwd` (else this process's folder), adopted by this process; None where the
         server cannot."""
-        if self.failed or self.path is None or len(args) < 3 or args[0] != sys.executable or args[1] != "-u" \
-                or args[2].startswith("-"):
+        if self.failed or self.environment is None or len(args) < 3 or args[0] != sys.executable \
+                or args[1] != "-u" or args[2].startswith("-"):
+            return None
+        changed = sorted(name for name in self.environment.keys() | env.keys() if self.environment.get(name) !=
+                         env.get(name) and name not in PER_WORKER and not name.startswith(PER_WORKER_PREFIXES))
+        if changed:  # what the server's imports read would not be what the worker's own imports read
+            if not self._told:
+                log.warning("mingpt-torchrun: a worker starts as a new Python: its environment is not the one "
+                            "its server imported under (%s)", ", ".join(changed))  # (names: values may be secret)
+                self._told = True
             return None
         streams = [0, stdout.fileno() if stdout else 1, stderr.fileno() if stderr else 2]
-        request = json.dumps({"argv": list(args[2:]), "env": env, "cwd": cwd or os.getcwd()}).encode()
-        if not prctl(PR_SET_CHILD_SUBREAPER, 1):  # not Linux: the worker could not be adopted
-            return None
-        try:
-            with self._connect() as conn:
-                socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], streams)
-                conn.shutdown(socket.SHUT_WR)
-                reply = _read_all(conn)  # the end comes once the forking child has exited: the worker is ours
-            pid = int(reply)
-        except (OSError, ValueError) as e:
-            self.failed = True
-            log.warning("mingpt-torchrun: workers start as new Pythons: their server does not answer (%s)", e)
-            return None
-        finally:
-            prctl(PR_SET_CHILD_SUBREAPER, 0)
+        request = {"argv": list(args[2:]), "env": env, "cwd": cwd or os.getcwd()}
+        with self._asking:
+            if not prctl(PR_SET_CHILD_SUBREAPER, 1):  # not Linux: the worker could not be adopted
+                return None
+            try:
+                self._channel.settimeout(SERVER_WAIT_S)
+                _send(self._channel, request, streams)
+                pid = int.from_bytes(_read_exactly(self._channel, 8), "big")  # once the forking child has exited
+                if pid <= 0:
+                    raise ConnectionError("it could not fork")
+            except OSError as e:  # ended, or silent for SERVER_WAIT_S (TimeoutError)
+                self._give_up(f"their server does not answer ({e})")
+                return None
+            finally:
+                prctl(PR_SET_CHILD_SUBREAPER, 0)
         return Forked(pid, args)
 
-    def _connect(self) -> socket.socket:
-        """A connection to the server, which may still be starting (its socket not there yet)."""
-        deadline = time.monotonic() + SERVER_WAIT_S
-        while True:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.settimeout(SERVER_WAIT_S)
-            try:
-                conn.connect(self.path)
-                return conn
-            except (FileNotFoundError, ConnectionRefusedError):
-                conn.close()
-                if self.has_ended() or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+    def _give_up(self, why: str) -> None:
+        self.failed = True
+        log.warning("mingpt-torchrun: workers start as new Pythons: %s", why)
 
     def has_ended(self) -> bool:
         if not self._ended:
@@ -146,15 +154,11 @@ class Server:
         return self._ended
 
     def stop(self) -> None:
-        if self._orders is not None:  # never told to serve: it ends as it reads nothing
-            os.close(self._orders)
-            self._orders = None
+        self._channel.close()  # a server never told to serve ends as it reads nothing
         if not self.has_ended():
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
             self._ended = True
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class Forked:
@@ -189,124 +193,195 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def _read_all(conn: socket.socket) -> bytes:
-    chunks = []
-    while chunk := conn.recv(4096):
-        chunks.append(chunk)
-    return b"".join(chunks)
+# -- messages on the channel: a length, a JSON object, and file descriptors with the length --------------------
+
+
+def _send(channel: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(message).encode()
+    socket.send_fds(channel, [len(data).to_bytes(8, "big")], list(fds))
+    channel.sendall(data)
+
+
+def _receive(channel: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]] | None:
+    """The next message and its descriptors; None where the other end has closed."""
+    head, fds, _, _ = socket.recv_fds(channel, 8, max_fds)
+    if not head:
+        return None
+    try:
+        size = int.from_bytes(head + _read_exactly(channel, 8 - len(head)), "big")
+        if size > MESSAGE_LIMIT:
+            raise ValueError(f"a message of {size} bytes")
+        return json.loads(_read_exactly(channel, size)), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _read_exactly(channel: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = channel.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError(f"the other end closed after {len(data)} of {size} bytes")
+        data += chunk
+    return data
 
 
 # -- the server's side -----------------------------------------------------------------------------------------
 
 
-def _wait_for_orders(orders: int) -> None:
+def _wait_for_orders(channel: socket.socket) -> None:
     """The forked server: wait for the agent's order, then serve (`be_the_server`). Nothing to read: the job did not
     go ahead, or the agent has ended. Returns only in a worker, once its script has run."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it stops the workers
         prctl(PR_SET_NAME, b"mingpt-server")
-        with open(orders, "rb") as pipe:
-            order = pipe.read()
-    except BaseException:  # a Ctrl-C in the moment before it was ignored
+        close_inherited(keep=channel.fileno())  # the agent's own (a worker started by torch has none of them)
+        order = _receive(channel)
+    except BaseException:  # a Ctrl-C in the moment before it was ignored; a message cut short
         os._exit(1)
-    if not order:
+    if order is None:
         os._exit(0)
-    order = json.loads(order)
-    be_the_server(order["path"], order["script"])
+    be_the_server(channel, order[0]["script"], environment=order[0]["env"])
 
 
-def be_the_server(path: str, script: str, modules: tuple[str, ...] = WARM_MODULES) -> None:
-    """Import `modules`, then fork a worker for each request of this process's parent (the agent) on the socket
-    `path`, until the parent ends. Returns only in a worker, once its script has run: the script's exit and
+def close_inherited(keep: int) -> None:
+    """Close every descriptor above the standard streams but `keep`."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd != keep:
+            try:
+                os.close(fd)
+            except OSError:  # the listing's own descriptor, closed as it ended
+                pass
+
+
+def be_the_server(channel: socket.socket, script: str, modules: tuple[str, ...] = WARM_MODULES,
+                  environment: dict[str, str] | None = None) -> None:
+    """Import `modules` (under `environment`, where given), then fork a worker for each request on `channel`
+    until the other end closes. Returns only in a worker, once its script has run: the script's exit and
     exceptions are Python's own, and leave through the caller's frames."""
     try:
-        request = serve(path, script, modules)
+        request = serve(channel, script, modules, environment)
     except BaseException:
         traceback.print_exc()
         os._exit(1)
     if request is None:
         os._exit(0)
     become_the_worker(request)
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    run_as_main(os.path.abspath(sys.argv[0]))
 
 
-def serve(path: str, script: str, modules: tuple[str, ...]) -> dict | None:
-    """Import `modules` as a worker of `script` would, then fork a worker for each request of the agent, for ever.
-    Returns only in a worker (its request), or None where it cannot serve."""
-    agent = os.getppid()
+def run_as_main(path: str) -> None:
+    """Run the script at `path` as `python PATH` runs it: in a new `__main__` module, with the names Python gives
+    one (runpy's differ: a package of '' and no loader)."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __annotations__={},
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    with io.open_code(path) as script:
+        code = compile(script.read(), path, "exec")
+    exec(code, main.__dict__)
+
+
+def serve(channel: socket.socket, script: str, modules: tuple[str, ...],
+          environment: dict[str, str] | None = None) -> dict | None:
+    """Import `modules` as a worker of `script` would, then fork a worker for each request, for ever. Returns only
+    in a worker (its request), or None where it cannot serve, or the other end has closed."""
     if not signal_when_parent_dies(signal.SIGKILL):
         return None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it stops the workers
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)  # in the agent's own folder (0700)
-    listener.listen()
+    if environment is not None:
+        os.environ.clear()
+        os.environ.update(environment)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # where a worker imports from, as `python SCRIPT`
+    before = dict(os.environ)
     for module in modules:
         importlib.import_module(module)
-    if cuda_touched(Path("/proc/self/maps").read_text()):
-        log.warning("mingpt-torchrun: importing the trainer initialized CUDA, which a fork cannot carry: "
-                    "workers start as new Pythons")
+    # What the imports set in the environment (Inductor its cache folder), as they would in a worker's environment.
+    imports_set = {name: os.environ.get(name) for name in before.keys() | os.environ.keys()
+                   if os.environ.get(name) != before.get(name)}
+    if why := cannot_fork(Path("/proc/self/maps").read_text(), other_threads()):
+        log.warning("mingpt-torchrun: workers start as new Pythons: importing the trainer %s", why)
         return None
     gc.freeze()  # what the imports made is never garbage: a worker's collections skip it, and leave its pages shared
     while True:
-        conn, _ = listener.accept()
-        with conn:
-            if _peer(conn)[0] != agent:  # only the agent asks
-                continue
-            try:
-                request, streams = _receive(conn)
-            except (OSError, ValueError) as e:  # cut short: the agent died while asking (the server dies with it)
-                log.debug("a request that could not be read: %s", e)
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            middle = os.fork()
-            if middle == 0:
-                listener.close()
-                middle = os.getpid()
-                worker = os.fork()
-                if worker == 0:
-                    conn.close()
-                    return {**request, "streams": streams, "middle": middle}
-                conn.sendall(str(worker).encode())
-                os._exit(0)
-            os.waitpid(middle, 0)
+        try:
+            received = _receive(channel, max_fds=3)
+        except (OSError, ValueError) as e:  # cut short: the agent died while asking (the server dies with it)
+            log.debug("a request that could not be read: %s", e)
+            return None
+        if received is None:
+            return None
+        request, streams = received
+        if len(streams) != 3:
             for fd in streams:
                 os.close(fd)
-
-
-def cuda_touched(maps: str) -> bool:
-    """Whether this process has initialized CUDA: torch's own state, or the driver library loaded (which asking
-    for the device count does, while torch still calls CUDA uninitialized). `maps`: /proc/self/maps."""
-    torch = sys.modules.get("torch")
-    return bool(torch and torch.cuda.is_initialized()) or "/libcuda.so" in maps
-
-
-def _peer(conn: socket.socket) -> tuple[int, int, int]:
-    """The pid, uid and gid of the process at the other end of `conn`."""
-    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-
-
-def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    data, streams, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    if len(streams) != 3:
+            return None
+        if _fork_a_worker(channel):
+            return {**request, "streams": streams, "imports_set": imports_set}
         for fd in streams:
             os.close(fd)
-        raise ValueError(f"{len(streams)} streams, not 3")
-    while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
-        more = conn.recv(1 << 20)
-        if not more:
-            break
-        data += more
-    return json.loads(data[8:]), streams
+
+
+def _fork_a_worker(channel: socket.socket) -> bool:
+    """Fork a child that forks the worker and exits; True in the worker, once it is the agent's (the child has
+    exited). In the server, tell the agent the worker's pid at that moment, and return False."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    reader, writer = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(reader)
+        middle = os.getpid()
+        worker = os.fork()
+        if worker == 0:
+            os.close(writer)
+            channel.close()
+            deadline = time.monotonic() + ADOPT_WAIT_S
+            while os.getppid() == middle and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return True
+        os.write(writer, str(worker).encode())
+        os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        worker = int(pipe.read() or 0)
+    os.waitpid(middle, 0)  # once the forking child is gone, its child is the agent's
+    channel.sendall(worker.to_bytes(8, "big"))
+    return False
+
+
+def cannot_fork(maps: str, threads: list[str]) -> str | None:
+    """Why this process cannot fork a worker (None: it can). `maps`: /proc/self/maps; `threads`: the names of its
+    other threads. A fork cannot carry CUDA: torch's own state, or the driver library loaded (which asking for the
+    device count does, while torch still calls CUDA uninitialized). A fork holds one thread: another's locks would
+    stay held in the worker."""
+    torch = sys.modules.get("torch")
+    if bool(torch and torch.cuda.is_initialized()) or "/libcuda.so" in maps:
+        return "initialized CUDA, which a fork cannot carry"
+    if threads:
+        return f"started {len(threads)} thread(s) ({', '.join(threads)}), whose locks a fork would copy held"
+    return None
+
+
+def other_threads() -> list[str]:
+    """The names of this process's threads but this one: Python's name for a thread of its own, else the kernel's."""
+    named = {thread.native_id: thread.name for thread in threading.enumerate()}
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        if int(task) != threading.get_native_id():
+            try:
+                names.append(named.get(int(task)) or Path(f"/proc/self/task/{task}/comm").read_text().strip())
+            except OSError:  # it ended meanwhile
+                pass
+    return names
 
 
 def become_the_worker(request: dict) -> None:
-    """In the forked worker: wait to be the agent's, then take the request's session, streams, signals,
-    environment, folder and arguments, as a Python started with them would have them."""
-    deadline = time.monotonic() + ADOPT_WAIT_S
-    while os.getppid() == request["middle"] and time.monotonic() < deadline:  # until the forking child exits
-        time.sleep(0.001)
+    """In the forked worker: take the request's session, streams, signals, environment, folder and arguments, and
+    new random seeds, as a Python started with them would have them."""
     os.setsid()
     prctl(PR_SET_NAME, os.path.basename(sys.executable)[:15].encode())  # a Python's name, until the script's own
     for target, fd in enumerate(request["streams"]):
@@ -316,14 +391,30 @@ def become_the_worker(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for name, value in request["imports_set"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # torch read it as the server imported it
         import torch
 
         torch.set_num_threads(int(threads))
+    draw_new_seeds()
     for name in ("stdout", "stderr"):  # unbuffered, as python -u makes them
         stream = getattr(sys, name)
         setattr(sys, name, io.TextIOWrapper(io.FileIO(stream.fileno(), "w", closefd=False), encoding=stream.encoding,
                                             errors=stream.errors, write_through=True))
     sys.argv = request["argv"]
+    sys.orig_argv = [sys.executable, "-u", *sys.argv]
     sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+
+
+def draw_new_seeds() -> None:
+    """Random generators seeded anew from the system, as a new Python's are: numpy's global one and torch's
+    (Python's `random` does so itself after a fork)."""
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].random.default_generator.seed()
