@@ -1,24 +1,33 @@
 """HellaSwag: the file and lm-evaluation-harness's preprocessing, scoring checked against a reference scorer run
 through transformers on the exported weights, `mingpt-eval hellaswag`, the metric during training at world sizes
-1 and 2, its panel in mingpt-plot, and a job offline without the file. Nothing is downloaded: the tests write
-small files in HellaSwag's format."""
+1 and 2, its panel in mingpt-plot, a job offline without the file, and every bad input (a folder, a line too long,
+a page that is not the file, a server that never answers) refused or given up on in one line before it costs much.
+Nothing is downloaded from outside: the tests write small files in HellaSwag's format and serve them on
+127.0.0.1."""
 
 import json
+import logging
+import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+import tracemalloc
 
 import pytest
 import torch
 
 from conftest import TEXT
-from launch import REPO, SMALL, env, metrics, run, standalone, train_here
+from launch import REPO, SMALL, env, metrics, output, run, standalone, train_here
 from mingpt.cli import eval as eval_command
 from mingpt.errors import MinGPTError
 from mingpt.metrics import hellaswag, plot
 from mingpt.metrics.hellaswag import Example, parse_examples, preprocess
 from mingpt.metrics.scoring import Scored, Tally, encode, encode_all, score
 from mingpt.tokenizers import CharTokenizer
+from mingpt.training import benchmark, preparation
+from mingpt.training.config import TrainerConfig
 
 # In HellaSwag's format, with WikiHow's bracketed tags, in words the shared runs' char vocabulary holds (but for
 # one example: "The" has a capital its corpus lacks), one context long enough to be cut to the block's 32 positions.
@@ -76,10 +85,10 @@ def write_bytes(records) -> bytes:
 def test_a_malformed_line_is_one_line_naming_it(tmp_path, capsys, line, words, char_run):
     path = write_data(tmp_path / "bad.jsonl", RECORDS[:1], tail=line + "\n")
     with pytest.raises(MinGPTError, match=words):
-        hellaswag.load_examples(str(path))
+        hellaswag.load_examples(str(path), "--data")
     assert eval_command.main(["hellaswag", str(char_run), "--data", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{path} line 2" in err
+    assert err.count("\n") == 1 and f"--data: {path} line 2" in err
 
 
 def test_a_url_is_fetched_once_into_a_private_cache_and_checked(tmp_path, monkeypatch):
@@ -91,41 +100,267 @@ def test_a_url_is_fetched_once_into_a_private_cache_and_checked(tmp_path, monkey
     data = write_bytes(RECORDS)
     url = "memory://hellaswag/hellaswag_val.jsonl"
     fsspec.filesystem("memory").pipe(url, data)
-    assert hellaswag.load_examples(url) == parse_examples(data, url)
+    assert hellaswag.load_examples(url, "--data") == parse_examples(data, url)
     cached = hellaswag.cache_path(url)
     folder = cached.parent
     assert cached.read_bytes() == data and oct(folder.stat().st_mode & 0o777) == "0o700"
     assert oct(cached.stat().st_mode & 0o777) == "0o600"
     fsspec.filesystem("memory").rm(url)
-    assert len(hellaswag.load_examples(url)) == len(RECORDS)  # from the cache
+    assert len(hellaswag.load_examples(url, "--data")) == len(RECORDS)  # from the cache
     # A known URL's copy must be the known file.
     monkeypatch.setitem(hellaswag.KNOWN_SHA256, url, "0" * 64)
     with pytest.raises(MinGPTError, match="is not HellaSwag's validation file .* remove it"):
-        hellaswag.load_examples(url)
+        hellaswag.load_examples(url, "--data")
     monkeypatch.delitem(hellaswag.KNOWN_SHA256, url)
     cached.unlink()
     cached.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(MinGPTError, match="cannot read the cached copy"):
-        hellaswag.load_examples(url)
+        hellaswag.load_examples(url, "--data")
     cached.unlink()
     folder.chmod(0o775)
     with pytest.raises(MinGPTError, match="not a folder that only this user can write"):
-        hellaswag.load_examples(url)
+        hellaswag.load_examples(url, "--data")
     assert hellaswag.KNOWN_SHA256[hellaswag.PUBLIC_URL] == \
         "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
 
 
-def test_a_server_that_never_answers_is_given_up_on_as_offline(tmp_path, monkeypatch):
-    """A listening socket that accepts and never sends a byte (a stuck proxy): the fetch ends at its timeout, as
-    offline, naming where to put the file, instead of holding the job's start for aiohttp's 5 minutes."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(hellaswag, "FETCH_TIMEOUT_S", 1)
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        url = f"http://127.0.0.1:{server.getsockname()[1]}/hellaswag_val.jsonl"
-        with pytest.raises(hellaswag.HellaSwagUnavailable, match="cannot fetch .* put the file at"):
-            hellaswag.load_examples(url)
+# -- bad input: refused in one line naming the setting, or given up on, before it costs much --------------------------
+
+
+@pytest.fixture
+def raw_server():
+    """raw_server(answer) -> (the URL of a server on 127.0.0.1, the connections it accepted): `answer(connection,
+    stop)` talks to each in a thread of its own. Afterwards every socket is shut and every thread joined."""
+    stop = threading.Event()
+    sockets, threads = [], []
+
+    def start(answer):
+        listener = socket.create_server(("127.0.0.1", 0))
+        sockets.append(listener)
+        connections = []
+
+        def accept():
+            while True:
+                try:
+                    connection, _ = listener.accept()
+                except OSError:  # shut at the end
+                    return
+                sockets.append(connection)
+                connections.append(connection)
+                spawn(answer, connection, stop)
+
+        spawn(accept)
+        return f"http://127.0.0.1:{listener.getsockname()[1]}/hellaswag_val.jsonl", connections
+
+    def spawn(target, *args):
+        threads.append(threading.Thread(target=target, args=args, daemon=True))
+        threads[-1].start()
+
+    yield start
+    stop.set()
+    for s in sockets:
+        try:
+            s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept, recv or send on it
+        except OSError:
+            pass
+        s.close()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not any(thread.is_alive() for thread in threads)
+
+
+def never_answers(connection, stop):
+    """A stuck proxy: the connection is accepted, and not one byte comes back."""
+    stop.wait()
+
+
+def drips(connection, stop):
+    """A server that answers at once, then sends its body a byte at a time, forever: each read gets a byte in time."""
+    connection.recv(65536)
+    try:
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/jsonl\r\n\r\n")
+        while not stop.wait(0.05):
+            connection.sendall(b" ")
+    except OSError:  # the client gave up
+        pass
+
+
+def never_ends(connection, stop):
+    """A server whose body has no end and no length."""
+    connection.recv(65536)
+    try:
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/jsonl\r\n\r\n")
+        while not stop.is_set():
+            connection.sendall(b"x" * 65536)
+    except OSError:  # the client has read enough
+        pass
+
+
+def test_a_folder_or_a_fifo_is_one_line_naming_the_setting(tmp_path, capsys, char_run):
+    """mingpt-eval --data DIR (or a FIFO, or nothing there): one line naming --data, exit 2, no traceback."""
+    folder = tmp_path / "hellaswag"
+    folder.mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for path, what in ((folder, "is a folder"), (tmp_path / "fifo", "is not a regular file"),
+                       (tmp_path / "missing.jsonl", "cannot read")):
+        assert eval_command.main(["hellaswag", str(char_run), "--data", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: --data: ") and str(path) in err and what in err, err
+        assert "Traceback" not in err
+
+
+def test_a_training_job_refuses_a_folder_in_one_line_before_its_data_work(tmp_path, procs):
+    """trainer.hellaswag_data=DIR: in the job (train/main.py) and in mingpt-torchrun's agent, one line naming the
+    setting, before the corpus is prepared."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    folder = tmp_path / "hellaswag"
+    folder.mkdir()
+    settings = [f"data.corpus={tmp_path / 'corpus.txt'}", "trainer.hellaswag_every=1",
+                f"trainer.hellaswag_data={folder}"]
+    with pytest.raises(MinGPTError, match=f"^trainer.hellaswag_data: {folder} is a folder; give HellaSwag's"):
+        train_here(tmp_path, *settings)
+    agent = procs.start([*standalone(1), *SMALL, *settings, f"snapshot.dir={tmp_path / 'snap'}",
+                         f"data.prepared_dir={tmp_path / 'prepared'}"], "agent")
+    assert agent.wait(timeout=120) == 2
+    lines = [line for line in output(agent).splitlines() if "trainer.hellaswag_data" in line]
+    assert len(lines) == 1 and f"{folder} is a folder" in lines[0] and "Traceback" not in output(agent)
+    assert not (tmp_path / "prepared").exists()
+
+
+def test_a_line_too_long_is_refused_by_its_characters_before_it_is_parsed(tmp_path, capsys, char_run):
+    """An example with a 20 MB ending: refused at MAX_LINE_CHARS characters (a line of that many is an example),
+    with no more of it decoded: the memory it takes stays far below the line's size."""
+    limit = hellaswag.MAX_LINE_CHARS
+    record = dict(RECORDS[0], endings=["a", "b"], label=0)
+    padding = limit - len(json.dumps(dict(record, ctx_a=""), ensure_ascii=False))
+    exactly = dict(record, ctx_a="é" * padding)  # the limit in characters, not bytes
+    assert len(json.dumps(exactly, ensure_ascii=False)) == limit
+    data = write_data(tmp_path / "at-the-limit.jsonl", [exactly]).read_bytes()
+    assert parse_examples(data, "data")[0].query.endswith("é" * padding + " Naïve café owners")
+    over = dict(exactly, ctx_a="é" * (padding + 1))
+    with pytest.raises(MinGPTError, match=f"data line 1 is longer than {limit:,} characters"):
+        parse_examples(write_data(tmp_path / "over.jsonl", [over]).read_bytes(), "data")
+
+    huge = write_data(tmp_path / "huge.jsonl", [RECORDS[0], dict(record, endings=["a", "b" * (20 << 20)])])
+    data = huge.read_bytes()
+    tracemalloc.start()
+    try:
+        with pytest.raises(MinGPTError, match="line 2 is longer than"):
+            parse_examples(data, "data")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 << 20, peak  # the line is 20 MB
+    assert eval_command.main(["hellaswag", str(char_run), "--data", str(huge)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --data: {huge} line 2 is longer than {limit:,} characters: not a HellaSwag example; " \
+                  f"{hellaswag.GIVE_THE_FILE}\n"
+
+
+def test_a_file_larger_than_the_limit_is_read_no_further(tmp_path, monkeypatch, raw_server):
+    """A local file, or a URL whose body never ends: MAX_BYTES are read, and it is refused as not HellaSwag's."""
+    monkeypatch.setattr(hellaswag, "MAX_BYTES", 1 << 20)
+    big = write_data(tmp_path / "big.jsonl", RECORDS * 3000)
+    assert big.stat().st_size > 2 << 20
+    with pytest.raises(MinGPTError, match=f"^--data: {big} is larger than 1 MB: not HellaSwag's"):
+        hellaswag.load_examples(str(big), "--data")
+    url, _ = raw_server(never_ends)
+    with pytest.raises(MinGPTError, match="^--data: the file at .* is larger than 1 MB") as refused:
+        hellaswag.load_examples(url, "--data")
+    assert not isinstance(refused.value, hellaswag.HellaSwagUnavailable)  # a mistake, not a network to wait for
+    assert not list(hellaswag.cache_folder().glob(f"*{hellaswag.cache_path(url).name[:12]}*"))
+
+
+@pytest.mark.parametrize("answer", [never_answers, drips])
+def test_a_fetch_is_given_up_on_at_one_deadline_for_all_its_requests(tmp_path, monkeypatch, raw_server, answer):
+    """A server that never answers (a stuck proxy), or answers a byte at a time: the whole fetch ends at
+    FETCH_TIMEOUT_S, as offline, after one request, naming where to put the file; nothing is cached."""
+    monkeypatch.setattr(hellaswag, "FETCH_TIMEOUT_S", 2)
+    url, connections = raw_server(answer)
+    started = time.monotonic()
+    with pytest.raises(hellaswag.HellaSwagUnavailable, match="^--data: cannot fetch .* \\(not done within 2 s\\); "
+                                                            "put the file at"):
+        hellaswag.load_examples(url, "--data")
+    assert time.monotonic() - started < 2 + 20
+    assert len(connections) == 1
+    assert not hellaswag.cache_path(url).exists()
+    assert not list(hellaswag.cache_folder().glob(f".{hellaswag.cache_path(url).name}.*"))
+
+
+def test_an_object_store_s_fetch_is_given_up_on_at_the_deadline(s3, monkeypatch):
+    """s3://: fetched and cached like any URL; a GET held by the server is cancelled at FETCH_TIMEOUT_S."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    client.put_object(Bucket=s3.bucket, Key="hellaswag_val.jsonl", Body=write_bytes(RECORDS))
+    client.put_object(Bucket=s3.bucket, Key="held.jsonl", Body=write_bytes(RECORDS))
+    fetched = f"s3://{s3.bucket}/hellaswag_val.jsonl"
+    try:
+        assert len(hellaswag.load_examples(fetched, "--data")) == len(RECORDS)
+        assert hellaswag.cache_path(fetched).read_bytes() == write_bytes(RECORDS)
+        monkeypatch.setattr(hellaswag, "FETCH_TIMEOUT_S", 2)
+        held = s3.add("GET", r"/held\.jsonl$", "hold", count=float("inf"))
+        url = f"s3://{s3.bucket}/held.jsonl"
+        started = time.monotonic()
+        with pytest.raises(hellaswag.HellaSwagUnavailable, match="not done within 2 s"):
+            hellaswag.load_examples(url, "--data")
+        assert time.monotonic() - started < 2 + 20 and held.hits >= 1
+        assert not hellaswag.cache_path(url).exists()
+    finally:
+        hellaswag.cache_path(fetched).unlink(missing_ok=True)
+
+
+def test_only_what_parsed_is_cached_and_a_bad_cached_copy_is_named(tmp_path, served):
+    """A URL that serves an HTML page: refused, naming the URL, and nothing kept; once the server serves the file,
+    it is fetched and cached. A cached copy that does not parse is named, with how to have it fetched again."""
+    page = tmp_path / "hellaswag_val.jsonl"
+    page.write_text("<!DOCTYPE html>\n<html><body>Sign in to continue</body></html>\n")
+    url, requests = served(page)
+    cached = hellaswag.cache_path(url)
+    with pytest.raises(MinGPTError, match=f"^--data: the file fetched from {url} line 1 is not JSON .* it is not "
+                                          "kept"):
+        hellaswag.load_examples(url, "--data")
+    assert not cached.exists() and not list(cached.parent.glob(f".{cached.name}.*"))
+    write_data(page)  # the server fixed
+    assert len(hellaswag.load_examples(url, "--data")) == len(RECORDS)
+    assert cached.read_bytes() == page.read_bytes() and len(requests) == 2
+    cached.write_text("<html>\n")
+    with pytest.raises(MinGPTError, match=f"^--data: the cached copy {cached} line 1 is not JSON .*; remove it, and "
+                                          f"it is fetched again from {url}$"):
+        hellaswag.load_examples(url, "--data")
+    cached.unlink()
+    assert len(hellaswag.load_examples(url, "--data")) == len(RECORDS) and len(requests) == 3
+
+
+@pytest.fixture
+def agent_environment(monkeypatch):
+    """Whatever fetch_hellaswag tells the workers through the environment is gone after the test."""
+    monkeypatch.setenv(preparation.HELLASWAG_FETCHED, "")
+    monkeypatch.delenv(preparation.HELLASWAG_FETCHED)
+
+
+def test_the_agent_fetches_once_for_its_node_and_its_workers_read_its_copy(tmp_path, served, closed_port, caplog,
+                                                                           agent_environment):
+    """mingpt-torchrun's agent fetches the file (preparation.fetch_hellaswag); its workers read its copy and
+    request nothing. Where the agent could not fetch it, it warns once, and its workers neither fetch nor warn."""
+    url, requests = served(write_data(tmp_path / "hellaswag_val.jsonl"))
+    job = TrainerConfig(hellaswag_every=5, hellaswag_data=url)
+    preparation.fetch_hellaswag(job)
+    assert os.environ[preparation.HELLASWAG_FETCHED] == "cached" and len(requests) == 1
+    assert len(benchmark.read_hellaswag(job)) == len(RECORDS) and len(requests) == 1
+    hellaswag.cache_path(url).unlink()  # gone after the agent fetched it: the workers say so, and fetch nothing
+    with caplog.at_level(logging.WARNING, logger="mingpt"):
+        assert benchmark.read_hellaswag(job) is None
+    assert len(requests) == 1 and f"has no copy at {hellaswag.cache_path(url)}" in caplog.text
+    caplog.clear()
+
+    offline = TrainerConfig(hellaswag_every=5, hellaswag_data=f"http://127.0.0.1:{closed_port}/hellaswag_val.jsonl")
+    with caplog.at_level(logging.INFO, logger="mingpt"):
+        preparation.fetch_hellaswag(offline)
+        assert benchmark.read_hellaswag(offline) is None
+    assert os.environ[preparation.HELLASWAG_FETCHED] == "unavailable"
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.startswith("trainer.hellaswag_data: cannot fetch") and "goes on without the HellaSwag" in warning
 
 
 # -- scoring ---------------------------------------------------------------------------------------------------------
@@ -244,8 +479,11 @@ def served():
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, directory=str(path.parent), **kwargs)
 
-            def log_message(self, format, *args):
+            def log_request(self, code="-", size="-"):
                 requests.append(self.requestline)
+
+            def log_message(self, format, *args):  # (an error is logged twice: its request above, and here)
+                pass
 
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -323,4 +561,21 @@ def test_offline_without_the_file_a_job_says_where_to_put_it_in_one_line_and_tra
     warnings = [line for line in text.splitlines() if "HellaSwag" in line]
     assert len(warnings) == 1 and f"put the file at {hellaswag.cache_path(url)}" in warnings[0], warnings
     assert str(tmp_path / "cache") in warnings[0] and "training goes on without the HellaSwag metric" in warnings[0]
+    assert not hellaswag_records(tmp_path / "snap") and max(m["step"] for m in metrics(tmp_path / "snap")) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_under_mingpt_torchrun_a_file_that_cannot_be_had_is_one_request_and_one_warning(tmp_path, procs, served):
+    """A URL that answers 404: mingpt-torchrun's agent asks once for its node, before it joins, and warns once; its
+    two workers ask nothing and say nothing, and train to the end without the metric."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    url, requests = served(tmp_path / "hellaswag_val.jsonl")  # no such file
+    text = run(procs, standalone(2), [*SMALL, f"data.corpus={tmp_path / 'corpus.txt'}",
+                                      f"data.prepared_dir={tmp_path / 'prepared'}", f"snapshot.dir={tmp_path / 'snap'}",
+                                      "trainer.max_steps=3", "trainer.hellaswag_every=1",
+                                      f"trainer.hellaswag_data={url}"], "job")
+    warnings = [line for line in text.splitlines() if "HellaSwag" in line]
+    assert len(warnings) == 1 and "trainer.hellaswag_data: cannot fetch" in warnings[0], warnings
+    assert warnings[0] in text.split("joining the job")[0] and len(requests) == 1, requests
     assert not hellaswag_records(tmp_path / "snap") and max(m["step"] for m in metrics(tmp_path / "snap")) == 3

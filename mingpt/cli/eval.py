@@ -48,7 +48,7 @@ def evaluate(args: argparse.Namespace) -> None:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be a positive integer; got {args.batch_size}")
     device = pick_device(args.device)
-    examples = load_examples(args.data)  # before the model: a wrong file is found at once
+    examples = load_examples(args.data, "--data")  # before the model: a wrong file is found at once
     snapshot, model, tokenizer = open_model(args.snapshot, device)
     print(f"# {snapshot.url} (step {snapshot.step})", file=sys.stderr)
     encoded, skipped = encode_all(examples, tokenizer, model.config.block_size)

@@ -196,8 +196,8 @@ def prepare_before_joining(args: argparse.Namespace) -> None:
         return
     cfg = compose_config(conf, args.training_script_args)
     started = time.monotonic()
-    folder = prepare_data(cfg)
     fetch_hellaswag(cfg.trainer)
+    folder = prepare_data(cfg)
     log.info("mingpt-torchrun: data ready in %s (%.0f s); joining the job", folder, time.monotonic() - started)
 
 

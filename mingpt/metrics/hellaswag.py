@@ -3,7 +3,12 @@ reads them.
 
 The file is the public JSONL of the HellaSwag authors (one JSON object a line: activity_label, ctx_a, ctx_b,
 endings, label). A local path is read as it is. A URL is fetched once into a folder that only this user can write
-(`cache_folder`), checked against the file's known sha256 where it is known, and read from there afterwards.
+(`cache_folder`), checked against the file's known sha256 where it is known, kept there only once its examples
+parsed, and read from there afterwards.
+
+Every input is bounded before it costs much: a file of at most MAX_BYTES, of which no more is read or fetched;
+lines of at most MAX_LINE_CHARS characters, a longer one refused before it is parsed, so that no example's text
+reaches a tokenizer unbounded; a fetch, all its requests together, within FETCH_TIMEOUT_S.
 
 Each example becomes a query and its choices exactly as lm-evaluation-harness's lm_eval/tasks/hellaswag/utils.py
 makes them (`preprocess`, `to_example`); mingpt.metrics.scoring scores them.
@@ -11,16 +16,21 @@ makes them (`preprocess`, `to_example`); mingpt.metrics.scoring scores them.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
 import os
 import re
 import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
+
+from fsspec.asyn import get_loop, sync
 
 from mingpt.errors import MinGPTError, one_line
-from mingpt.storage import open_fs, parse_json, private_folder, read_own_file, redact
+from mingpt.storage import open_fs, parse_json, private_folder, read_head, read_own_file, redact
 
 PUBLIC_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # The public file's digest, from Hugging Face datasets' record of it (datasets/hellaswag/dataset_infos.json,
@@ -30,8 +40,10 @@ KNOWN_SHA256 = {
     "https://github.com/rowanz/hellaswag/raw/master/data/hellaswag_val.jsonl":
         "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588",
 }
-MAX_BYTES = 256 << 20  # the validation file is 12 MB: a larger download is not it
-FETCH_TIMEOUT_S = 120  # an http(s) fetch, whole: a server that never answers must not hold a job's start
+MAX_BYTES = 64 << 20  # the validation file is 12 MB, and every process of a job holds its examples
+MAX_LINE_CHARS = 1 << 16  # an example of the file takes a few thousand characters at most
+FETCH_TIMEOUT_S = 120  # a whole fetch, all its requests: a server that never answers must not hold a job's start
+GIVE_THE_FILE = "give HellaSwag's validation JSONL (hellaswag_val.jsonl), one example a line, or its URL"
 
 
 class HellaSwagUnavailable(MinGPTError):
@@ -48,13 +60,101 @@ class Example:
     label: int
 
 
-def preprocess(text: str) -> str:
-    """lm-evaluation-harness's cleaning of HellaSwag's text: WikiHow's "[title]" ends a sentence, its other
-    bracketed tags go, and a double space left behind becomes one."""
-    text = text.strip()
-    text = text.replace(" [title]", ". ")
-    text = re.sub("\\[.*?\\]", "", text)
-    return text.replace("  ", " ")
+def load_examples(source: str, setting: str, fetch: bool = True) -> list[Example]:
+    """The examples of `source`, a local path or a URL, as given in `setting` (trainer.hellaswag_data, --data),
+    which every error names. A URL is read from the cache, else fetched (where `fetch`) and cached once it parsed.
+    HellaSwagUnavailable where a URL can be neither read from the cache nor fetched; MinGPTError for a file that is
+    not HellaSwag's."""
+    try:
+        if is_local(source):
+            return parse_examples(_read_local(source), source)
+        return _examples_at(source, fetch)
+    except MinGPTError as e:
+        raise type(e)(f"{setting}: {e}") from None
+
+
+def is_local(source: str) -> bool:
+    return "://" not in source or source.startswith("file:")
+
+
+def _read_local(source: str) -> bytes:
+    """The bytes of a local file (a link is followed: the user named it); MinGPTError for anything but a regular
+    file, or for one larger than MAX_BYTES, of which no more is read."""
+    path = open_fs(source)[1] if source.startswith("file:") else source
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO would block: refused below
+    except OSError as e:
+        raise MinGPTError(f"cannot read {path}: {e.strerror}; {GIVE_THE_FILE}") from None
+    try:
+        kind = os.fstat(fd).st_mode
+        if not stat.S_ISREG(kind):
+            raise MinGPTError(f"{path} is {'a folder' if stat.S_ISDIR(kind) else 'not a regular file'}; "
+                              f"{GIVE_THE_FILE}")
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:
+        raise MinGPTError(f"{path} is larger than {MAX_BYTES >> 20} MB: not HellaSwag's validation file; "
+                          f"{GIVE_THE_FILE}")
+    return data
+
+
+# -- the examples of the file ----------------------------------------------------------------------------------------
+
+
+def parse_examples(data: bytes, source: str, advice: str = GIVE_THE_FILE) -> list[Example]:
+    """The examples of a HellaSwag JSONL file; MinGPTError naming the first line that is not one, with `advice`.
+    Blank lines are skipped; a line longer than MAX_LINE_CHARS characters is refused before it is parsed."""
+    examples = []
+    for number, line in enumerate(_lines(data), 1):
+        where = f"{source} line {number}"
+        if len(line) > MAX_LINE_CHARS:
+            raise MinGPTError(f"{where} is longer than {MAX_LINE_CHARS:,} characters: not a HellaSwag example; "
+                              f"{advice}")
+        if _UNDECODED.search(line):
+            raise MinGPTError(f"{where} is not UTF-8 text; {advice}")
+        if line.strip():
+            examples.append(to_example(_record(line, where, advice)))
+    if not examples:
+        raise MinGPTError(f"{source} holds no examples; {advice}")
+    return examples
+
+
+_UNDECODED = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of bytes that are not UTF-8
+
+
+def _lines(data: bytes) -> Iterator[str]:
+    """The lines of `data`, without their ends, each decoded to at most MAX_LINE_CHARS + 1 characters (the rest
+    of a longer line comes as the next)."""
+    text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
+    while line := text.readline(MAX_LINE_CHARS + 1):
+        yield line.removesuffix("\n")
+
+
+def _record(line: str, where: str, advice: str) -> dict:
+    """The JSON object of one line, its fields checked; MinGPTError saying what is wrong with it."""
+    try:
+        record = parse_json(line)
+    except ValueError as e:
+        raise MinGPTError(f"{where} is not JSON ({e}); {advice}") from None
+    if not isinstance(record, dict):
+        raise MinGPTError(f"{where} is not a JSON object; {advice}")
+    for key in ("activity_label", "ctx_a", "ctx_b"):
+        if not isinstance(record.get(key), str):
+            raise MinGPTError(f"{where} has no text field {key!r}; each example needs activity_label, ctx_a, ctx_b, "
+                              f"endings and label; {advice}")
+    endings = record.get("endings")
+    if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
+        raise MinGPTError(f"{where}: 'endings' must be a list of at least two texts; {advice}")
+    label = record.get("label")
+    if isinstance(label, str) and label.isdigit():  # Hugging Face's copy stores it as text
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+        raise MinGPTError(f"{where}: 'label' must be the index of the right ending, 0 to {len(endings) - 1}; got "
+                          f"{record.get('label')!r} (the test split's labels are hidden: use the validation file); "
+                          f"{advice}")
+    return record
 
 
 def to_example(record: dict) -> Example:
@@ -64,75 +164,16 @@ def to_example(record: dict) -> Example:
                    choices=tuple(preprocess(ending) for ending in record["endings"]), label=int(record["label"]))
 
 
-def parse_examples(data: bytes, source: str) -> list[Example]:
-    """The examples of a HellaSwag JSONL file; MinGPTError naming the first line that is not one. Blank lines are
-    skipped."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise MinGPTError(f"{source} is not UTF-8 text (byte {e.start}); give HellaSwag's JSONL file") from None
-    examples = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            examples.append(to_example(_record(line, f"{source} line {number}")))
-    if not examples:
-        raise MinGPTError(f"{source} holds no examples; give HellaSwag's JSONL file (hellaswag_val.jsonl)")
-    return examples
+def preprocess(text: str) -> str:
+    """lm-evaluation-harness's cleaning of HellaSwag's text: WikiHow's "[title]" ends a sentence, its other
+    bracketed tags go, and a double space left behind becomes one."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
 
 
-def _record(line: str, where: str) -> dict:
-    """The JSON object of one line, its fields checked; MinGPTError saying what is wrong with it."""
-    try:
-        record = parse_json(line)
-    except ValueError as e:
-        raise MinGPTError(f"{where} is not JSON ({e}); give HellaSwag's JSONL file, one example a line") from None
-    if not isinstance(record, dict):
-        raise MinGPTError(f"{where} is not a JSON object; give HellaSwag's JSONL file, one example a line")
-    for key in ("activity_label", "ctx_a", "ctx_b"):
-        if not isinstance(record.get(key), str):
-            raise MinGPTError(f"{where} has no text field {key!r}; each example needs activity_label, ctx_a, ctx_b, "
-                              "endings and label")
-    endings = record.get("endings")
-    if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
-        raise MinGPTError(f"{where}: 'endings' must be a list of at least two texts")
-    label = record.get("label")
-    if isinstance(label, str) and label.isdigit():  # Hugging Face's copy stores it as text
-        label = int(label)
-    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
-        raise MinGPTError(f"{where}: 'label' must be the index of the right ending, 0 to {len(endings) - 1}; got "
-                          f"{record.get('label')!r} (the test split's labels are hidden: use the validation file)")
-    return record
-
-
-def load_examples(source: str) -> list[Example]:
-    """The examples of `source`, a local path or a URL (fetched into the cache once); HellaSwagUnavailable where
-    a URL can be neither read from the cache nor fetched, MinGPTError for a file that is not HellaSwag's."""
-    if is_local(source):
-        return parse_examples(_read_local(source), source)
-    return parse_examples(cached_copy(source), redact(source))
-
-
-def is_local(source: str) -> bool:
-    return "://" not in source or source.startswith("file:")
-
-
-def _read_local(source: str) -> bytes:
-    path = open_fs(source)[1] if source.startswith("file:") else source
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO would block: refused below
-    except OSError as e:
-        raise MinGPTError(f"cannot read {path}: {e.strerror}; give the path of HellaSwag's JSONL file, or its "
-                          f"URL ({PUBLIC_URL})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise MinGPTError(f"{path} is not a regular file; give the path of HellaSwag's JSONL file")
-        data = f.read(MAX_BYTES + 1)
-    if len(data) > MAX_BYTES:
-        raise MinGPTError(f"{path} is larger than {MAX_BYTES >> 20} MB: not HellaSwag's validation file")
-    return data
-
-
-# -- the cache: a folder only this user can write, no link followed --------------------------------------------------
+# -- a URL: the cache, a folder only this user can write, no link followed --------------------------------------------
 
 
 def cache_folder() -> Path:
@@ -146,19 +187,26 @@ def cache_path(url: str) -> Path:
     return cache_folder() / f"{hashlib.sha256(url.encode()).hexdigest()[:12]}-{name}"
 
 
-def cached_copy(url: str) -> bytes:
-    """The bytes of the file at `url`: the cached copy where there is one, else fetched and cached. Checked
+def _examples_at(url: str, fetch: bool) -> list[Example]:
+    """The examples of the file at `url`: its cached copy's where there is one, else fetched now (where `fetch`)
+    and cached once they parsed: a page that is not the file (an HTML error page, say) is never kept. Checked
     against the file's known sha256 (KNOWN_SHA256) either way."""
     path = cache_path(url)
     _check_cache_folder(path.parent)
-    data = _read_cached(path)
-    if data is None:
-        data = _fetch(url, path)
-        _check_digest(data, url, f"the file fetched from {redact(url)}", "the URL serves another file")
-        _write_cached(path, data)
-    else:
-        _check_digest(data, url, f"the cached copy {path}", "remove it, and it is fetched again")
-    return data
+    cached = _read_cached(path)
+    if cached is not None:
+        what, advice = f"the cached copy {path}", f"remove it, and it is fetched again from {redact(url)}"
+        _check_digest(cached, url, what, advice)
+        return parse_examples(cached, what, advice)
+    if not fetch:
+        raise HellaSwagUnavailable(f"{redact(url)} has no copy at {path}, and is not fetched here; put the file "
+                                   "there, or give the path of a copy")
+    data = _download(url, path)
+    what, advice = f"the file fetched from {redact(url)}", f"it is not kept; {GIVE_THE_FILE}"
+    _check_digest(data, url, what, advice)
+    examples = parse_examples(data, what, advice)
+    _write_cached(path, data)
+    return examples
 
 
 def _check_cache_folder(folder: Path) -> None:
@@ -186,32 +234,54 @@ def _read_cached(path: Path) -> bytes | None:
         raise MinGPTError(f"cannot read the cached copy {path} ({e.strerror or e}); remove it") from None
 
 
-def _fetch(url: str, path: Path) -> bytes:
-    """The file at `url`; HellaSwagUnavailable where it cannot be had (a URL that cannot be used at all, an unknown
-    protocol, is a MinGPTError: a mistake to fix, not a network to wait for)."""
-    fs, remote = open_fs(url, _http_options(url))
+def _download(url: str, path: Path) -> bytes:
+    """The file at `url`, at most MAX_BYTES of it, within FETCH_TIMEOUT_S for all its requests together: an
+    http(s) URL is one GET (its redirects included), an object store's ranged read is cancelled there too, and
+    other file systems (hf://) keep their clients' own timeouts. HellaSwagUnavailable where the file cannot be had;
+    MinGPTError for a URL that cannot be used at all (an unknown protocol) or a file too large to be HellaSwag's:
+    a mistake to fix, not a network to wait for."""
     try:
-        with fs.open(remote, "rb") as f:
-            return f.read(MAX_BYTES + 1)
+        if url.startswith(("http://", "https://")):
+            data = sync(get_loop(), _http_get, url, timeout=FETCH_TIMEOUT_S)  # on fsspec's loop, cancelled there
+        else:
+            data = _read_url(url)
+    except MinGPTError:
+        raise
     except Exception as e:  # no network, a proxy, HTTP 404: every storage client raises its own types
-        raise HellaSwagUnavailable(f"HellaSwag: cannot fetch {redact(url)} ({redact(one_line(e))}); put the file at "
-                                   f"{path}, or give the path of a copy (trainer.hellaswag_data, or mingpt-eval's "
-                                   "--data)") from None
+        late = isinstance(e, (TimeoutError, asyncio.TimeoutError))  # (one type from Python 3.11)
+        reason = f"not done within {FETCH_TIMEOUT_S} s" if late else redact(one_line(e))
+        raise HellaSwagUnavailable(f"cannot fetch {redact(url)} ({reason}); put the file at {path}, or give the "
+                                   "path of a copy") from None
+    if len(data) > MAX_BYTES:
+        raise MinGPTError(f"the file at {redact(url)} is larger than {MAX_BYTES >> 20} MB: not HellaSwag's "
+                          f"validation file; {GIVE_THE_FILE}")
+    return data
 
 
-def _http_options(url: str) -> dict:
-    """fsspec's HTTP file system waits 5 minutes for a server that does not answer (aiohttp's default)."""
-    if not url.startswith(("http://", "https://")):
-        return {}
+async def _http_get(url: str) -> bytes:
+    """At most MAX_BYTES + 1 bytes of the body of a GET of `url` (redirects followed); an error status raises."""
     import aiohttp  # fsspec's HTTP client
 
-    return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S, sock_connect=10)}}
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        response.raise_for_status()
+        data = bytearray()
+        async for chunk in response.content.iter_any():
+            data += chunk
+            if len(data) > MAX_BYTES:
+                break
+        return bytes(data)
+
+
+def _read_url(url: str) -> bytes:
+    """At most MAX_BYTES + 1 bytes of the file at an fsspec URL other than http(s)."""
+    fs, remote = open_fs(url)
+    if fs.async_impl:
+        return sync(fs.loop, fs._cat_file, remote, start=0, end=MAX_BYTES + 1, timeout=FETCH_TIMEOUT_S)
+    return read_head(fs, remote, MAX_BYTES + 1)
 
 
 def _check_digest(data: bytes, url: str, what: str, advice: str) -> None:
     expected = KNOWN_SHA256.get(url)
-    if len(data) > MAX_BYTES:
-        raise MinGPTError(f"{what} is larger than {MAX_BYTES >> 20} MB: not HellaSwag's validation file; {advice}")
     if expected and hashlib.sha256(data).hexdigest() != expected:
         raise MinGPTError(f"{what} is not HellaSwag's validation file (sha256 {hashlib.sha256(data).hexdigest()}, "
                           f"expected {expected}); {advice}")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 from mingpt.data.sampler import micro_batches, shard
-from mingpt.metrics.hellaswag import HellaSwagUnavailable, load_examples
+from mingpt.metrics.hellaswag import Example, HellaSwagUnavailable, load_examples
 from mingpt.metrics.scoring import Encoded, Tally, encode_all, score, skipped_note
 from mingpt.model import GPT
 from mingpt.storage import redact
@@ -22,6 +23,7 @@ from mingpt.tokenizers import Tokenizer
 from mingpt.training import distributed
 from mingpt.training.config import TrainerConfig
 from mingpt.training.parallel import Topology
+from mingpt.training.preparation import HELLASWAG_FETCHED
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +57,33 @@ class HellaSwag:
         return Tally(round(correct), round(correct_norm), round(count))
 
 
-def load_hellaswag(t: TrainerConfig, tokenizer: Tokenizer, block_size: int) -> HellaSwag | None:
-    """The job's HellaSwag examples where `trainer.hellaswag_every` asks for them; None, and one warning line,
-    where the file cannot be had (offline without a copy): the job goes on without the metric. A file that is not
-    HellaSwag's is an error (MinGPTError)."""
+def read_hellaswag(t: TrainerConfig) -> list[Example] | None:
+    """The job's HellaSwag examples where `trainer.hellaswag_every` asks for them, read before the data work: a
+    file that is not HellaSwag's stops the job at once (MinGPTError). None, and one warning line, where the file
+    cannot be had (offline without a copy): the job goes on without the metric. Under mingpt-torchrun this node's
+    agent has fetched a URL already (preparation.fetch_hellaswag): its copy is read, nothing is fetched again, and
+    where the agent could not fetch it (it warned) there is nothing to read."""
     if not t.hellaswag_every:
         return None
-    speaks = distributed.leads_this_generation()  # before the process group exists: the future leader
+    agent_found = os.environ.get(HELLASWAG_FETCHED)
+    if agent_found == "unavailable":
+        return None
     try:
-        examples = load_examples(t.hellaswag_data)
+        return load_examples(t.hellaswag_data, "trainer.hellaswag_data", fetch=agent_found is None)
     except HellaSwagUnavailable as e:
-        if speaks:
+        if distributed.leads_this_generation():  # before the process group exists: the future leader
             log.warning("%s; training goes on without the HellaSwag metric", e)
         return None
+
+
+def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: Tokenizer,
+                   block_size: int) -> HellaSwag | None:
+    """`examples` (read_hellaswag's) in tokens, with the number scored in one forward pass; None where none can
+    be scored."""
+    if not examples:
+        return None
     encoded, skipped = encode_all(examples, tokenizer, block_size)
-    if skipped and speaks:
+    if skipped and distributed.leads_this_generation():
         log.warning("HellaSwag, %s: %s", redact(t.hellaswag_data), skipped_note(skipped, len(examples), tokenizer))
     return HellaSwag(encoded, max(1, t.micro_batch_size // 4)) if encoded else None
 

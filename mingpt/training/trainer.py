@@ -38,7 +38,7 @@ from mingpt.training import distributed, parallel
 from mingpt.training import generation
 from mingpt.training import live
 from mingpt.training.agreement import Outcome, Share, StepAgreement
-from mingpt.training.benchmark import HellaSwag, agree, load_hellaswag
+from mingpt.training.benchmark import HellaSwag, agree, load_hellaswag, read_hellaswag
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.compile_cache import CompileCache, describe
 from mingpt.training.config import Config
@@ -96,10 +96,11 @@ def _train(cfg: Config) -> TrainResult:
     # (Live mode: the writer's group claims it when it becomes the writer.)
     claims = distributed.leads_this_generation() and not live.enabled()
     with store.claim(cfg.snapshot.lease_timeout_s) if claims else nullcontext():
+        examples = read_hellaswag(cfg.trainer)  # before the data work: a file that is not HellaSwag's stops it
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         data = PreparedData(prepare_data(cfg, pretrained))
         model_config = _model_config(cfg, data, pretrained)
-        hellaswag = load_hellaswag(cfg.trainer, data.tokenizer, model_config.block_size)
+        hellaswag = load_hellaswag(cfg.trainer, examples, data.tokenizer, model_config.block_size)
         world = generation.start(cfg.trainer.dist_timeout_s, meeting)
         try:
             with StopFlag() as stop, _a_lost_peer_ends_the_generation():
