@@ -15,44 +15,37 @@ import pytest
 import torch
 
 from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, assert_equal_weights, env, free_port, kill_node,
-                    latest_step, ledger, output, overrides, rendezvous, torchrun, wait_for, weights, worker)
+                    latest_step, ledger, output, overrides, rendezvous, stop, torchrun, wait_for, weights, worker)
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.packing import pack
-from mingpt.errors import ConfigError, DataError, PeerLeft
+from mingpt.errors import PeerLeft
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
 from mingpt.training.launcher import PEER_LOST
-from mingpt.training.live import COLLECTIVE_TIMEOUT_S, LiveAgreement
+from mingpt.training.live import COLLECTIVE_TIMEOUT_S, SINCE, LiveAgreement, credentials, eldest, misfit
 
 
-def test_a_group_with_other_data_than_the_first_groups_is_refused_naming_both(monkeypatch):
-    """The groups of a live job meet in mingpt-rendezvous's store: the first group's data is the job's."""
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "data-check")
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    groups = [LiveAgreement.__new__(LiveAgreement) for _ in range(3)]
-    for group in groups:
-        group.rendezvous = store
-    groups[0]._check_data("a" * 64)
-    groups[1]._check_data("a" * 64)
-    with pytest.raises(DataError) as refused:
-        groups[2]._check_data("b" * 64)
-    assert f"fingerprint {'b' * 12}" in str(refused.value) and f"fingerprint {'a' * 12}" in str(refused.value)
+def test_a_group_is_of_the_job_where_its_job_data_and_layout_are_those_of_the_group_longest_in_it():
+    """Every step's table carries each group's credentials, and so does the state a peer sends a healing group:
+    a group whose credentials differ from those of the group longest in the job is refused, naming both."""
+    job = credentials("live", "a" * 64, 2, "hsdp")
+    assert misfit(job, job, "live") is None
+    assert str(misfit(credentials("live", "b" * 64, 2, "hsdp"), job, "live")) == (
+        "this node's prepared data (fingerprint bbbbbbbbbbbb) is not that of live job live (fingerprint aaaaaaaaaaaa, "
+        "as the node longest in the job prepared it): start every node of a job with the same data settings and "
+        "corpus; to train on other data, start another job (another --rdzv-id)")
+    assert str(misfit(credentials("live", "a" * 64, 1, "ddp"), job, "live")) == (
+        "this node runs 1 worker(s) per node, ddp, where live job live runs 2 worker(s) per node, hsdp (as the node "
+        "longest in the job does): start every node of a job with the same --nproc-per-node and trainer.parallelism")
+    assert str(misfit(credentials("other", "a" * 64, 2, "hsdp"), job, "live")).startswith(
+        "another live job trains on the Lighthouse this node met, not job live")
 
 
-def test_a_group_of_another_layout_than_the_first_groups_is_refused_naming_both(monkeypatch):
-    """Each worker exchanges with the worker of its place in the other groups: every group must have as many,
-    splitting the model alike."""
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "layout-check")
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    groups = [LiveAgreement.__new__(LiveAgreement) for _ in range(3)]
-    for group in groups:
-        group.rendezvous = store
-    groups[0]._check_layout("2 worker(s) per node, hsdp")
-    groups[1]._check_layout("2 worker(s) per node, hsdp")
-    with pytest.raises(ConfigError) as refused:
-        groups[2]._check_layout("1 worker(s) per node, ddp")
-    assert str(refused.value) == (
-        "this node runs 1 worker(s) per node, ddp, where live job layout-check runs 2 worker(s) per node, hsdp (as "
-        "its first node started): start every node of a job with the same --nproc-per-node and trainer.parallelism")
+def test_the_writer_is_the_group_longest_in_the_job_whatever_its_position():
+    """A group that joined after a restart of mingpt-rendezvous may sort first in the quorum: it never takes the
+    writing over from a group that has taken part longer."""
+    row = lambda since: [0.0] * SINCE + [float(since)]
+    assert eldest([row(40), row(3), row(3), row(12)]) == 1
+    assert eldest([row(0), row(0)]) == 0
 
 
 def test_a_vote_that_never_ends_loses_a_peer_and_waits_longer_than_a_collective():
@@ -179,7 +172,9 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
        survivor writes from then on.
     2. mingpt-rendezvous (the Lighthouse) stops and starts again on the same ports: training goes on.
     Through both, the survivors' workers are the processes they were.
-    3. Both nodes die, memories kept: two new nodes resume from the memory tiers.
+    3. mingpt-rendezvous keeps nothing across its restart, yet, the newcomer gone, a node with other data that
+       comes then is refused, and a node that joins then never takes the writing over from the survivor.
+    4. Both nodes die, memories kept: two new nodes resume from the memory tiers.
     At the end every step's samples are in the ledger, as in an uninterrupted run, and the weights are
     bitwise those of an uninterrupted two-process run."""
     port, lighthouse = free_port(), free_port()
@@ -198,7 +193,7 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
     shutil.rmtree(tmp_path / machine)  # its memory goes with it
     newcomer = live_node(procs, tmp_path, port, "newcomer", machine)
     wait_for(lambda: "healed from a live peer" in output(newcomer), 120, "the newcomer's heal", [survivor, newcomer])
-    assert "this job holds" in output(survivor)  # the survivor writes now
+    wait_for(lambda: "this job holds" in output(survivor), 60, "the survivor's claim", [survivor, newcomer])
     newcomer_worker = worker(newcomer.pid, local_rank=0)
 
     store.send_signal(signal.SIGTERM)  # 2.
@@ -211,8 +206,22 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
         newcomer_worker  # the same processes throughout
     assert "live: met the Lighthouse again" in output(newcomer)
 
-    wait_for(between_snapshots, 120, "a step between two snapshots", [survivor, newcomer])
-    for node in (survivor, newcomer):  # 3.
+    kill_node(newcomer)  # 3. (two groups at most at any step: the weights are compared with two processes')
+    newcomer.wait(timeout=30)
+    stranger = live_node(procs, tmp_path, port, "stranger", "machine-d",  # the same text, split otherwise
+                         extra=["data.val_fraction=0.2", f"data.prepared_dir={tmp_path / 'other-prepared'}"])
+    latecomer = live_node(procs, tmp_path, port, "latecomer", machine)  # on the newcomer's machine, its memory kept
+    assert stranger.wait(timeout=120) == 2, output(stranger)
+    assert "this node's prepared data (fingerprint" in output(stranger) and "saving step" not in output(stranger)
+    wait_for(lambda: "live: this group takes part" in output(latecomer), 120, "the latecomer's first step",
+             [survivor, latecomer])
+    joined_at = max(ledger(snap))
+    wait_for(lambda: max(ledger(snap)) > joined_at + 5, 120, "training with the latecomer", [survivor, latecomer])
+    assert "this job holds" not in output(latecomer)
+    assert worker(survivor.pid, local_rank=0) == survivor_worker  # the stranger changed nothing
+
+    wait_for(between_snapshots, 120, "a step between two snapshots", [survivor, latecomer])
+    for node in (survivor, latecomer):  # 4.
         kill_node(node)
         node.wait(timeout=30)
     died_at = max(ledger(snap))
@@ -224,7 +233,8 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
     for node in again:
         node.wait(timeout=90)
     assert all("resumed from the memory tier" in output(node) for node in again)
-    assert "Traceback" not in output(survivor) + output(newcomer), (output(survivor) + output(newcomer))[-3000:]
+    logs = "".join(output(node) for node in (survivor, newcomer, stranger, latecomer))
+    assert "Traceback" not in logs, logs[-3000:]
 
     uninterrupted = reference.at(compared)
     seen, expected = ledger(snap), ledger(uninterrupted)
@@ -289,6 +299,35 @@ def test_hsdp_nodes_shard_within_and_heal_shard_by_shard(tmp_path, procs, refere
     uninterrupted = reference.at(compared)
     seen, expected = ledger(snap), ledger(uninterrupted)
     assert [step for step in range(1, compared + 1) if seen.get(step) != expected[step]] == []
+
+
+@pytest.mark.slow
+def test_live_and_plain_nodes_of_one_job_never_share_its_run(tmp_path, procs):
+    """A --live node and a plain one with the same --rdzv-id and endpoint never meet (the live one meets the
+    Lighthouse, the plain one torch's rendezvous), so the second to come is refused in one line, exit 2, saying
+    what to add or drop; the job that runs goes on with the same processes. Once it has ended, the other mode
+    may go on with the run."""
+    port = free_port()
+    rendezvous(procs, port)
+    job = ["--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=mixed"]
+    snap = tmp_path / "mixed"
+    node = lambda name, *live: procs.start(torchrun(*live, *job) + overrides(tmp_path, "mixed", ENDLESS_STEPS), name)
+    for first, second in (((), ("--live",)), (("--live",), ())):
+        before = max(ledger(snap), default=0)
+        running = node("running", *first)
+        wait_for(lambda: max(ledger(snap), default=0) >= before + 3, 120, "training", [running])
+        trainer = worker(running.pid, local_rank=0)
+        refused = node("refused", *second)
+        assert refused.wait(timeout=120) == 2, output(refused)
+        mode, start = ("live", "with --live") if first else ("restart", "without --live")
+        assert f"job mixed runs in the {mode} mode ({snap} is held by it on host" in output(refused)
+        assert f"start this node {start}, or stop that job first" in output(refused)
+        reached = max(ledger(snap))
+        wait_for(lambda: max(ledger(snap)) > reached + 3, 120, "training on", [running])
+        assert worker(running.pid, local_rank=0) == trainer
+        stop(running)  # its snapshot written, its claim released: the other mode may go on with the run
+    assert "Traceback" not in "".join(output(proc) for proc in procs.started if hasattr(proc, "log_path"))
 
 
 def test_live_needs_mingpt_rendezvous_and_says_so(tmp_path):

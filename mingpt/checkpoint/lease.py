@@ -20,7 +20,9 @@ generations, beat, watch and fence, is mingpt.claim's, which the prepared data's
 module decides whom the run may be taken from, and what a commit says of its writer.)
 
 Every generation of workers of one torchrun job (restarts, nodes leaving or joining) carries the
-same job identity, so it takes the run over at once. A worker left over from an older generation
+same job identity, so it takes the run over at once. A claim also names the job's mode, the restart mode or the
+live one (`mingpt-torchrun --live`): nodes of one job id in the two modes never meet, so each is to the other
+another job, refused while the holder lives. A worker left over from an older generation
 (its agent killed, its peers gone) finds a newer generation file before it commits or deletes
 anything, and stops instead: that is the fence `check()` gives the snapshot store. So does a commit
 at a step this job saves that another job wrote: the store asks `check(found)`, and keeps none of
@@ -78,6 +80,8 @@ def job_identity() -> str:
     return f"process:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+RESTART, LIVE = "restart", "live"  # a job's modes: workers restarted on a change of membership, or live groups
+
 # Longest a claimant watches a silent holder, whatever timeout its (possibly hand-edited) claim names.
 _MAX_WATCH_S = 3600.0
 
@@ -88,9 +92,9 @@ LastCommit = Callable[[], "Commit | None"]
 class RunLease:
     """The claim of one process (the leader of its generation) on the run under `path`."""
 
-    def __init__(self, run: RunDir, timeout_s: float, job: str | None = None):
+    def __init__(self, run: RunDir, timeout_s: float, job: str | None = None, mode: str = RESTART):
         self.run, self.url, self.timeout_s = run, run.url, timeout_s
-        self.job = job or job_identity()
+        self.job, self.mode = job or job_identity(), mode
         files = Files(run.fs, run.local, create_exclusive, replace_atomically, redact)
         self.claims = GenerationalClaim(files, run.owner, run.url, valid=lambda r: isinstance(r.get("job"), str))
         self._resumed = -1  # the step of the newest commit when this process claimed the run
@@ -128,7 +132,8 @@ class RunLease:
         before = last_commit()  # a commit after this one, at a step this job saves, is checked, never trusted
         try:
             claim = self.claims.take(lambda holder: self._may_take(holder, last_commit),
-                                     fields={"job": self.job, "timeout_s": self.timeout_s}, pids=self._processes(),
+                                     fields={"job": self.job, "mode": self.mode, "timeout_s": self.timeout_s},
+                                     pids=self._processes(),
                                      newest=lambda: self._holder(last_commit))
         except FileExistsError:  # where owner/ should be
             raise RunOwnedError(f"{self.claims.folder} is not a folder: move it away, then run this again") from None
@@ -137,6 +142,16 @@ class RunLease:
         self._resumed = before.step if before else -1
         log.info("this job holds %s (generation %d)", self.url, claim.generation)
         return claim
+
+    def refuse_the_other_mode(self, last_commit: LastCommit = lambda: None) -> None:
+        """Raise RunOwnedError where this job's id holds the run in the other mode, alive: a live node and a plain
+        one of the same --rdzv-id never meet, so the second to come must not train on the run."""
+        current = self._holder(last_commit)
+        if current is not None and self._other_mode(current.record):
+            self._may_take(current, last_commit)
+
+    def _other_mode(self, holder: dict) -> bool:
+        return holder.get("job") == self.job and holder.get("mode", self.mode) != self.mode
 
     @staticmethod
     def _processes() -> list[int]:
@@ -167,7 +182,7 @@ class RunLease:
     def _may_take(self, current: Claim, last_commit: LastCommit) -> bool:
         """True where this job may take the run over from `current`; RunOwnedError where it may not."""
         holder = current.record
-        if holder.get("job") == self.job:
+        if holder.get("job") == self.job and not self._other_mode(holder):
             return True  # a new generation of this very job: restarts never wait
         if holder.get("released"):
             log.info("continuing %s after job %s, which released it", self.url, holder.get("job"))
@@ -200,6 +215,13 @@ class RunLease:
 
     def _owned(self, current: Claim, why: str) -> RunOwnedError:
         holder = current.record
+        if self._other_mode(holder):
+            job = self.job.removeprefix("torchrun:")
+            start = "with --live" if holder.get("mode") == LIVE else "without --live"
+            return RunOwnedError(
+                f"job {job} runs in the {holder.get('mode')} mode ({self.url} is held by it on host "
+                f"{holder.get('host', 'unknown')}, pid {pids(holder) or 'unknown'}; {why}): start this node {start}, "
+                "or stop that job first")
         return RunOwnedError(
             f"{self.url} is in use by another job: {holder.get('job')} on host {holder.get('host', 'unknown')} "
             f"(pid {pids(holder) or 'unknown'}), holding it since {_when(holder.get('since'))}; {why}. "

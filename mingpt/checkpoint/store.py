@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from mingpt.errors import MinGPTError
-from mingpt.checkpoint.lease import Commit, RunLease
+from mingpt.checkpoint.lease import RESTART, Commit, RunLease
 from mingpt.checkpoint.manifest import (
     FORMAT, FORMAT_VERSION, MANIFEST, HashingWriter, Untrusted, check_recorded, is_snapshot_name, manifest_problem,
     read_manifest, read_recorded, snapshot_name, step_of,
@@ -184,9 +184,9 @@ class SnapshotStore:
         except Exception as e:
             raise SnapshotError(f"cannot write snapshots to {self.url}: {explain_storage_error(e, self.local)}") from None
 
-    def claim(self, timeout_s: float) -> RunLease:
+    def claim(self, timeout_s: float, mode: str = RESTART) -> RunLease:
         """Become the one writer of this run (see mingpt.checkpoint.lease), renewing the claim in the background."""
-        lease = RunLease(self.run, timeout_s)
+        lease = RunLease(self.run, timeout_s, mode=mode)
         try:
             lease.acquire(self._last_commit)
         except MinGPTError:
@@ -200,6 +200,15 @@ class SnapshotStore:
             raise
         self.lease = lease
         return lease
+
+    def refuse_the_other_mode(self, timeout_s: float, mode: str) -> None:
+        """RunOwnedError where this job's id holds the run, alive, in the mode that is not `mode`."""
+        try:
+            RunLease(self.run, timeout_s, mode=mode).refuse_the_other_mode(self._last_commit)
+        except MinGPTError:
+            raise
+        except Exception as e:
+            raise SnapshotError(f"cannot read who holds {self.url}: {explain_storage_error(e, self.local)}") from None
 
     def _last_commit(self) -> Commit | None:
         committed = self.committed()

@@ -16,7 +16,7 @@ from typing import Callable
 import torch.distributed as dist
 
 import mingpt
-from mingpt.checkpoint.lease import LeaseLostError, RunLease
+from mingpt.checkpoint.lease import LIVE, LeaseLostError, RunLease
 from mingpt.checkpoint.memory import remove_ended_tiers
 from mingpt.checkpoint.sharded import write_shards
 from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, snapshot_name
@@ -224,7 +224,7 @@ class Checkpointer:
             self._held.release()
             self._held = self.store.lease = None
         if writes and self._held is None:
-            self._held = self.store.claim(self.cfg.snapshot.lease_timeout_s)
+            self._held = self.store.claim(self.cfg.snapshot.lease_timeout_s, LIVE)
 
     def before_update(self) -> None:
         """The optimizer is about to change the state: the memory copy in flight must have read it."""
@@ -271,8 +271,11 @@ class Checkpointer:
         Only with gloo, and unsharded: NCCL reports a peer's death late, possibly after the optimizer
         stepped on partly reduced gradients, so there the last periodic snapshot is the safe one; and a
         sharded replica is saved by all processes together, which a dead one cannot join: there the
-        memory tiers, which every process fills after every step, hold the step reached."""
-        if not self.world.is_leader or (self.world.distributed and dist.get_backend() != "gloo") or self.sharded:
+        memory tiers, which every process fills after every step, hold the step reached. Only the holder of the
+        run's lease writes one (in the live mode, the writer's leader): a group that never wrote, such as one whose
+        data is not the job's, leaves nothing behind."""
+        if not self.world.is_leader or (self.world.distributed and dist.get_backend() != "gloo") or self.sharded \
+                or self.store.lease is None:
             return
         try:
             self.writer.wait()

@@ -13,32 +13,37 @@ The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepA
 1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch
    is split by that place (the group's position in the quorum, then the worker's within its group), so
    step s trains the same samples whichever groups commit it;
-2. exchange: the gradients, averaged over every process of the step (within the group, by FSDP's
-   reduce-scatter where sharded, then across groups on torchft's process group), and the step's numbers:
-   its loss, this group's stops (a group asked to stop leaves; the others go on), whether the writer's
-   saves keep failing, and the writer's lease generation (which marks the memory tiers' copies);
+2. exchange: first the step's table, one row per group of the quorum, in one all-reduce: its loss, its stops (a
+   group asked to stop leaves; the others go on), whether the writer's saves keep failing, the writer's lease
+   generation (which marks the memory tiers' copies), and what makes it a group of this job: the job's id, its
+   data's fingerprint, its layout, and since when it takes part. A group that differs from the group longest in
+   the job leaves with one line, and the others do the step again without it. Then the gradients, averaged
+   over every process of the step (within the group, by FSDP's reduce-scatter where sharded, then across
+   groups on torchft's process group);
 3. commit (`should_commit`): only a committed step updates the weights and advances the data.
 
-The group in the quorum's first position writes the snapshots and metrics (the writer). Groups are
-named by the order they joined the job (a counter in the rendezvous store), and torchft orders the
-quorum by name, so the writer changes when the writer's group leaves (or, for a while, when the quorum
-forms anew without it), and the writer of the moment holds the run's lease.
+The checks live in every quorum, not in mingpt-rendezvous's store, which keeps nothing when it restarts. So
+does the choice of the writer (the group that writes the snapshots and metrics and holds the run's lease):
+the group that has taken part longest, ties going to the first position; a group that joins later never takes
+the writing over from a live one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import DistError
 
-from mingpt.errors import ConfigError, DataError, TrainingError, one_line
+from mingpt.errors import ConfigError, DataError, MinGPTError, TrainingError, one_line
 from mingpt.training.agreement import Outcome, Share
 from mingpt.training.distributed import World, peer_lost
 
@@ -71,10 +76,7 @@ MIN_NODES = "MINGPT_LIVE_MIN_NODES"  # the fewest groups that may commit a step 
 
 LIGHTHOUSE_KEY = "mingpt/lighthouse"  # the key under which mingpt-rendezvous publishes the Lighthouse's address
 STATE_KEY = "mingpt"  # the name of the run's state among what torchft sends a healing group
-JOINS_KEY = "mingpt/live/joins/"  # + job id: the counter that names groups in the order they join
 HEALERS_KEY = "mingpt/live/healers/"  # + job id / local rank: the addresses groups serve their state at
-DATA_KEY = "mingpt/live/data/"  # + job id: the fingerprint of the prepared data of the job's first group
-LAYOUT_KEY = "mingpt/live/layout/"  # + job id: the workers per group and the parallelism of the job's first group
 
 
 def enabled() -> bool:
@@ -97,19 +99,58 @@ class Settings:
                               "mingpt-torchrun --live") from None
 
 
-def group_name(world: World, rendezvous: dist.Store) -> str:
-    """This group's name in the quorum, the same in each of its workers: its place in the order in which the
-    job's groups (and their restarts) met torchft, then its host and agent. torchft orders a quorum by name,
-    so the first position, the writer's, stays with the oldest group until it leaves."""
-    name = None
-    if world.rank == 0:
-        joined = rendezvous.add(JOINS_KEY + os.environ.get("TORCHELASTIC_RUN_ID", ""), 1)
-        name = f"{joined:09d}-{socket.gethostname()}-{os.getppid()}"
+def group_name(world: World) -> str:
+    """This group's name in the quorum, the same in each of its workers: its host and agent (torchft adds a
+    uuid of its own, so that a restarted group is a new one)."""
+    name = f"{socket.gethostname()}-{os.getppid()}"
     if world.distributed:
         box = [name]
         dist.broadcast_object_list(box, src=0)
         name = box[0]
     return name
+
+
+# The step's table: one row per group of the quorum, in float64 (whole numbers below 2**53 stay exact in a sum).
+LOSS, STOPS, FAILING, LEASE = range(4)  # the step's numbers (LEASE: the writer's lease generation, 0 elsewhere)
+CREDENTIALS = slice(4, 7)  # what makes the group one of the job (`credentials`)
+SINCE = 7  # the step from which the group takes part
+COLUMNS = 8
+MODES = ("ddp", "hsdp")  # the layouts' modes, by their number
+
+
+def credentials(job_id: str, data_fingerprint: str, workers: int, mode: str) -> tuple[int, int, int]:
+    """What every group of a live job shares: the job's id (the first 48 bits of its sha256), its prepared data's
+    fingerprint (its first 48 bits), and its layout (the workers per group and how they split the model)."""
+    return (int(hashlib.sha256(job_id.encode()).hexdigest()[:12], 16), int(data_fingerprint[:12], 16),
+            workers * len(MODES) + MODES.index(mode))
+
+
+def describe_layout(number: int) -> str:
+    return f"{number // len(MODES)} worker(s) per node, {MODES[number % len(MODES)]}"
+
+
+def misfit(mine: Sequence[float], job: Sequence[float], job_id: str) -> MinGPTError | None:
+    """Why a group of credentials `mine` is not of live job `job_id`, whose longest member's are `job`; None: it is."""
+    (my_job, my_data, my_layout), (its_job, its_data, its_layout) = (map(int, mine), map(int, job))
+    if my_job != its_job:
+        return ConfigError(f"another live job trains on the Lighthouse this node met, not job {job_id}: one "
+                           "mingpt-rendezvous serves one live job; start another one (other --port and "
+                           "--lighthouse-port) for this job")
+    if my_data != its_data:
+        return DataError(f"this node's prepared data (fingerprint {my_data:012x}) is not that of live job {job_id} "
+                         f"(fingerprint {its_data:012x}, as the node longest in the job prepared it): start every node "
+                         "of a job with the same data settings and corpus; to train on other data, start another job "
+                         "(another --rdzv-id)")
+    if my_layout != its_layout:
+        return ConfigError(f"this node runs {describe_layout(my_layout)}, where live job {job_id} runs "
+                           f"{describe_layout(its_layout)} (as the node longest in the job does): start every node of "
+                           "a job with the same --nproc-per-node and trainer.parallelism")
+    return None
+
+
+def eldest(table: list[list[float]]) -> int:
+    """The position of the group that has taken part longest (ties: the first)."""
+    return min(range(len(table)), key=lambda position: (table[position][SINCE], position))
 
 
 class LiveAgreement:
@@ -127,37 +168,19 @@ class LiveAgreement:
         host, port = self.settings.rendezvous.rsplit(":", 1)
         self.rendezvous = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                         timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
-        self.healers = f"{HEALERS_KEY}{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{world.rank}"
-        self._check_data(checkpointer.data_fingerprint)
-        self._check_layout(f"{world.world_size} worker(s) per node, {topology.mode}")
-        self.name = group_name(world, self.rendezvous)
+        self.job_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        self.healers = f"{HEALERS_KEY}{self.job_id}/{world.rank}"
+        # Checked in every step's table, and against the state a peer sends this group to heal.
+        self.credentials = credentials(self.job_id, checkpointer.data_fingerprint, world.world_size, topology.mode)
+        self.name = group_name(world)
         self.manager = self._new_manager()
         self.min_groups = self.settings.min_nodes
         self.position: int | None = None  # this group's place in the step's quorum
         self.groups = 0  # groups in the step's quorum
+        self.since: int | None = None  # the first step this group committed
+        self.writes = False  # whether this group writes the run's snapshots and metrics (as of the last table)
         self.failed_since: float | None = None  # when steps stopped being committed (monotonic), while they are
         self.counted = 0  # the groups of the last committed step (0: none yet)
-
-    def _check_data(self, fingerprint: str) -> None:
-        """Every group trains on the job's data, the first group's: a group that comes with other data (a node
-        started with another corpus) is refused in one line."""
-        job_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        job = self.rendezvous.compare_set(DATA_KEY + job_id, "", fingerprint).decode()
-        if job != fingerprint:
-            raise DataError(f"this node's prepared data (fingerprint {fingerprint[:12]}) is not that of live job "
-                            f"{job_id} (fingerprint {job[:12]}, as its first node prepared it): start every node of a "
-                            "job with the same data settings and corpus; to train on other data, start another job "
-                            "(another --rdzv-id)")
-
-    def _check_layout(self, layout: str) -> None:
-        """Each process exchanges gradients with, and heals from, the process of its place in the other groups:
-        a group with another number of workers, or that splits the model otherwise, is refused in one line."""
-        job_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        job = self.rendezvous.compare_set(LAYOUT_KEY + job_id, "", layout).decode()
-        if job != layout:
-            raise ConfigError(f"this node runs {layout}, where live job {job_id} runs {job} (as its first node "
-                              "started): start every node of a job with the same --nproc-per-node and "
-                              "trainer.parallelism")
 
     def _new_manager(self):
         """torchft's Manager for this worker, on a store of the group's own that its first worker hosts: a new
@@ -185,24 +208,37 @@ class LiveAgreement:
             lighthouse_addr=settings.lighthouse, replica_id=self.name, hostname=settings.host,
             init_sync=False,  # every group starts from the same seeded weights: nothing to send at step 0
             checkpoint_transport=self.transport)
-        manager.register_state_dict_fn(STATE_KEY, self.load, self.state)
+        manager.register_state_dict_fn(STATE_KEY, self._heal, self._offered)
         try:  # where a healer whose source sent a damaged state finds this one
             self.rendezvous.append(self.healers, self.transport.metadata() + " ")
-        except Exception as e:  # mingpt-rendezvous restarting: healers ask the source torchft chose only
-            log.debug("could not publish this group's healing address: %s", e)
+        except (DistError, OSError) as e:  # mingpt-rendezvous restarting: healers ask the source torchft chose only
+            log.warning("live: this group's healing address is not published (mingpt-rendezvous's store: %s): a "
+                        "group that heals asks only the source torchft chose", one_line(e))
         return manager
 
     def _peers(self) -> list[str]:
-        """The addresses every group of the job (that of this worker's local rank) has served its state at."""
+        """The addresses every group of the job (that of this worker's local rank) has served its state at;
+        none, with the reason, where mingpt-rendezvous's store cannot say."""
         try:
-            return self.rendezvous.get(self.healers).decode().split()
-        except Exception:  # none published yet, or mingpt-rendezvous restarting
-            return []
+            if self.rendezvous.check([self.healers]):
+                return self.rendezvous.get(self.healers).decode().split()
+            why = "none has published its address (mingpt-rendezvous restarted since)"
+        except (DistError, OSError) as e:  # mingpt-rendezvous stopped or restarting
+            why = f"mingpt-rendezvous's store does not answer ({one_line(e)})"
+        log.warning("healing: no other group is asked for a sound state: %s", why)
+        return []
 
-    @property
-    def writes(self) -> bool:
-        """Whether this group writes the run's snapshots and metrics: the first in the quorum."""
-        return self.position == 0
+    def _offered(self) -> dict:
+        """What a group that heals from this one receives: the run's state, and this group's credentials."""
+        return {**self.state(), "credentials": list(self.credentials)}
+
+    def _heal(self, received: dict) -> None:
+        """Load what a live peer sent, once its credentials show a group of this job: else this group leaves in one
+        line, before its state or its gradients could meet the job's."""
+        theirs = received.pop("credentials")
+        if (why := misfit(self.credentials, theirs, self.job_id)) is not None:
+            raise why
+        self.load(received)
 
     def resumed_at(self, step: int, samples_seen: int) -> None:
         """The state loaded at start (a memory tier, a snapshot) is at `step`: the quorum heals whoever is behind."""
@@ -214,6 +250,8 @@ class LiveAgreement:
             try:
                 self.manager.start_quorum()
                 break
+            except MinGPTError:  # this group is not of the job (the state a peer sent it says so)
+                raise
             except Exception as e:  # the Lighthouse stopped answering (TimeoutError, or a refused connection)
                 self._meet_again(e)
         # Until the vote, this group's state is that of the step: a healer whose source failed it may ask here.
@@ -222,7 +260,7 @@ class LiveAgreement:
         # to step 0, and the state-dict API would make the optimizer's state by taking a step.
         step = self.manager.current_step()
         if step > 0:
-            offered = {"user": {STATE_KEY: self.state()}, "torchft": self.manager.state_dict()}
+            offered = {"user": {STATE_KEY: self._offered()}, "torchft": self.manager.state_dict()}
             self.transport.offer(step, lambda: offered)
         self.position, self.groups = self.manager.participating_rank(), self.manager.num_participants()
         if self.position is None or self.groups < self.min_groups:  # a step that cannot count: nothing to compute
@@ -231,7 +269,7 @@ class LiveAgreement:
         return Share(self.position * per_group + self.world.rank, self.groups * per_group)
 
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
-        """The gradients, averaged over every process of the step, and the step's numbers; then the vote.
+        """The step's table, then the gradients, averaged over every process of the step; then the vote.
         A stop concerns this group alone: it leaves, and the others go on."""
         params = [p for p in self.replica.model.parameters() if p.requires_grad]
         for p in params:
@@ -243,27 +281,51 @@ class LiveAgreement:
         # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one
         # lost to another job stops the writer's group there, when it claims the run again.
         saves_failing, _ = self.checkpointer.problems()
-        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing)], dtype=torch.float64)
-        generation = torch.tensor([float(self.checkpointer.lease_generation() or 0)], dtype=torch.float64)
+        lease = self.checkpointer.lease_generation() or 0  # its leader's alone: the group's sum is its value
+        numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing), float(lease)],
+                               dtype=torch.float64)
         if self.world.distributed:  # within the group first
             if not self.sharded:
                 dist.all_reduce(flat)
                 flat /= self.world.world_size
             dist.all_reduce(numbers)
-            dist.all_reduce(generation, op=dist.ReduceOp.MAX)
-        stops = int(numbers[1])
-        self.manager.allreduce(flat).wait()  # the mean over the step's groups
-        self.manager.allreduce(numbers, reduce_op=dist.ReduceOp.SUM).wait()
-        # The newest lease (while the writer changes hands, the old one may not have let go yet).
-        self.manager.allreduce(generation, reduce_op=dist.ReduceOp.MAX).wait()
+        rows = self._table(numbers.tolist())
+        self.manager.allreduce(flat).wait()  # the mean over the step's groups (nothing, once the step failed)
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
         committed = self._vote()
         self._say_what_changed(committed)
-        loss, _, failing = numbers.tolist()
-        return Outcome(loss / self.global_batch_size, stops, failing > 0, False, committed, int(generation))
+        if committed:  # (a step that cannot count may lack the group longest in the job)
+            self.since = self.manager.current_step() if self.since is None else self.since
+            self.writes = self.position == eldest(rows)
+        loss, stops, failing, lease = numbers.tolist()
+        if rows:  # every group's loss, and the newest lease (while the writer changes hands, the old one may hold on)
+            loss = sum(row[LOSS] for row in rows)
+            failing, lease = max(row[FAILING] for row in rows), max(row[LEASE] for row in rows)
+        return Outcome(loss / self.global_batch_size, int(stops), failing > 0, False, committed, int(lease) or None)
+
+    def _table(self, numbers: list[float]) -> list[list[float]] | None:
+        """Every group's row of the step, as every group sees it; None where the step cannot count:
+        the exchange failed, or a group of the quorum is not of this job (which leaves: this one raises, where
+        it is that group)."""
+        since = self.since if self.since is not None else self.manager.current_step()
+        table = torch.zeros(max(self.groups, 1), COLUMNS, dtype=torch.float64)
+        if self.position is not None:
+            table[self.position] = torch.tensor([*numbers, *self.credentials, since], dtype=torch.float64)
+        self.manager.allreduce(table, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return None
+        rows = table.tolist()
+        job = rows[eldest(rows)][CREDENTIALS]
+        if self.position is not None and (why := misfit(rows[self.position][CREDENTIALS], job, self.job_id)):
+            raise why
+        strangers = [position for position, row in enumerate(rows) if misfit(row[CREDENTIALS], job, self.job_id)]
+        if strangers:  # it leaves with its own line: the step is done again without it
+            self.manager.report_error(ConfigError(f"the group at position {strangers[0]} is not of this job"))
+            return None
+        return rows
 
     def _vote(self) -> bool:
         """Whether the step is committed: every process of every group of the step succeeded."""

@@ -24,6 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt import torch_internals
+from mingpt.checkpoint.lease import LIVE
 from mingpt.checkpoint.load import snapshot_store
 from mingpt.checkpoint.packing import placed_like
 from mingpt.checkpoint.shm import remove_ended_agents_folders
@@ -93,9 +94,12 @@ def _train(cfg: Config) -> TrainResult:
     # The leader of this generation claims the run before any data work: a second job started
     # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
     # can no longer commit (see mingpt.checkpoint.lease).
-    # (Live mode: the writer's group claims it when it becomes the writer.)
-    claims = distributed.leads_this_generation() and not live.enabled()
-    with store.claim(cfg.snapshot.lease_timeout_s) if claims else nullcontext():
+    # (Live mode: the writer's group claims it when it becomes the writer; every group refuses a run its job's id
+    # holds in the restart mode, whose nodes it never meets.)
+    leads, timeout = distributed.leads_this_generation(), cfg.snapshot.lease_timeout_s
+    if leads and live.enabled():
+        store.refuse_the_other_mode(timeout, LIVE)
+    with store.claim(timeout) if leads and not live.enabled() else nullcontext():
         examples = read_hellaswag(cfg.trainer)  # before the data work: a file that is not HellaSwag's stops it
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         data = PreparedData(prepare_data(cfg, pretrained))
@@ -235,8 +239,6 @@ class Trainer:
         t, state = self.cfg.trainer, self.replica.state
         self.progress.mark(state.step, "starting")  # live mode: the quorum waits for the Lighthouse's timeouts
         share = self.agreement.begin()  # live mode: the quorum, which heals this replica where it is behind
-        if self.live:
-            self._follow_the_writer()
         set_lr(self.replica.optimizer, t, state.step)
         self.progress.mark(state.step, "computing")
         starts = order.starts(state.samples_seen, t.global_batch_size)
@@ -246,6 +248,8 @@ class Trainer:
         except Exception:
             self.checkpointer.rescue(self.replica, self._snapshot_metrics())
             raise
+        if self.live:
+            self._follow_the_writer()
         self.agreement.enforce(outcome)
         if not outcome.committed:
             return outcome, share, ""
@@ -260,8 +264,8 @@ class Trainer:
         return outcome, share, state.ledger[-1][1]
 
     def _follow_the_writer(self) -> None:
-        """Live mode: the group first in the quorum writes the run's snapshots and metrics; its leader holds
-        the run's lease from the first step it writes."""
+        """Live mode: the group the step's table names (the one longest in the job) writes the run's snapshots and
+        metrics; its leader holds the run's lease from the first step it writes."""
         writes = self.agreement.writes and self.world.is_leader
         self.report.speak(writes, self.replica.state)
         self.checkpointer.hold_the_run(writes)
