@@ -91,6 +91,12 @@ def env() -> dict:
     return e
 
 
+def read_as_they_run(name: str) -> bool:
+    """The variables the tests set for a command that no module the warm Python imported reads as it imports: a
+    worker's own, and the S3 server's and W&B's settings (read as a client is made)."""
+    return forkserver.per_worker(name) or name.startswith(("AWS_", "WANDB_"))
+
+
 class WarmPython:
     """A Python of the test process's own, with torch, the trainer and the launcher imported, serving it as an
     agent's server serves the agent (mingpt.training.forkserver): the commands the tests start (a console script of
@@ -122,7 +128,7 @@ class WarmPython:
                      "forkserver.be_the_server(socket.socket(fileno=int(sys.argv[1])), sys.argv[2], "
                      "tuple(sys.argv[3:]))", str(theirs.fileno()), MAIN, *self.MODULES],
                     env=self.environment, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
-            self.server = forkserver.Server(self.process.pid, ours, self.environment)
+            self.server = forkserver.Server(self.process.pid, ours, self.environment, read_as_they_run)
         forked = self.server.start((sys.executable, "-u", *script), env(), stdout, stderr, cwd=str(cwd))
         if forked is not None:
             forked.args = args  # as a Popen's: the command as given

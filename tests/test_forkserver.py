@@ -42,12 +42,13 @@ def server(tmp_path):
     script.parent.mkdir()
     script.write_text(SCRIPT)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    environment = {k: v for k, v in env().items() if k != "TORCHINDUCTOR_CACHE_DIR"}  # which its imports set
     with theirs:
         serving = subprocess.Popen([sys.executable, "-c", "import socket, sys; from mingpt.training import forkserver; "
                                     "forkserver.be_the_server(socket.socket(fileno=int(sys.argv[1])), sys.argv[2])",
-                                    str(theirs.fileno()), str(script)], env=env(), stdin=subprocess.DEVNULL,
+                                    str(theirs.fileno()), str(script)], env=environment, stdin=subprocess.DEVNULL,
                                    pass_fds=[theirs.fileno()])
-    started = Server(serving.pid, ours, env())
+    started = Server(serving.pid, ours, environment)
     yield started, script
     started.stop()
     serving.wait()
@@ -110,7 +111,8 @@ def test_other_commands_are_left_to_torch(server, tmp_path):
 def test_a_worker_whose_environment_is_not_the_one_the_server_imported_under_starts_as_a_new_python(
         server, tmp_path, caplog):
     """What the server's imports read from the environment (torch's, Inductor's, Hugging Face's settings) would not
-    be what a new Python's imports read: only torchrun's own variables for each worker may differ."""
+    be what a new Python's imports read: only torchrun's own variables for each worker may differ, and those the
+    imports set, to the value they set."""
     server, script = server
     assert start(server, script, "0", tmp_path, {**launch.env(), "TORCH_LOGS": "dynamo"}) is None
     assert start(server, script, "0", tmp_path, {k: v for k, v in launch.env().items() if k != "HOME"}) is None
@@ -118,6 +120,9 @@ def test_a_worker_whose_environment_is_not_the_one_the_server_imported_under_sta
     assert said == ["mingpt-torchrun: a worker starts as a new Python: its environment is not the one its server "
                     "imported under (TORCH_LOGS)"]  # once, naming the variables, never their values
     assert start(server, script, "4", tmp_path).wait(timeout=60) == 4  # and the others are forked
+    inductor = server.imports_set["TORCHINDUCTOR_CACHE_DIR"]  # Inductor names its cache folder as it is imported
+    assert start(server, script, "5", tmp_path, {**launch.env(), "TORCHINDUCTOR_CACHE_DIR": inductor}).wait(60) == 5
+    assert start(server, script, "6", tmp_path, {**launch.env(), "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}) is None
 
 
 def test_the_server_listens_on_no_path_that_another_process_could_reach(server, tmp_path):

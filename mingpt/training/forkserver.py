@@ -11,7 +11,8 @@ How the server comes to be and a worker starts:
    starts any thread: a copy of the agent as it started, joined to it by a socket pair made before the fork, which
    no other process can reach. The copy drops the descriptors it inherited and waits until the job goes ahead;
 2. the agent tells it the script and the environment the workers will share (`Server.serve`), and the server
-   imports what a worker imports under that environment while the agent meets the others;
+   imports what a worker imports under that environment while the agent meets the others, then says whether it
+   can serve, and what its imports set in the environment;
 3. for each worker (`Server.start`, where torch's launcher would start a Python), the agent sends the command's
    arguments, its environment and folder, and its standard streams (their file descriptors);
 4. the server forks a child, which forks the worker and exits. The orphaned worker is adopted by the agent, its
@@ -47,6 +48,7 @@ import time
 import traceback
 import types
 from pathlib import Path
+from typing import Callable
 
 from mingpt.processes import PR_SET_CHILD_SUBREAPER, PR_SET_NAME, prctl, signal_when_parent_dies
 
@@ -67,16 +69,25 @@ PER_WORKER = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_N
 PER_WORKER_PREFIXES = ("TORCHELASTIC_", "MINGPT_")
 
 
+def per_worker(name: str) -> bool:
+    """Whether the environment variable `name` is one the launcher gives each worker (PER_WORKER)."""
+    return name in PER_WORKER or name.startswith(PER_WORKER_PREFIXES)
+
+
 # -- the agent's side ----------------------------------------------------------------------------------------
 
 
 class Server:
     """The server an agent starts its workers from; `start` forks one, or says None (start it as torch would).
-    `channel`: this process's end of the socket pair the server holds the other end of."""
+    `channel`: this process's end of the socket pair the server holds the other end of; `may_differ`: the
+    environment variables in which a worker may differ from the server, as no import reads them."""
 
-    def __init__(self, pid: int, channel: socket.socket, environment: dict[str, str] | None = None):
-        self.pid, self._channel, self.failed = pid, channel, False
+    def __init__(self, pid: int, channel: socket.socket, environment: dict[str, str] | None = None,
+                 may_differ: Callable[[str], bool] = per_worker):
+        self.pid, self._channel, self.failed, self.may_differ = pid, channel, False, may_differ
+        channel.settimeout(SERVER_WAIT_S)  # the server may still be importing when the first worker is asked for
         self.environment = environment  # what the server imported under; None until told to serve
+        self.imports_set: dict[str, str | None] | None = None  # what its imports set there, once it said so
         self._ended = self._told = False
         self._asking = threading.Lock()  # one request at a time on the channel
 
@@ -115,21 +126,12 @@ class Server:
         if self.failed or self.environment is None or len(args) < 3 or args[0] != sys.executable \
                 or args[1] != "-u" or args[2].startswith("-"):
             return None
-        changed = sorted(name for name in self.environment.keys() | env.keys() if self.environment.get(name) !=
-                         env.get(name) and name not in PER_WORKER and not name.startswith(PER_WORKER_PREFIXES))
-        if changed:  # what the server's imports read would not be what the worker's own imports read
-            if not self._told:
-                log.warning("mingpt-torchrun: a worker starts as a new Python: its environment is not the one "
-                            "its server imported under (%s)", ", ".join(changed))  # (names: values may be secret)
-                self._told = True
-            return None
         streams = [0, stdout.fileno() if stdout else 1, stderr.fileno() if stderr else 2]
         request = {"argv": list(args[2:]), "env": env, "cwd": cwd or os.getcwd()}
         with self._asking:
-            if not prctl(PR_SET_CHILD_SUBREAPER, 1):  # not Linux: the worker could not be adopted
-                return None
+            if not self._serves() or not self._imported_under(env) or not prctl(PR_SET_CHILD_SUBREAPER, 1):
+                return None  # (no prctl: not Linux, where the worker could not be adopted)
             try:
-                self._channel.settimeout(SERVER_WAIT_S)
                 _send(self._channel, request, streams)
                 pid = int.from_bytes(_read_exactly(self._channel, 8), "big")  # once the forking child has exited
                 if pid <= 0:
@@ -140,6 +142,34 @@ class Server:
             finally:
                 prctl(PR_SET_CHILD_SUBREAPER, 0)
         return Forked(pid, args)
+
+    def _serves(self) -> bool:
+        """Whether the server serves: what it said once its imports were done (read at the first worker's start)."""
+        if self.imports_set is None and not self.failed:
+            try:
+                said = _receive(self._channel)
+            except (OSError, ValueError) as e:  # ended, or silent for SERVER_WAIT_S (TimeoutError)
+                said = ({"cannot": f"their server does not answer ({e})"}, [])
+            said = said[0] if said is not None else {"cannot": "their server has ended"}
+            if "cannot" in said:
+                self._give_up(said["cannot"])
+            self.imports_set = said.get("imports_set")
+        return not self.failed
+
+    def _imported_under(self, env: dict[str, str]) -> bool:
+        """Whether what the server's imports read of the environment is what a worker of `env` would read: the two
+        differ only where `may_differ` allows it (torchrun's and mingpt's variables for each worker), or where the
+        imports set a variable to the worker's value. Else it starts as a new Python (one warning, naming the
+        variables: values may be secret)."""
+        imported = {**self.environment, **self.imports_set}
+        changed = sorted(name for name in imported.keys() | env.keys()
+                         if env.get(name) not in (self.environment.get(name), imported.get(name))
+                         and not self.may_differ(name))
+        if changed and not self._told:
+            log.warning("mingpt-torchrun: a worker starts as a new Python: its environment is not the one its server "
+                        "imported under (%s)", ", ".join(changed))
+            self._told = True
+        return not changed
 
     def _give_up(self, why: str) -> None:
         self.failed = True
@@ -303,8 +333,9 @@ def serve(channel: socket.socket, script: str, modules: tuple[str, ...],
     imports_set = {name: os.environ.get(name) for name in before.keys() | os.environ.keys()
                    if os.environ.get(name) != before.get(name)}
     if why := cannot_fork(Path("/proc/self/maps").read_text(), other_threads()):
-        log.warning("mingpt-torchrun: workers start as new Pythons: importing the trainer %s", why)
+        _send(channel, {"cannot": f"importing the trainer {why}"})
         return None
+    _send(channel, {"imports_set": imports_set})
     gc.freeze()  # what the imports made is never garbage: a worker's collections skip it, and leave its pages shared
     while True:
         try:
