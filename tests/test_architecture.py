@@ -108,7 +108,7 @@ def test_the_launcher_and_the_snapshot_commands_leave_the_sharding_machinery_uni
     that reads a snapshot, would pay it for nothing unless the model or the snapshot is sharded."""
     heavy = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor")
     code = ("import sys, mingpt.cli.torchrun, mingpt.cli.sample, mingpt.cli.export, mingpt.cli.snapshot, "
-            "mingpt.cli.eval; "
+            "mingpt.cli.eval; from mingpt.training import agent; agent.install(); "  # as mingpt-torchrun's agent starts
             f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

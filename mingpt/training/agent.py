@@ -73,8 +73,9 @@ class RestartsUsedUp(Exception):
 
 def install() -> None:
     """Make torchrun's launcher (torch.distributed.run) start this module's `Agent` instead of torch's own,
-    and its rendezvous poll every POLL_S, once torch is found to have what they rely on."""
-    torch_internals.check()
+    and its rendezvous poll every POLL_S, once torch is found to have what they rely on (not the sharded runs'
+    names: importing DCP would cost every agent most of a second of CPU, for its workers to check)."""
+    torch_internals.check(sharded=False)
     launcher_api.LocalElasticAgent = Agent
     torch_internals.poll_rendezvous_every(POLL_S)
 
