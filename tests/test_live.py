@@ -21,7 +21,8 @@ from mingpt.checkpoint.packing import pack
 from mingpt.errors import PeerLeft
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
 from mingpt.training.launcher import PEER_LOST
-from mingpt.training.live import COLLECTIVE_TIMEOUT_S, SINCE, LiveAgreement, credentials, eldest, misfit
+from mingpt.training.live import (COLLECTIVE_TIMEOUT_S, NEVER, SINCE, LiveAgreement, credentials, eldest,
+                                 misfit)
 
 
 def test_a_group_is_of_the_job_where_its_job_data_and_layout_are_those_of_the_group_longest_in_it():
@@ -40,12 +41,15 @@ def test_a_group_is_of_the_job_where_its_job_data_and_layout_are_those_of_the_gr
         "another live job trains on the Lighthouse this node met, not job live")
 
 
-def test_the_writer_is_the_group_longest_in_the_job_whatever_its_position():
+def test_the_job_is_the_group_longest_in_it_whatever_its_position_and_else_one_with_the_runs_data():
     """A group that joined after a restart of mingpt-rendezvous may sort first in the quorum: it never takes the
-    writing over from a group that has taken part longer."""
-    row = lambda since: [0.0] * SINCE + [float(since)]
+    writing over from a group that has committed steps longer. Where no group of the quorum has committed yet
+    (the one that had is not in it), the job's credentials are those of a group whose data is the run's."""
+    row = lambda since, keeps_the_run=True: [0.0] * SINCE + [float(since), float(keeps_the_run)]
     assert eldest([row(40), row(3), row(3), row(12)]) == 1
     assert eldest([row(0), row(0)]) == 0
+    assert eldest([row(NEVER, keeps_the_run=False), row(NEVER), row(NEVER)]) == 1
+    assert eldest([row(NEVER), row(7, keeps_the_run=False)]) == 1  # (it committed with the job: the run's data changed)
 
 
 def test_a_vote_that_never_ends_loses_a_peer_and_waits_longer_than_a_collective():

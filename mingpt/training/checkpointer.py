@@ -44,6 +44,7 @@ class Checkpointer:
                  data_fingerprint: str, replica: Replica):
         self.cfg, self.world, self.store, self.tokenizer = cfg, topology.world, store, tokenizer
         self.data_fingerprint = data_fingerprint  # of the prepared tokens: a replaced corpus changes it
+        self.resumed_data: str | None = None  # the fingerprint of the data the snapshot resumed from was trained on
         self.sharded = topology.sharded
         self.writer = SnapshotWriter(store, cfg.snapshot.async_save, cfg.snapshot.max_failures)
         self._held: RunLease | None = None  # live mode: the lease this process claimed as the writer
@@ -97,7 +98,7 @@ class Checkpointer:
         changed += changed_settings(manifest.get("config", {}), self.cfg.to_dict())
         if changed:
             self._log("settings changed since that snapshot: %s", ", ".join(changed))
-        saved = manifest.get("data_fingerprint")
+        saved = self.resumed_data = manifest.get("data_fingerprint")
         if saved and saved != self.data_fingerprint and self.world.is_leader:
             log.warning("the data changed since that snapshot: its prepared tokens had fingerprint %s, now %s (the "
                         "corpus or its preparation is not what the run trained on so far); training goes on with "

@@ -113,8 +113,10 @@ def group_name(world: World) -> str:
 # The step's table: one row per group of the quorum, in float64 (whole numbers below 2**53 stay exact in a sum).
 LOSS, STOPS, FAILING, LEASE = range(4)  # the step's numbers (LEASE: the writer's lease generation, 0 elsewhere)
 CREDENTIALS = slice(4, 7)  # what makes the group one of the job (`credentials`)
-SINCE = 7  # the step from which the group takes part
-COLUMNS = 8
+SINCE = 7  # the first step the group committed (NEVER: none yet)
+KEEPS_THE_RUN = 8  # 1 where the group's data is that of the snapshot it resumed from (or it resumed from none)
+COLUMNS = 9
+NEVER = float(2**52)
 MODES = ("ddp", "hsdp")  # the layouts' modes, by their number
 
 
@@ -149,8 +151,11 @@ def misfit(mine: Sequence[float], job: Sequence[float], job_id: str) -> MinGPTEr
 
 
 def eldest(table: list[list[float]]) -> int:
-    """The position of the group that has taken part longest (ties: the first)."""
-    return min(range(len(table)), key=lambda position: (table[position][SINCE], position))
+    """The position of the group the job's credentials are taken from: the one that has committed steps the
+    longest; where none has committed yet, one whose data is the run's (a node of another corpus that resumed from
+    the run's snapshot is not); ties: the first."""
+    return min(range(len(table)), key=lambda position: (table[position][SINCE], -table[position][KEEPS_THE_RUN],
+                                                         position))
 
 
 class LiveAgreement:
@@ -178,6 +183,7 @@ class LiveAgreement:
         self.position: int | None = None  # this group's place in the step's quorum
         self.groups = 0  # groups in the step's quorum
         self.since: int | None = None  # the first step this group committed
+        self.keeps_the_run = True  # its data is that of the snapshot it resumed from (resumed_at)
         self.writes = False  # whether this group writes the run's snapshots and metrics (as of the last table)
         self.failed_since: float | None = None  # when steps stopped being committed (monotonic), while they are
         self.counted = 0  # the groups of the last committed step (0: none yet)
@@ -243,6 +249,7 @@ class LiveAgreement:
     def resumed_at(self, step: int, samples_seen: int) -> None:
         """The state loaded at start (a memory tier, a snapshot) is at `step`: the quorum heals whoever is behind."""
         self.manager.load_state_dict({"step": step, "batches_committed": samples_seen})
+        self.keeps_the_run = self.checkpointer.resumed_data in (None, self.checkpointer.data_fingerprint)
 
     def begin(self) -> Share:
         """The step's quorum: heals this group where it is behind, then says where this process stands."""
@@ -310,10 +317,11 @@ class LiveAgreement:
         """Every group's row of the step, as every group sees it; None where the step cannot count:
         the exchange failed, or a group of the quorum is not of this job (which leaves: this one raises, where
         it is that group)."""
-        since = self.since if self.since is not None else self.manager.current_step()
+        since = NEVER if self.since is None else self.since
         table = torch.zeros(max(self.groups, 1), COLUMNS, dtype=torch.float64)
         if self.position is not None:
-            table[self.position] = torch.tensor([*numbers, *self.credentials, since], dtype=torch.float64)
+            table[self.position] = torch.tensor([*numbers, *self.credentials, since, float(self.keeps_the_run)],
+                                                dtype=torch.float64)
         self.manager.allreduce(table, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return None
