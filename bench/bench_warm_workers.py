@@ -1,4 +1,4 @@
-"""Warm workers: what restarts cost with workers forked from mingpt-torchrun's server (mingpt.training.forkserver),
+"""Warm workers: what restarts cost with workers forked from mingpt-torchrun's server (mingpt.launch.forkserver),
 against workers started as new Pythons (MINGPT_WARM_WORKERS=0), on the same job in the same run.
 
     python bench/bench_warm_workers.py                        # 2 workers, 3 kills, 2 rounds of each (~3 min)

@@ -38,7 +38,7 @@ def one_line(cause) -> str:
 
 class PeerLeft(Exception):
     """This process's generation ended because of another process: one was asked to stop, or died. Not a
-    failure of this one: it exits with `exit_code` (mingpt.training.launcher), which mingpt-torchrun's agent
+    failure of this one: it exits with `exit_code` (mingpt.jobenv), which mingpt-torchrun's agent
     answers with a restart that does not use up --max-restarts."""
 
     def __init__(self, message: str, exit_code: int):

@@ -27,3 +27,9 @@ def signal_when_parent_dies(sig: int, parent: int | None = None) -> bool:
     parent = os.getppid() if parent is None else parent
     prctl(PR_SET_PDEATHSIG, sig)
     return os.getppid() == parent
+
+
+def end_with_parent(sig: int) -> None:
+    """Have this process sent `sig` when its parent dies; sent now where it has died already."""
+    if not signal_when_parent_dies(sig):
+        os.kill(os.getpid(), sig)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from mingpt.checkpoint.shm import remove_ended_agents_folders
-from mingpt.training import forkserver
+from mingpt.launch import forkserver
 from mingpt.training.app import compose_config
 from mingpt.training.config import Config
 
@@ -99,14 +99,14 @@ def read_as_they_run(name: str) -> bool:
 
 class WarmPython:
     """A Python of the test process's own, with torch, the trainer and the launcher imported, serving it as an
-    agent's server serves the agent (mingpt.training.forkserver): the commands the tests start (a console script of
+    agent's server serves the agent (mingpt.launch.forkserver): the commands the tests start (a console script of
     mingpt's, or `python SCRIPT`, in the tests' environment) are forked from it instead of importing torch again,
     about 2 s of CPU each. They are real processes of their own as mingpt-torchrun's workers are; the tests of what
     a new Python does (the commands' imports, their installation) start theirs with subprocess.
 
     MINGPT_TEST_WARM=0 starts every command as a new Python."""
 
-    MODULES = (*forkserver.WARM_MODULES, "mingpt.cli.torchrun", "mingpt.cli.rendezvous")
+    MODULES = (*forkserver.WARM_MODULES, "mingpt.cli.torchrun", "mingpt.cli.rendezvous", "mingpt.launch.node")
 
     def __init__(self):
         self.environment = env()  # the session's, whatever a test sets before the first use
@@ -124,7 +124,7 @@ class WarmPython:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             with theirs:
                 self.process = subprocess.Popen(
-                    [sys.executable, "-c", "import socket, sys; from mingpt.training import forkserver; "
+                    [sys.executable, "-c", "import socket, sys; from mingpt.launch import forkserver; "
                      "forkserver.be_the_server(socket.socket(fileno=int(sys.argv[1])), sys.argv[2], "
                      "tuple(sys.argv[3:]))", str(theirs.fileno()), MAIN, *self.MODULES],
                     env=self.environment, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])

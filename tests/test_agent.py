@@ -17,22 +17,41 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+from launch import (
+    BIN,
+    ENDLESS_STEPS,
+    env,
+    kill_node,
+    latest_step,
+    output,
+    overrides,
+    standalone,
+    train_here,
+    wait_for,
+    worker,
+)
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+)
 
-from launch import (BIN, ENDLESS_STEPS, env, kill_node, latest_step, output, overrides, standalone, train_here,
-                    wait_for, worker)
 from mingpt.claim import start_time
+from mingpt.jobenv import PEER_LOST, PEER_STOPPED
+from mingpt.launch import agent as agent_module
+from mingpt.launch.agent import Agent, Rendezvous
 from mingpt.storage import others_may_replace_in
 from mingpt.torch_internals import ElasticAgent
-from mingpt.training import agent as agent_module
-from mingpt.training.agent import Agent, Rendezvous
 from mingpt.training.distributed import lost_a_peer
-from mingpt.training.launcher import PEER_LOST, PEER_STOPPED
-from mingpt.training.progress import PROGRESS_DIR, RECORD
+from mingpt.jobenv import PROGRESS_DIR, RECORD
 
 
 class Handler:

@@ -14,13 +14,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mingpt"
 LAYERS = [
     {"mingpt.errors"},
     {"mingpt.storage", "mingpt.claim", "mingpt.processes", "mingpt.torch_internals"},
-    {"mingpt.rundir", "mingpt.shape"},
+    {"mingpt.rundir", "mingpt.shape", "mingpt.jobenv"},
     {"mingpt.model", "mingpt.tokenizers"},
     {"mingpt.checkpoint", "mingpt.data", "mingpt.metrics"},
     {"mingpt.interop"},
     {"mingpt.training"},
+    {"mingpt.launch"},  # the agent's program, above the workers' (mingpt.training)
     {"mingpt.cli"},
 ]
+# The worker's modules that the launching side may import: its entry points (the app's configuration, data
+# preparation), which import none of the trainer's machinery.
+ENTRY_POINTS = {"mingpt.training.app", "mingpt.training.preparation"}
 
 
 def module_name(path: Path) -> str:
@@ -97,6 +101,23 @@ def test_the_import_graph_has_no_circle():
         visit(module)
 
 
+def test_the_launching_side_reaches_the_workers_only_through_their_entry_points():
+    found = modules()
+    reached = {f"{module} imports {target}" for module, tree in found.items() if module.startswith("mingpt.launch")
+               for target in imported(tree, set(found)) if unit(target) == "mingpt.training"
+               and target not in ENTRY_POINTS | {"mingpt.training"}}
+    assert reached == set()
+
+
+def test_the_job_is_read_from_the_environment_by_mingpt_jobenv_alone():
+    """The job's variables (torchrun's and the agent's) are read in one module; others take a JobEnv."""
+    job = re.compile(r"os\.environ(\.get)?[\[(]\s*\"(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_WORLD_SIZE|"
+                     r"MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|MINGPT_\w+)\"|\"TORCHELASTIC_RUN_ID\" in os\.environ")
+    readers = sorted(module for module, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
+                     if module != "mingpt.jobenv" and job.search(path.read_text()))
+    assert readers == []
+
+
 def test_only_cli_modules_define_a_command_main():
     outside = [module for module, tree in modules().items() if not module.startswith("mingpt.cli.")
                and any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body)]
@@ -108,7 +129,7 @@ def test_the_launcher_and_the_snapshot_commands_leave_the_sharding_machinery_uni
     that reads a snapshot, would pay it for nothing unless the model or the snapshot is sharded."""
     heavy = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor")
     code = ("import sys, mingpt.cli.torchrun, mingpt.cli.sample, mingpt.cli.export, mingpt.cli.snapshot, "
-            "mingpt.cli.eval; from mingpt.training import agent; agent.install(); "  # as mingpt-torchrun's agent starts
+            "mingpt.cli.eval; from mingpt.launch import agent; agent.install(); "  # as mingpt-torchrun's agent starts
             f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -12,16 +12,23 @@ import threading
 
 import pytest
 import torch
-from torch.distributed import TCPStore
-
 from conftest import TEXT
 from launch import BIN, MAIN, env, train_here
+from torch.distributed import TCPStore
+
 from mingpt.cli import prepare, torchrun
 from mingpt.errors import ConfigError, MinGPTError, TokenizerError
 from mingpt.interop import hf
 from mingpt.interop.pretrained import open_pretrained
+from mingpt.launch import checks
+from mingpt.launch import node as launch_node
 from mingpt.model import GPT, GPTConfig
-from mingpt.tokenizers import BPETokenizer, CharTokenizer, huggingface, load_tokenizer_folder
+from mingpt.tokenizers import (
+    BPETokenizer,
+    CharTokenizer,
+    huggingface,
+    load_tokenizer_folder,
+)
 
 MARKER = "UNPICKLED-AND-RAN-CODE"
 
@@ -273,7 +280,7 @@ def test_an_unreachable_rendezvous_store_is_one_line_with_the_readme_check(capsy
 def test_a_port_that_answers_but_is_no_rendezvous_store_is_one_line_in_seconds(monkeypatch, conf, expected):
     """torch's store client, pointed at an HTTP server, waits for good whatever its timeout; and an agent that
     hosts the store, finding its port taken, becomes such a client (or, told to host, fails with a traceback)."""
-    monkeypatch.setattr(torchrun, "STORE_ANSWER_S", 2.0)
+    monkeypatch.setattr(checks, "STORE_ANSWER_S", 2.0)
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=web.serve_forever, daemon=True).start()
     port = web.server_address[1]
@@ -281,7 +288,7 @@ def test_a_port_that_answers_but_is_no_rendezvous_store_is_one_line_in_seconds(m
         # read_timeout far past pytest's timeout: ending at all, "within 2 s", is giving up on the unanswered
         # question after STORE_ANSWER_S, not waiting for torch's client nor for the rendezvous's read_timeout.
         with pytest.raises(ConfigError, match=re.escape(expected.format(port=port))):
-            torchrun.check_endpoint(f"127.0.0.1:{port}", f"{conf},read_timeout=600".lstrip(","))
+            checks.check_endpoint(f"127.0.0.1:{port}", f"{conf},read_timeout=600".lstrip(","))
     finally:
         web.shutdown()
         web.server_close()
@@ -289,15 +296,15 @@ def test_a_port_that_answers_but_is_no_rendezvous_store_is_one_line_in_seconds(m
 
 def test_a_rendezvous_store_already_on_the_port_is_joined_unless_this_node_was_told_to_host_it():
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a store answers at once
-    torchrun.check_endpoint(f"127.0.0.1:{store.port}", "is_host=0,read_timeout=30")
-    torchrun.check_endpoint(f"127.0.0.1:{store.port}", "read_timeout=30")  # another agent of this machine hosts it
+    checks.check_endpoint(f"127.0.0.1:{store.port}", "is_host=0,read_timeout=30")
+    checks.check_endpoint(f"127.0.0.1:{store.port}", "read_timeout=30")  # another agent of this machine hosts it
     with pytest.raises(ConfigError, match=f"to host the rendezvous store, but port {store.port} is taken"):
-        torchrun.check_endpoint(f"127.0.0.1:{store.port}", "is_host=1")
+        checks.check_endpoint(f"127.0.0.1:{store.port}", "is_host=1")
     with socket.socket() as free:  # a free port: this node will host the store there
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    torchrun.check_endpoint(f"127.0.0.1:{port}", "is_host=1")
-    torchrun.check_endpoint(f"127.0.0.1:{port}", "")
+    checks.check_endpoint(f"127.0.0.1:{port}", "is_host=1")
+    checks.check_endpoint(f"127.0.0.1:{port}", "")
 
 
 def test_a_node_started_before_the_store_waits_for_it():
@@ -314,7 +321,7 @@ def test_a_node_started_before_the_store_waits_for_it():
     late = threading.Timer(1.0, start_store)
     late.start()
     try:
-        torchrun.check_endpoint(f"127.0.0.1:{port}", "is_host=0,read_timeout=30")
+        checks.check_endpoint(f"127.0.0.1:{port}", "is_host=0,read_timeout=30")
         assert starting.is_set()  # it returned once the store came up, not before
     finally:
         late.cancel()
@@ -365,7 +372,7 @@ def test_mingpt_torchrun_prepares_only_for_a_mingpt_application(tmp_path, monkey
     script.write_text("print('hello')\n")
     started = []
     monkeypatch.setattr(torchrun.run, "run", started.append)
-    monkeypatch.setattr(torchrun, "prepare_data", lambda cfg: pytest.fail("prepared data for another script"))
+    monkeypatch.setattr(launch_node, "prepare_data", lambda cfg: pytest.fail("prepared data for another script"))
     assert torchrun.main(["--standalone", "--nproc-per-node=1", str(script), "model=gpt-nano"]) == 0
     assert len(started) == 1 and started[0].training_script_args == ["model=gpt-nano"]
 

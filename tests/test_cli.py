@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import BIN, REPO, env
+
 from mingpt.cli import prepare, sample
+from mingpt.launch import node
 
 PREPARE = [sys.executable, "-m", "mingpt.cli.prepare"]
 SAMPLE = [sys.executable, "-m", "mingpt.cli.sample"]
@@ -287,7 +288,7 @@ def test_mingpt_torchrun_reads_the_scripts_config_dir_as_hydra_does(tmp_path, mo
     (tmp_path / "mine" / "data").mkdir(parents=True)
     (tmp_path / "mine" / "data" / "mine.yaml").write_text("corpus: my-corpus.txt\n")
     prepared, started = [], []
-    monkeypatch.setattr(torchrun, "prepare_data", lambda cfg: prepared.append(cfg) or tmp_path)
+    monkeypatch.setattr(node, "prepare_data", lambda cfg: prepared.append(cfg) or tmp_path)
     monkeypatch.setattr(torchrun.run, "run", started.append)
     script = ["--config-dir", str(tmp_path / "mine"), "data=mine", "model=gpt-nano"]
     assert torchrun.main(["--standalone", "--nproc-per-node=1", str(REPO / "train" / "main.py"), *script]) == 0
@@ -301,11 +302,10 @@ def test_mingpt_torchrun_prepares_no_data_for_a_script_that_only_prints(tmp_path
     it, and a corpus that is not there made --help fail."""
     from torch.distributed import run
 
-    from mingpt.cli import torchrun
 
     monkeypatch.chdir(tmp_path)
     args = run.parse_args(["--standalone", str(REPO / "train" / "main.py"), "data.corpus=/no/such/corpus", *flags])
-    torchrun.prepare_before_joining(args)
+    node.prepare_before_joining(args)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from launch import free_port, train_here
+
 from mingpt.errors import ConfigError, PeerLeft
-from mingpt.training import distributed, generation
-from mingpt.training.launcher import PEER_LOST
+from mingpt.jobenv import PEER_LOST, JobEnv
+from mingpt.training import generation
 
 
 def test_more_workers_than_gpus_is_a_clear_error(monkeypatch):
@@ -22,11 +22,9 @@ def test_more_workers_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail(f"set_device({device}) called"))
-    monkeypatch.setenv("LOCAL_RANK", "2")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match=r"LOCAL_RANK=2 but this node has 2 visible GPU\(s\).*"
                                           r"--nproc-per-node=gpu or at most 2.*CUDA_VISIBLE_DEVICES"):
-        generation.start(timeout_s=5)
+        generation.start(JobEnv(local_rank=2, local_world_size=3), timeout_s=5)
 
 
 def test_each_worker_takes_the_gpu_of_its_local_rank(monkeypatch):
@@ -34,13 +32,8 @@ def test_each_worker_takes_the_gpu_of_its_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    world = generation.start(timeout_s=5)
+    world = generation.start(JobEnv(local_rank=1, local_world_size=2), timeout_s=5)
     assert world.device == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
-
-
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.mark.parametrize("variables, words", [
@@ -54,13 +47,9 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAS
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"},
      "MASTER_PORT=70000 is not a TCP port"),
 ])
-def test_inconsistent_launcher_variables_are_one_line_each(monkeypatch, variables, words):
-    for name in LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in variables.items():
-        monkeypatch.setenv(name, value)
+def test_inconsistent_launcher_variables_are_one_line_each(variables, words):
     with pytest.raises(ConfigError) as refused:
-        distributed.check_launch()
+        JobEnv.from_environ(variables)
     assert words in str(refused.value) and "\n" not in str(refused.value)
 
 
@@ -71,7 +60,7 @@ def test_a_worker_whose_peers_never_come_says_what_it_waits_for_and_stops(caplog
         for name, value in env.items():
             mp.setenv(name, value)
         with caplog.at_level("INFO", logger="mingpt"), pytest.raises(ConfigError) as refused:
-            generation.start(timeout_s=2)
+            generation.start(JobEnv.from_environ(), timeout_s=2)
     assert f"rank 0 of 2: joining the process group at 127.0.0.1:{env['MASTER_PORT']}, waiting up to 2 s" in caplog.text
     assert "rank 0 of 2 could not meet its peers" in str(refused.value) and "rank(s) 1 never started" in str(refused.value)
     assert "\n" not in str(refused.value)
@@ -90,8 +79,9 @@ def test_sigterm_ends_a_process_blocked_in_torch_connecting_to_a_store_that_neve
     """Under a Python SIGTERM handler (the trainer's, which cleans up), a process waiting in torch's C++ for
     its generation's store would only see the signal after trainer.dist_timeout_s; torchrun's agent,
     restarting it for a membership change, waited its 30 s shutdown timeout, then killed it."""
-    code = ("import signal; from mingpt.errors import raise_stopped; from mingpt.training import generation; "
-            "signal.signal(signal.SIGTERM, raise_stopped); print('connecting', flush=True); generation.meet(600)")
+    code = ("import signal; from mingpt.errors import raise_stopped; from mingpt.jobenv import JobEnv; "
+            "from mingpt.training import generation; signal.signal(signal.SIGTERM, raise_stopped); "
+            "print('connecting', flush=True); generation.meet(JobEnv.from_environ(), 600)")
     environment = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(closed_port), "TORCHELASTIC_RUN_ID": "job"}
     worker = subprocess.Popen([sys.executable, "-c", code], env=environment, stdout=subprocess.PIPE, text=True)
@@ -110,10 +100,10 @@ def test_a_peer_gone_while_a_generation_forms_under_torchrun_ends_the_generation
     """torchrun set MASTER_*, so a store that stops answering is a peer gone (exit 76, restarted for free);
     by hand it is a launch to check (one line, exit 2)."""
     meeting = object.__new__(generation.Meeting)
-    meeting.launch, meeting.address, meeting.timeout_s = distributed.Launch(1, 2, 0), "127.0.0.1:1", 300
+    meeting.job = JobEnv(rank=1, world_size=2, master=("127.0.0.1", 1), run_id="job")
+    meeting.address, meeting.timeout_s = "127.0.0.1:1", 300
     cut = dist.DistNetworkError("Failed to recv, got 0 bytes")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     assert isinstance(meeting._error(cut), PeerLeft) and meeting._error(cut).exit_code == PEER_LOST
     assert isinstance(meeting._error("rank(s) 0 never started"), ConfigError)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    meeting.job = JobEnv(rank=1, world_size=2, master=("127.0.0.1", 1))
     assert isinstance(meeting._error(cut), ConfigError)

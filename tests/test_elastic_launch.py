@@ -13,15 +13,32 @@ import signal
 import socket
 
 import pytest
-
 from launch import (
-    BIN, HEAVIER, RDZV_CONF, REPO, SMALL, free_port, latest_step, manifests, output, plain_torchrun, port_listens,
-    rendezvous, run, slow_corpus, torchrun, wait_for,
+    BIN,
+    HEAVIER,
+    RDZV_CONF,
+    REPO,
+    SMALL,
+    free_port,
+    latest_step,
+    manifests,
+    output,
+    plain_torchrun,
+    port_listens,
+    rendezvous,
+    run,
+    slow_corpus,
+    torchrun,
+    wait_for,
 )
+
+from mingpt import jobenv
 from mingpt.data.prepare import PrepareConfig, prepare
-from mingpt.training import distributed, launcher
-from mingpt.training.launcher import QUICK_RENDEZVOUS, merge_rendezvous_conf
 from mingpt.errors import ConfigError
+from mingpt.jobenv import JobEnv
+from mingpt.launch import node as launch_node
+from mingpt.launch.node import QUICK_RENDEZVOUS, merge_rendezvous_conf
+from mingpt.training import distributed
 
 ADVICE = "launch with mingpt-torchrun (same arguments), or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 
@@ -34,11 +51,11 @@ def test_quick_rendezvous_settings_fill_in_under_the_users_own():
 
 def test_nccls_watch_is_set_under_torchs_current_names_and_the_users_own_values_win_under_either_name():
     environ = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60"}
-    launcher.watch_nccl(environ)
+    launch_node.watch_nccl(environ)
     assert environ["TORCH_FR_BUFFER_SIZE"] == "2000" and environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "60"
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ  # the former name, at which torch warns in every process
     environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}
-    launcher.watch_nccl(environ)
+    launch_node.watch_nccl(environ)
     assert "TORCH_FR_BUFFER_SIZE" not in environ  # it would override the user's 10
 
 
@@ -54,34 +71,34 @@ def shared_store(monkeypatch):
 def test_store_sharing_over_several_agents_is_refused(shared_store):
     shared_store.setenv("GROUP_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="mingpt-torchrun"):
-        distributed.check_store_sharing()
+        distributed.check_store_sharing(JobEnv.from_environ())
 
 
 def test_store_sharing_is_refused_where_more_nodes_may_join(shared_store):
     shared_store.setenv("GROUP_WORLD_SIZE", "1")
     shared_store.setenv("PET_NNODES", "1:4")  # torchrun's --nnodes, given as a variable
     with pytest.raises(ConfigError, match="up to 4"):
-        distributed.check_store_sharing()
+        distributed.check_store_sharing(JobEnv.from_environ())
 
 
 def test_the_agents_node_count_is_read_as_torchruns_argparse_reads_it():
     agent = ["python3", "/venv/bin/torchrun"]
-    assert launcher.max_nodes([*agent, "--nnodes=1:2", "train/main.py"]) == 2
-    assert launcher.max_nodes([*agent, "--nnode=1:3", "train/main.py"]) == 3  # an abbreviation it accepts
-    assert launcher.max_nodes([*agent, "--nn", "4", "train/main.py"]) == 4
-    assert launcher.max_nodes([*agent, "--node-rank=5", "train/main.py"]) == 1  # not --nnodes
-    assert launcher.max_nodes([*agent, "train/main.py"], nnodes="1:4") == 4  # PET_NNODES
-    assert launcher.max_nodes([*agent, "--nnodes=a:b", "train/main.py"]) == 1
+    assert jobenv.max_nodes([*agent, "--nnodes=1:2", "train/main.py"]) == 2
+    assert jobenv.max_nodes([*agent, "--nnode=1:3", "train/main.py"]) == 3  # an abbreviation it accepts
+    assert jobenv.max_nodes([*agent, "--nn", "4", "train/main.py"]) == 4
+    assert jobenv.max_nodes([*agent, "--node-rank=5", "train/main.py"]) == 1  # not --nnodes
+    assert jobenv.max_nodes([*agent, "train/main.py"], nnodes="1:4") == 4  # PET_NNODES
+    assert jobenv.max_nodes([*agent, "--nnodes=a:b", "train/main.py"]) == 1
 
 
 def test_store_sharing_on_one_agent_is_a_warning(shared_store, caplog):
     shared_store.setenv("GROUP_WORLD_SIZE", "1")
     with caplog.at_level(logging.WARNING):
-        distributed.check_store_sharing()
+        distributed.check_store_sharing(JobEnv.from_environ())
     assert ADVICE in caplog.text
     caplog.clear()
     shared_store.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what mingpt-torchrun's agents say
-    distributed.check_store_sharing()
+    distributed.check_store_sharing(JobEnv.from_environ())
     assert caplog.text == ""
 
 

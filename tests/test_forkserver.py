@@ -1,4 +1,4 @@
-"""The server that mingpt-torchrun forks its workers from (mingpt.training.forkserver): a real server process,
+"""The server that mingpt-torchrun forks its workers from (mingpt.launch.forkserver): a real server process,
 serving this test process as it serves an agent, forking real workers that this process adopts; and the server of
 a real mingpt-torchrun."""
 
@@ -11,13 +11,13 @@ import sys
 import threading
 from pathlib import Path
 
+import launch
 import pytest
+from launch import BIN, env, output
 from torch.distributed import run
 
-import launch
-from launch import BIN, env, output
-from mingpt.cli.torchrun import warm_workers
-from mingpt.training.forkserver import Server, cannot_fork, other_threads
+from mingpt.launch.forkserver import Server, cannot_fork, other_threads
+from mingpt.launch.node import warm_workers
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,7 +44,7 @@ def server(tmp_path):
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     environment = {k: v for k, v in env().items() if k != "TORCHINDUCTOR_CACHE_DIR"}  # which its imports set
     with theirs:
-        serving = subprocess.Popen([sys.executable, "-c", "import socket, sys; from mingpt.training import forkserver; "
+        serving = subprocess.Popen([sys.executable, "-c", "import socket, sys; from mingpt.launch import forkserver; "
                                     "forkserver.be_the_server(socket.socket(fileno=int(sys.argv[1])), sys.argv[2])",
                                     str(theirs.fileno()), str(script)], env=environment, stdin=subprocess.DEVNULL,
                                    pass_fds=[theirs.fileno()])

@@ -17,11 +17,12 @@ import tracemalloc
 
 import pytest
 import torch
-
 from conftest import TEXT
 from launch import REPO, SMALL, env, metrics, output, run, standalone, train_here
+
 from mingpt.cli import eval as eval_command
 from mingpt.errors import MinGPTError
+from mingpt.jobenv import JobEnv
 from mingpt.metrics import hellaswag, plot
 from mingpt.metrics.hellaswag import Example, parse_examples, preprocess
 from mingpt.metrics.scoring import Scored, Tally, encode, encode_all, score
@@ -332,33 +333,25 @@ def test_only_what_parsed_is_cached_and_a_bad_cached_copy_is_named(tmp_path, ser
     assert len(hellaswag.load_examples(url, "--data")) == len(RECORDS) and len(requests) == 3
 
 
-@pytest.fixture
-def agent_environment(monkeypatch):
-    """Whatever fetch_hellaswag tells the workers through the environment is gone after the test."""
-    monkeypatch.setenv(preparation.HELLASWAG_FETCHED, "")
-    monkeypatch.delenv(preparation.HELLASWAG_FETCHED)
-
-
-def test_the_agent_fetches_once_for_its_node_and_its_workers_read_its_copy(tmp_path, served, closed_port, caplog,
-                                                                           agent_environment):
+def test_the_agent_fetches_once_for_its_node_and_its_workers_read_its_copy(tmp_path, served, closed_port, caplog):
     """mingpt-torchrun's agent fetches the file (preparation.fetch_hellaswag); its workers read its copy and
     request nothing. Where the agent could not fetch it, it warns once, and its workers neither fetch nor warn."""
     url, requests = served(write_data(tmp_path / "hellaswag_val.jsonl"))
     job = TrainerConfig(hellaswag_every=5, hellaswag_data=url)
-    preparation.fetch_hellaswag(job)
-    assert os.environ[preparation.HELLASWAG_FETCHED] == "cached" and len(requests) == 1
-    assert len(benchmark.read_hellaswag(job)) == len(RECORDS) and len(requests) == 1
+    worker = JobEnv(hellaswag_fetched=preparation.fetch_hellaswag(job))  # as the agent tells its workers
+    assert worker.hellaswag_fetched == "cached" and len(requests) == 1
+    assert len(benchmark.read_hellaswag(job, worker)) == len(RECORDS) and len(requests) == 1
     hellaswag.cache_path(url).unlink()  # gone after the agent fetched it: the workers say so, and fetch nothing
     with caplog.at_level(logging.WARNING, logger="mingpt"):
-        assert benchmark.read_hellaswag(job) is None
+        assert benchmark.read_hellaswag(job, worker) is None
     assert len(requests) == 1 and f"has no copy at {hellaswag.cache_path(url)}" in caplog.text
     caplog.clear()
 
     offline = TrainerConfig(hellaswag_every=5, hellaswag_data=f"http://127.0.0.1:{closed_port}/hellaswag_val.jsonl")
     with caplog.at_level(logging.INFO, logger="mingpt"):
-        preparation.fetch_hellaswag(offline)
-        assert benchmark.read_hellaswag(offline) is None
-    assert os.environ[preparation.HELLASWAG_FETCHED] == "unavailable"
+        worker = JobEnv(hellaswag_fetched=preparation.fetch_hellaswag(offline))
+        assert benchmark.read_hellaswag(offline, worker) is None
+    assert worker.hellaswag_fetched == "unavailable"
     [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warning.startswith("trainer.hellaswag_data: cannot fetch") and "goes on without the HellaSwag" in warning
 

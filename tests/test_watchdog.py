@@ -1,4 +1,4 @@
-"""Hung and slow workers: found by the agent's watchdog (mingpt.training.watchdog) and the step-time
+"""Hung and slow workers: found by the agent's watchdog (mingpt.launch.watchdog) and the step-time
 comparison (mingpt.training.stragglers), with real torchrun processes frozen by SIGSTOP; and their rules
 in this process."""
 
@@ -11,11 +11,14 @@ import time
 
 import pytest
 import torch
-
 from launch import SMALL, config, metrics, output, standalone, wait_for, worker
+
+from mingpt import jobenv
 from mingpt.errors import ConfigError
+from mingpt.jobenv import read_mark
+from mingpt.launch import watchdog
 from mingpt.model import GPT, GPTConfig
-from mingpt.training import progress, watchdog
+from mingpt.training import progress
 from mingpt.training.distributed import World
 from mingpt.training.stragglers import WINDOW, StepTimes
 
@@ -91,7 +94,7 @@ def marks(tmp_path, records: dict, hang_timeout_s: float = 0.0, first: int = 0) 
     """Progress files as workers write them: pid -> (step, phase, seconds since), each having started computing
     at step `first`, its first step allowed 300 s (trainer.dist_timeout_s)."""
     for pid, (step, phase, age) in records.items():
-        (tmp_path / str(pid)).write_bytes(progress.RECORD.pack(step, progress.PHASES.index(phase),
+        (tmp_path / str(pid)).write_bytes(jobenv.RECORD.pack(step, jobenv.PHASES.index(phase),
                                                                time.monotonic() - age, hang_timeout_s, first, 300.0))
     return list(records)
 
@@ -154,12 +157,11 @@ def test_every_compile_of_a_worker_is_marked_compiling_while_it_lasts(tmp_path, 
     the mark as torch compiles and then runs the graph as it is: Inductor would take half a minute here.)"""
     folder = tmp_path / "progress"
     folder.mkdir(mode=0o700)
-    monkeypatch.setenv(progress.PROGRESS_DIR, str(folder))
-    path = str(folder / str(os.getpid()))
+    path = folder / str(os.getpid())
     seen = []  # the mark as each compile found it
 
     def backend(graph, example_inputs):
-        seen.append(progress.read(path)[:2])
+        seen.append(read_mark(path)[:2])
         return graph.forward
 
     torch.manual_seed(0)
@@ -167,7 +169,7 @@ def test_every_compile_of_a_worker_is_marked_compiling_while_it_lasts(tmp_path, 
     model.compile(backend=backend, dynamic=False)
     batch = torch.randint(0, 17, (2, 16))
     torch.compiler.reset()  # what other tests of this process compiled counts towards no recompile limit
-    worker = progress.Progress(hang_timeout_s=5.0, warmup_s=300.0)
+    worker = progress.Progress(str(folder), hang_timeout_s=5.0, warmup_s=300.0)
     try:
         worker.watch_compiles()
         for step, phase, run, compiles in [
@@ -177,15 +179,15 @@ def test_every_compile_of_a_worker_is_marked_compiling_while_it_lasts(tmp_path, 
             (7, "evaluating", lambda: model(batch[:1], batch[:1]), True),  # a batch of another shape
         ]:
             worker.mark(step, phase)
-            before, compiled = progress.read(path).when, len(seen)
+            before, compiled = read_mark(path).when, len(seen)
             run()
             assert (len(seen) > compiled) == compiles and set(seen[compiled:]) <= {(step, "compiling")}, seen
-            after = progress.read(path)
+            after = read_mark(path)
             assert after[:2] == (step, phase) and (after.when > before) == compiles, (step, phase)
         worker.close()
-        unwatched, compiled = progress.read(path), len(seen)
+        unwatched, compiled = read_mark(path), len(seen)
         model(batch[:1, :8], batch[:1, :8])  # compiles once more, no longer watched
-        assert len(seen) > compiled and progress.read(path) == unwatched
+        assert len(seen) > compiled and read_mark(path) == unwatched
     finally:
         worker.close()
         torch.compiler.reset()
@@ -194,17 +196,16 @@ def test_every_compile_of_a_worker_is_marked_compiling_while_it_lasts(tmp_path, 
 def test_a_worker_marks_the_step_it_started_at_and_whether_it_completed_one(tmp_path, monkeypatch):
     folder = tmp_path / "progress"
     folder.mkdir(mode=0o700)
-    monkeypatch.setenv(progress.PROGRESS_DIR, str(folder))
-    worker = progress.Progress(hang_timeout_s=5.0, warmup_s=300.0)
-    path = str(folder / str(os.getpid()))
+    worker = progress.Progress(str(folder), hang_timeout_s=5.0, warmup_s=300.0)
+    path = folder / str(os.getpid())
     try:
-        assert progress.read(path)[:2] == (0, "starting") and not progress.read(path).progressed
+        assert read_mark(path)[:2] == (0, "starting") and not read_mark(path).progressed
         worker.mark(40, "starting")  # resumed at step 40
         worker.mark(40, "computing")
-        mark = progress.read(path)
+        mark = read_mark(path)
         assert (mark.first, mark.warmup_timeout, mark.in_first_step, mark.progressed) == (40, 300.0, True, False)
         worker.mark(41, "saving")  # step 40 done
-        assert progress.read(path).progressed and not progress.read(path).in_first_step
+        assert read_mark(path).progressed and not read_mark(path).in_first_step
     finally:
         worker.close()
 
@@ -258,17 +259,15 @@ def test_a_progress_folder_that_is_not_the_agents_own_is_ignored_with_one_warnin
     (tmp_path / "link").symlink_to(private)
     for folder in ("missing", "file", "link", "shared", "fifo-inside"):
         caplog.clear()
-        monkeypatch.setenv(progress.PROGRESS_DIR, str(tmp_path / folder))
-        marks = progress.Progress(hang_timeout_s=0.0, warmup_s=300.0)
+        marks = progress.Progress(str(tmp_path / folder), hang_timeout_s=0.0, warmup_s=300.0)
         marks.mark(3, "computing")
         assert marks.fd is None, folder
         assert caplog.text.count("progress is not reported") == 1, folder
-        assert progress.read(str(tmp_path / folder / str(os.getpid()))) is None  # a FIFO is never waited on
-    monkeypatch.setenv(progress.PROGRESS_DIR, str(private))  # as the agent makes it
+        assert read_mark(tmp_path / folder / str(os.getpid())) is None  # a FIFO is never waited on
     caplog.clear()
-    marks = progress.Progress(hang_timeout_s=7.0, warmup_s=300.0)
+    marks = progress.Progress(str(private), hang_timeout_s=7.0, warmup_s=300.0)  # as the agent makes it
     try:
         marks.mark(3, "computing")
-        assert progress.read(str(private / str(os.getpid())))[:2] == (3, "computing") and not caplog.text
+        assert read_mark(private / str(os.getpid()))[:2] == (3, "computing") and not caplog.text
     finally:
         marks.close()

@@ -39,8 +39,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mingpt.claim import Claim, Files, GenerationalClaim, ended_here, pids, same_machine, start_time, stood_still
+from mingpt.claim import (
+    Claim,
+    Files,
+    GenerationalClaim,
+    ended_here,
+    pids,
+    same_machine,
+    start_time,
+    stood_still,
+)
 from mingpt.errors import MinGPTError
+from mingpt.jobenv import JobEnv
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, redact, replace_atomically
 
@@ -71,7 +81,7 @@ def job_identity() -> str:
     Under torchrun it is the rendezvous id (`--rdzv-id`; a fresh uuid with `--standalone`). Without
     `--rdzv-id` torchrun says "none": then the agent process stands for the job, which is right for
     a one-node launch. A plain process is a job of its own."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    run_id = JobEnv.from_environ().run_id
     if run_id and run_id != "none":
         return f"torchrun:{run_id}"
     if run_id == "none":
@@ -126,7 +136,8 @@ class RunLease:
 
         `last_commit` tells the newest commit: where the claim files are gone, its writer stands for the
         holder, and a holder that still commits is alive."""
-        if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        job = JobEnv.from_environ()
+        if job.run_id == "none" and job.nodes > 1:
             log.warning("torchrun was started without --rdzv-id: each node's agent then counts as a job of its "
                         "own for run ownership. Give every node the same --rdzv-id=NAME")
         before = last_commit()  # a commit after this one, at a step this job saves, is checked, never trusted
@@ -155,7 +166,7 @@ class RunLease:
 
     @staticmethod
     def _processes() -> list[int]:
-        if os.environ.get("TORCHELASTIC_RUN_ID"):
+        if JobEnv.from_environ().under_torchrun:
             return [os.getpid(), os.getppid()]  # and the torchrun agent: the job lives while it does
         return [os.getpid()]
 

@@ -51,8 +51,15 @@ from fsspec.implementations.local import LocalFileSystem
 from mingpt.checkpoint.packing import pack, unpack
 from mingpt.checkpoint.shm import allocate
 from mingpt.claim import MachineLock, process_alive
-from mingpt.storage import (others_may_replace_in, own_file, parse_json, private_folder, read_own_file,
-                            replace_atomically)
+from mingpt.jobenv import JobEnv
+from mingpt.storage import (
+    others_may_replace_in,
+    own_file,
+    parse_json,
+    private_folder,
+    read_own_file,
+    replace_atomically,
+)
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +422,7 @@ def _launcher() -> int:
     """The pid a tier is named after: torchrun's agent, which outlives its workers (the restarted ones resume from
     the tier); a process started without one is its own launcher, so that once it dies (a SIGKILL) its tier goes
     at the next job's start, rather than when the shell it was started from ends."""
-    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    return os.getppid() if JobEnv.from_environ().under_torchrun else os.getpid()
 
 
 def remove_ended_tiers(root: str | Path) -> None:

@@ -19,13 +19,13 @@ import hydra
 from omegaconf import DictConfig
 
 import mingpt
-
 from mingpt.cli import configure_logging
 from mingpt.errors import MinGPTError, PeerLeft
+from mingpt.jobenv import first_on_its_node, leads_this_generation, worker_name
+from mingpt.processes import PR_SET_NAME, prctl
 from mingpt.training import app
 from mingpt.training.app import CONF_DIR, register
 from mingpt.training.config import Config, from_hydra, validate
-from mingpt.training.launcher import name_this_worker
 
 register()  # the schema and the model presets (mingpt.training.app)
 log = logging.getLogger("mingpt")
@@ -64,8 +64,6 @@ def log_as_this_process_should() -> None:
     """The leader logs the job's progress, the first process of every other node its data preparation and its
     compile caches (each machine has its own); the rest, and other libraries (botocore's credential notes),
     report warnings and errors only."""
-    from mingpt.training.distributed import first_on_its_node, leads_this_generation
-
     if leads_this_generation():
         log.setLevel(logging.INFO)
     elif first_on_its_node():
@@ -112,7 +110,8 @@ def print_version(args: list[str]) -> None:
 
 
 def main() -> None:
-    name_this_worker()
+    if (name := worker_name()) is not None:
+        prctl(PR_SET_NAME, name.encode())
     try:
         os.getcwd()
     except FileNotFoundError:

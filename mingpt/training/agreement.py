@@ -7,13 +7,9 @@ averaged the gradients meanwhile. The live mode's counterpart, over torchft, is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from mingpt.training import distributed
+from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.distributed import World
-
-if TYPE_CHECKING:  # the checkpointer imports DCP, which the launcher (through mingpt.training.live) must not
-    from mingpt.training.checkpointer import Checkpointer
 
 
 @dataclass(frozen=True)

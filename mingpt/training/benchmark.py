@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 from mingpt.data.sampler import micro_batches, shard
+from mingpt.jobenv import JobEnv, leads_this_generation
 from mingpt.metrics.hellaswag import Example, HellaSwagUnavailable, load_examples
 from mingpt.metrics.scoring import Encoded, Tally, encode_all, score, skipped_note
 from mingpt.model import GPT
@@ -23,7 +23,6 @@ from mingpt.tokenizers import Tokenizer
 from mingpt.training import distributed
 from mingpt.training.config import TrainerConfig
 from mingpt.training.parallel import Topology
-from mingpt.training.preparation import HELLASWAG_FETCHED
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class HellaSwag:
         return Tally(round(correct), round(correct_norm), round(count))
 
 
-def read_hellaswag(t: TrainerConfig) -> list[Example] | None:
+def read_hellaswag(t: TrainerConfig, job: JobEnv) -> list[Example] | None:
     """The job's HellaSwag examples where `trainer.hellaswag_every` asks for them, read before the data work: a
     file that is not HellaSwag's stops the job at once (MinGPTError). None, and one warning line, where the file
     cannot be had (offline without a copy): the job goes on without the metric. Under mingpt-torchrun this node's
@@ -65,13 +64,13 @@ def read_hellaswag(t: TrainerConfig) -> list[Example] | None:
     where the agent could not fetch it (it warned) there is nothing to read."""
     if not t.hellaswag_every:
         return None
-    agent_found = os.environ.get(HELLASWAG_FETCHED)
+    agent_found = job.hellaswag_fetched
     if agent_found == "unavailable":
         return None
     try:
         return load_examples(t.hellaswag_data, "trainer.hellaswag_data", fetch=agent_found is None)
     except HellaSwagUnavailable as e:
-        if distributed.leads_this_generation():  # before the process group exists: the future leader
+        if job.rank == 0:  # before the process group exists: the future leader
             log.warning("%s; training goes on without the HellaSwag metric", e)
         return None
 
@@ -83,7 +82,7 @@ def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: 
     if not examples:
         return None
     encoded, skipped = encode_all(examples, tokenizer, block_size)
-    if skipped and distributed.leads_this_generation():
+    if skipped and leads_this_generation():
         log.warning("HellaSwag, %s: %s", redact(t.hellaswag_data), skipped_note(skipped, len(examples), tokenizer))
     return HellaSwag(encoded, max(1, t.micro_batch_size // 4)) if encoded else None
 

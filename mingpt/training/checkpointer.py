@@ -19,7 +19,12 @@ import mingpt
 from mingpt.checkpoint.lease import LIVE, LeaseLostError, RunLease
 from mingpt.checkpoint.memory import remove_ended_tiers
 from mingpt.checkpoint.sharded import write_shards
-from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, snapshot_name
+from mingpt.checkpoint.store import (
+    Snapshot,
+    SnapshotError,
+    SnapshotStore,
+    snapshot_name,
+)
 from mingpt.checkpoint.writer import SnapshotWriter
 from mingpt.storage import explain_storage_error
 from mingpt.tokenizers import Tokenizer
@@ -55,7 +60,7 @@ class Checkpointer:
         # Named after where the run is: a local snapshot.dir by its absolute path, so that two jobs on one
         # machine never share a tier. A process that torchrun did not start is a job of its own, which no
         # restart continues: there (auto) the memory would never be read.
-        wanted = cfg.snapshot.memory == "on" or (cfg.snapshot.memory == "auto" and "TORCHELASTIC_RUN_ID" in os.environ)
+        wanted = cfg.snapshot.memory == "on" or (cfg.snapshot.memory == "auto" and topology.world.job.under_torchrun)
         self.memory = MemoryCopies(cfg.snapshot, topology, os.path.abspath(store.run.path) if store.local else
                                    store.url, replica) if wanted else None
         if not wanted:  # (a tier's own start does it, once the restore has read what it needs)

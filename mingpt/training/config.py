@@ -87,7 +87,7 @@ class TrainerConfig:
     loggers: List[str] = field(default_factory=lambda: ["jsonl"])
     dist_timeout_s: int = 300  # a collective that waits longer fails, and torchrun restarts the workers
     # Under mingpt-torchrun, a worker that makes no progress this long is named, its stack logged, and the
-    # workers restarted (mingpt.training.watchdog); 0: 20 median steps, at least 20 s, once steps are timed.
+    # workers restarted (mingpt.launch.watchdog); 0: 20 median steps, at least 20 s, once steps are timed.
     hang_timeout_s: float = 0.0
 
 

@@ -1,28 +1,27 @@
 """The current generation of workers: who this process is in it, and its collectives.
 
 torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE. This module reads
-them afresh each start and uses them for two things only: device placement (LOCAL_RANK) and
+them afresh each start (mingpt.jobenv) and uses them for two things only: device placement (LOCAL_RANK) and
 picking one process to log and to write snapshots (rank 0 of this generation). Nothing derived
-from them is ever stored. It also checks, before any work, that the launch is consistent and cannot
-deadlock (`check_launch`, `check_store_sharing`), and tells a collective that failed because a peer
-went from one that failed here (`lost_a_peer`). The generation forms in mingpt.training.meeting.
+from them is ever stored. It also checks, before any work, that the launch cannot deadlock
+(`check_store_sharing`), and tells a collective that failed because a peer went from one that failed here
+(`lost_a_peer`). The generation forms in mingpt.training.generation.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import signal
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from mingpt.errors import ConfigError, PeerLeft, one_line
-from mingpt.training.launcher import PEER_LOST, max_nodes_of_agent
+from mingpt.jobenv import PEER_LOST, JobEnv
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +33,7 @@ class World:
     local_rank: int
     device: torch.device
     per_node: int = 1  # processes the launcher started on this node (LOCAL_WORLD_SIZE)
+    job: JobEnv = field(default_factory=JobEnv)  # what the launcher says about this process and its job
 
     @property
     def distributed(self) -> bool:
@@ -43,56 +43,6 @@ class World:
     def is_leader(self) -> bool:
         """The one process of this generation that logs and writes snapshots."""
         return self.rank == 0
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the launcher (torchrun, SLURM, a hand-made environment) says about this process."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int = 1
-
-
-def check_launch() -> Launch:
-    """Read RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* and refuse inconsistent values with one line each,
-    before the lease or any data work: a wrong value otherwise surfaces much later, as a hang or a
-    misleading error. Unset means a single process."""
-    world_size = _env_int("WORLD_SIZE", 1, minimum=1)
-    rank = _env_int("RANK", 0, minimum=0)
-    local_rank = _env_int("LOCAL_RANK", 0, minimum=0)
-    if rank >= world_size:
-        raise ConfigError(f"RANK={rank} with WORLD_SIZE={world_size}: a rank must be below the world size. "
-                          "Let torchrun set both (or set WORLD_SIZE to the number of processes, RANK to 0 .. WORLD_SIZE-1)")
-    # LOCAL_RANK serves device placement only (gpu_of); it must at least fit the node's process count.
-    local_size = _env_int("LOCAL_WORLD_SIZE", local_rank + 1, minimum=1)  # torchrun sets it; by hand, often not
-    if local_rank >= local_size:
-        raise ConfigError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_size}: a local rank must be below "
-                          "the number of processes on this node. Let torchrun set both")
-    if world_size > 1:
-        for name in ("MASTER_ADDR", "MASTER_PORT"):
-            if not os.environ.get(name, "").strip():
-                raise ConfigError(f"WORLD_SIZE={world_size} but {name} is not set: start several processes with "
-                                  "torchrun (or mingpt-torchrun), which sets it")
-        port = _env_int("MASTER_PORT", 0, minimum=1)
-        if port > 65535:
-            raise ConfigError(f"MASTER_PORT={port} is not a TCP port: use one in 1-65535")
-    return Launch(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_size)
-
-
-def _env_int(name: str, default: int, minimum: int) -> int:
-    text = os.environ.get(name)
-    if text is None or not text.strip():
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not an integer: it is set by torchrun; unset it or fix the launch") \
-            from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be at least {minimum}: it is set by torchrun; unset it or fix the launch")
-    return value
 
 
 @contextmanager
@@ -109,19 +59,19 @@ def sigterm_ends_at_once() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def check_store_sharing() -> None:
+def check_store_sharing(job: JobEnv) -> None:
     """Stop before any work where torchrun's agents share their rendezvous store with the workers and
-    the launch spans several agents: with torch 2.13 that job deadlocks (see mingpt.training.launcher). On one
+    the launch spans several agents: with torch 2.13 that job deadlocks (see mingpt.launch.node). On one
     agent (standalone), where restarts were measured to work, warn instead."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not job.agent_store:
         return
     advice = ("launch with mingpt-torchrun (same arguments), or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
               "on every node before torchrun")
-    agents = max(int(os.environ.get("GROUP_WORLD_SIZE", "1")), max_nodes_of_agent())
+    agents = job.max_nodes
     if agents > 1:
         raise ConfigError(f"torchrun's agents share their rendezvous store with the workers, which deadlocks "
                           f"jobs on several nodes (up to {agents} here) with torch 2.13: {advice}")
-    if leads_this_generation():
+    if job.rank == 0:
         log.warning("torchrun's agent shares its rendezvous store with the workers (restarted workers may hang "
                     "with torch 2.13): %s", advice)
 
@@ -212,18 +162,3 @@ def broadcast_tensor(tensor: torch.Tensor, world: World, src: int) -> None:
         dist.broadcast(tensor, src=src)
 
 
-def first_on_its_node() -> bool:
-    """Whether this process is the first of its node (local rank 0): it reports the node's own work,
-    such as preparing its data, which the leader cannot see."""
-    try:
-        return _env_int("LOCAL_RANK", 0, minimum=0) == 0
-    except ConfigError:
-        return False  # check_launch refuses it
-
-
-def leads_this_generation() -> bool:
-    """Whether this process will lead its generation (rank 0), known before joining the process group."""
-    try:
-        return _env_int("RANK", 0, minimum=0) == 0  # as check_launch reads it: "00", " 0" and "" lead too
-    except ConfigError:
-        return False  # check_launch refuses it, as the first thing train() does

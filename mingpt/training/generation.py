@@ -5,7 +5,6 @@ data can say so, then the group (gloo on CPUs, NCCL on GPUs) with a finite timeo
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from datetime import timedelta
@@ -14,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from mingpt.errors import ConfigError, one_line
-from mingpt.training.distributed import Launch, World, check_launch, gpu_of, peer_lost, sigterm_ends_at_once
+from mingpt.jobenv import JobEnv
+from mingpt.training.distributed import World, gpu_of, peer_lost, sigterm_ends_at_once
 
 log = logging.getLogger(__name__)
 
@@ -27,38 +27,37 @@ class Meeting:
     init_process_group, and the leader names whom it waits for. A process that never shows up at all
     is still an error after trainer.dist_timeout_s."""
 
-    def __init__(self, launch: Launch, timeout_s: float):
-        self.launch, self.timeout_s = launch, timeout_s
-        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    def __init__(self, job: JobEnv, timeout_s: float):
+        self.job, self.timeout_s = job, timeout_s
+        host, port = job.master
+        self.address = f"{host}:{port}"
         self.opened = time.monotonic()
         # Rank 0 hosts a fresh store for each generation. torchrun's own store (shared by the agent, one
         # agent only: see check_store_sharing) outlives restarts: there the restart count keeps the keys of
         # earlier generations apart. (It differs between agents, so it is not used where there are several.)
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "-"
-        self.prefix = f"mingpt/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{generation}"
+        agent_store = job.agent_store
+        self.prefix = f"mingpt/{job.run_id or ''}/{job.restart_count if agent_store else '-'}"
         try:
             with sigterm_ends_at_once():  # connecting waits in torch's C++ for a store that may never come
-                self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                           launch.world_size, is_master=launch.rank == 0 and not agent_store,
+                self.store = dist.TCPStore(host, port, job.world_size, is_master=job.rank == 0 and not agent_store,
                                            timeout=timedelta(seconds=timeout_s), multi_tenant=not agent_store,
                                            wait_for_workers=False)
         except dist.DistError as e:
             raise self._error(e) from None
-        self.store.set(self._key("joined", launch.rank), socket.gethostname())
+        self.store.set(self._key("joined", job.rank), socket.gethostname())
 
     def ready(self) -> None:
         """Say that this process has prepared its data; wait until every process has."""
-        self.store.set(self._key("ready", self.launch.rank), socket.gethostname())
+        self.store.set(self._key("ready", self.job.rank), socket.gethostname())
         said = time.monotonic() - WAIT_LOG_S + 1  # the first report after a second, then every WAIT_LOG_S
         while True:
-            missing = [rank for rank in range(self.launch.world_size) if not self._has("ready", rank)]
+            missing = [rank for rank in range(self.job.world_size) if not self._has("ready", rank)]
             if not missing:
                 return
             absent = [rank for rank in missing if not self._has("joined", rank)]
             if absent and time.monotonic() - self.opened > self.timeout_s:
                 raise self._error(f"rank(s) {_ranks(absent)} never started")
-            if self.launch.rank == 0 and time.monotonic() - said >= WAIT_LOG_S:
+            if self.job.rank == 0 and time.monotonic() - said >= WAIT_LOG_S:
                 log.info("waiting for %d process(es) to prepare their data: %s", len(missing), self._describe(missing))
                 said = time.monotonic()
             time.sleep(0.2)
@@ -77,10 +76,10 @@ class Meeting:
         return self.store.check([self._key(kind, rank)])
 
     def _error(self, cause) -> Exception:
-        if isinstance(cause, dist.DistError) and os.environ.get("TORCHELASTIC_RUN_ID"):
+        if isinstance(cause, dist.DistError) and self.job.under_torchrun:
             # torchrun formed this generation and set MASTER_*: a peer (the one hosting the store, say) has gone
             return peer_lost(cause)
-        return ConfigError(f"rank {self.launch.rank} of {self.launch.world_size} could not meet its peers at "
+        return ConfigError(f"rank {self.job.rank} of {self.job.world_size} could not meet its peers at "
                            f"{self.address} within {self.timeout_s:.0f} s (trainer.dist_timeout_s): start all "
                            f"WORLD_SIZE processes, or check MASTER_ADDR and MASTER_PORT ({one_line(cause)})")
 
@@ -88,39 +87,37 @@ class Meeting:
 WAIT_LOG_S = 30.0  # how often the leader says whom it waits for
 
 
-def meet(timeout_s: float) -> Meeting | None:
+def meet(job: JobEnv, timeout_s: float) -> Meeting | None:
     """The generation's meeting point (None when this process is alone)."""
-    launch = check_launch()
-    return Meeting(launch, timeout_s) if launch.world_size > 1 else None
+    return Meeting(job, timeout_s) if job.world_size > 1 else None
 
 
-def start(timeout_s: float, meeting: Meeting | None = None) -> World:
+def start(job: JobEnv, timeout_s: float, meeting: Meeting | None = None) -> World:
     """Join the process group torchrun describes (if any): NCCL on GPUs, gloo on CPUs; with `meeting`,
     once every process is ready.
 
     The finite timeout turns a hung collective (a peer that died mid-step) into an error,
     which torchrun answers by restarting the workers.
     """
-    launch = meeting.launch if meeting else check_launch()
     if torch.cuda.is_available():
-        device = torch.device("cuda", gpu_of(launch.local_rank))
+        device = torch.device("cuda", gpu_of(job.local_rank))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if launch.world_size > 1:
-        _join(meeting or Meeting(launch, timeout_s), device)
-    return World(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank, device=device,
-                 per_node=launch.local_world_size)
+    if job.world_size > 1:
+        _join(meeting or Meeting(job, timeout_s), device)
+    return World(rank=job.rank, world_size=job.world_size, local_rank=job.local_rank, device=device,
+                 per_node=job.local_world_size, job=job)
 
 
 def _join(meeting: Meeting, device: torch.device) -> None:
-    launch, timeout_s = meeting.launch, meeting.timeout_s
+    job, timeout_s = meeting.job, meeting.timeout_s
     # Under torchrun the peers were started together and the wait is short; in an environment made by
     # hand a missing peer would otherwise make this process wait silently for the whole timeout.
-    say = log.info if os.environ.get("TORCHELASTIC_RUN_ID") else log.warning
+    say = log.info if job.under_torchrun else log.warning
     say("rank %d of %d: joining the process group at %s, waiting up to %.0f s (trainer.dist_timeout_s) for the "
-        "other %d process(es) to start", launch.rank, launch.world_size, meeting.address, timeout_s,
-        launch.world_size - 1)
+        "other %d process(es) to start", job.rank, job.world_size, meeting.address, timeout_s,
+        job.world_size - 1)
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None
     meeting.store.set_timeout(timedelta(seconds=timeout_s))
@@ -128,11 +125,11 @@ def _join(meeting: Meeting, device: torch.device) -> None:
         with sigterm_ends_at_once():  # forming the group waits in torch's C++ for every peer
             meeting.ready()
             dist.init_process_group(backend=backend, store=dist.PrefixStore(f"{meeting.prefix}/pg", meeting.store),
-                                    rank=launch.rank, world_size=launch.world_size,
+                                    rank=job.rank, world_size=job.world_size,
                                     timeout=timedelta(seconds=timeout_s), device_id=device_id)
     except dist.DistError as e:  # a peer that died between the meeting and here
         raise meeting._error(e) from None
-    log.debug("joined process group: rank %d of %d, %s on %s", launch.rank, launch.world_size, backend, device)
+    log.debug("joined process group: rank %d of %d, %s on %s", job.rank, job.world_size, backend, device)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -35,9 +35,8 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,16 +45,12 @@ from torch.distributed import DistError
 from mingpt.errors import ConfigError, DataError, MinGPTError, TrainingError, one_line
 from mingpt.training.agreement import Outcome, Share
 from mingpt.training.distributed import World, peer_lost
-
-if TYPE_CHECKING:  # FSDP's modules: the launcher, which reads this module's names, need not import them
-    from mingpt.training.parallel import Topology
+from mingpt.training.parallel import Topology
 
 log = logging.getLogger(__name__)
 
 # Every timeout of the live mode, in one place.
-HEARTBEAT_TIMEOUT_MS = 1000  # Lighthouse: a group silent this long is left out of the next quorum
-JOIN_TIMEOUT_MS = 1000  # Lighthouse: how long a quorum waits for live groups that have not asked yet
-QUORUM_TICK_MS = 100  # Lighthouse: how often it looks whether a quorum can form
+# (The Lighthouse's own, which mingpt-rendezvous serves it with, are in mingpt.jobenv.)
 COLLECTIVE_TIMEOUT_S = 10.0  # a cross-group collective, a heal's transfer (Manager's timeout)
 # The commit vote, which waits for every process of the group. Longer than a collective's timeout: when a group
 # dies mid-step, one process may learn it at once (a refused connection) and another only when its collective
@@ -68,35 +63,8 @@ QUORUM_TIMEOUT_S = 15.0
 CONNECT_TIMEOUT_S = 10.0  # reaching the Lighthouse or another group's manager
 LIGHTHOUSE_WAIT_S = 300.0  # how long a lost Lighthouse is waited for (mingpt-rendezvous restarting)
 
-# What mingpt-torchrun --live tells the workers of its node.
-LIGHTHOUSE = "MINGPT_LIVE_LIGHTHOUSE"  # the Lighthouse's address (http://host:port)
-RENDEZVOUS = "MINGPT_LIVE_RENDEZVOUS"  # the store of mingpt-rendezvous (host:port), which numbers the groups
-HOST = "MINGPT_LIVE_HOST"  # the address other nodes reach this one at
-MIN_NODES = "MINGPT_LIVE_MIN_NODES"  # the fewest groups that may commit a step (--nnodes's MIN)
-
-LIGHTHOUSE_KEY = "mingpt/lighthouse"  # the key under which mingpt-rendezvous publishes the Lighthouse's address
 STATE_KEY = "mingpt"  # the name of the run's state among what torchft sends a healing group
 HEALERS_KEY = "mingpt/live/healers/"  # + job id / local rank: the addresses groups serve their state at
-
-
-def enabled() -> bool:
-    return bool(os.environ.get(LIGHTHOUSE))
-
-
-@dataclass
-class Settings:
-    lighthouse: str
-    rendezvous: str
-    host: str
-    min_nodes: int
-
-    @classmethod
-    def from_environment(cls) -> "Settings":
-        try:
-            return cls(os.environ[LIGHTHOUSE], os.environ[RENDEZVOUS], os.environ[HOST], int(os.environ[MIN_NODES]))
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"the live mode's variables are incomplete ({e}): start live jobs with "
-                              "mingpt-torchrun --live") from None
 
 
 def group_name(world: World) -> str:
@@ -166,14 +134,14 @@ class LiveAgreement:
         # torchft logs each failed collective with its traceback, and each reconfiguration; this module says
         # in a line when steps stop and start counting.
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
-        self.settings = Settings.from_environment()
         world, self.sharded = topology.world, topology.sharded
+        self.settings = world.job.live
         self.world, self.replica, self.checkpointer = world, replica, checkpointer
         self.global_batch_size, self.state, self.load = global_batch_size, state, load
         host, port = self.settings.rendezvous.rsplit(":", 1)
         self.rendezvous = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                         timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
-        self.job_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        self.job_id = world.job.run_id or ""
         self.healers = f"{HEALERS_KEY}{self.job_id}/{world.rank}"
         # Checked in every step's table, and against the state a peer sends this group to heal.
         self.credentials = credentials(self.job_id, checkpointer.data_fingerprint, world.world_size, topology.mode)

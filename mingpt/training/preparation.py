@@ -9,23 +9,17 @@ needs none of the trainer's machinery (FSDP and DCP alone cost each agent about 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 
 from mingpt.data.prepare import prepare
 from mingpt.interop.pretrained import Pretrained, open_pretrained
+from mingpt.jobenv import leads_this_generation
 from mingpt.metrics import hellaswag
 from mingpt.storage import redact
 from mingpt.training.config import Config, TrainerConfig
-from mingpt.training.distributed import leads_this_generation
 
 log = logging.getLogger(__name__)
-# What fetch_hellaswag, in mingpt-torchrun's agent, made of a URL for the node's workers: "cached" (read the copy in
-# this machine's cache, fetch nothing) or "unavailable" (it warned: train without the metric).
-HELLASWAG_FETCHED = "MINGPT_HELLASWAG_FETCHED"
-
-
 def prepare_data(cfg: Config, pretrained: Pretrained | None = None) -> Path:
     """The prepared folder of `cfg.data` (reused, or prepared now). mingpt-torchrun calls it before its
     node joins the job, so that the job never waits while a new node tokenizes."""
@@ -34,24 +28,25 @@ def prepare_data(cfg: Config, pretrained: Pretrained | None = None) -> Path:
     return prepare(replace(cfg.data, tokenizer=_tokenizer(cfg, pretrained)))
 
 
-def fetch_hellaswag(t: TrainerConfig) -> None:
+def fetch_hellaswag(t: TrainerConfig) -> str | None:
     """Where the job scores HellaSwag (trainer.hellaswag_every), read its file on this node now, before the data
     work and before the workers start: a file that is not HellaSwag's is a MinGPTError here, and a URL is fetched
-    into this machine's cache once for the node. HELLASWAG_FETCHED tells the workers what came of it: they read
-    this copy instead of each fetching it again in the start-up their peers wait on, or, where it could not be
-    had, train without the metric after this one warning."""
+    into this machine's cache once for the node. What came of it, for the workers (mingpt.jobenv's
+    hellaswag_fetched): "cached" (they read this copy instead of each fetching it again in the start-up their
+    peers wait on), "unavailable" (it could not be had: they train without the metric after this one warning), or
+    None (a local file: they read it)."""
     if not t.hellaswag_every:
-        return
+        return None
     try:
         hellaswag.load_examples(t.hellaswag_data, "trainer.hellaswag_data")
     except hellaswag.HellaSwagUnavailable as e:
         log.warning("%s; training goes on without the HellaSwag metric", e)
-        os.environ[HELLASWAG_FETCHED] = "unavailable"
-        return
-    if not hellaswag.is_local(t.hellaswag_data):
-        os.environ[HELLASWAG_FETCHED] = "cached"
-        log.info("HellaSwag: %s is in this machine's cache (%s) for its workers", redact(t.hellaswag_data),
-                 hellaswag.cache_path(t.hellaswag_data).parent)
+        return "unavailable"
+    if hellaswag.is_local(t.hellaswag_data):
+        return None
+    log.info("HellaSwag: %s is in this machine's cache (%s) for its workers", redact(t.hellaswag_data),
+             hellaswag.cache_path(t.hellaswag_data).parent)
+    return "cached"
 
 
 def _tokenizer(cfg: Config, pretrained: Pretrained | None) -> str:

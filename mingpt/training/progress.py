@@ -1,4 +1,4 @@
-"""This process's progress, for the watchdog of its node's agent (mingpt.training.watchdog): the step and
+"""This process's progress, for the watchdog of its node's agent (mingpt.launch.watchdog): the step and
 the phase it is in, and when it entered it, written into a small file of a private folder that the agent
 made (MINGPT_PROGRESS_DIR). It needs no collective, so a hung collective cannot hide it: a process that
 stops marking is seen by its agent, which names it, writes its Python stack to the log and restarts the
@@ -21,57 +21,24 @@ import faulthandler
 import logging
 import os
 import signal
-import struct
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from mingpt import torch_internals
+from mingpt.jobenv import PROGRESS_DIR, Mark
 from mingpt.processes import PR_SET_PTRACER, prctl
-from mingpt.storage import open_own_file, private_folder, read_own_file
+from mingpt.storage import open_own_file, private_folder
 
 log = logging.getLogger(__name__)
-
-PROGRESS_DIR = "MINGPT_PROGRESS_DIR"
-# A phase the watchdog judges by the step time (computing, evaluating), by the warm-up allowance (compiling)
-# or leaves to other timeouts (starting: trainer.dist_timeout_s and the rendezvous; saving: the store's own).
-PHASES = ("starting", "computing", "evaluating", "saving", "compiling")
-# step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s, the step this process started
-# computing at (-1 before), and the allowance of that first step and of a compile (trainer.dist_timeout_s)
-RECORD = struct.Struct("<qqddqd")
-
-
-class Mark(NamedTuple):
-    """A process's last mark, as its agent reads it."""
-
-    step: int
-    phase: str
-    when: float
-    timeout: float  # trainer.hang_timeout_s (0: the agent chooses)
-    first: int  # the step this process started computing at: its generation's first, where -1 none yet
-    warmup_timeout: float  # how long that first step (warming up) or a compile may take
-
-    @property
-    def progressed(self) -> bool:
-        """Whether this process completed a step (its last mark is past the step it started at)."""
-        return 0 <= self.first < self.step
-
-    @property
-    def in_first_step(self) -> bool:
-        return self.step == self.first
-
-    @property
-    def warming_up(self) -> bool:
-        """Whether this process is in its first step or compiling: allowed `warmup_timeout`."""
-        return self.in_first_step or self.phase == "compiling"
 
 
 class Progress:
     """Marks of this process's progress, where an agent watches them."""
 
-    def __init__(self, hang_timeout_s: float, warmup_s: float):
+    def __init__(self, folder: str | None, hang_timeout_s: float, warmup_s: float):
+        """Marks in `folder` (the job's progress_dir: its agent's), or none where it is None."""
         self.hang_timeout_s, self.warmup_s = hang_timeout_s, warmup_s
-        folder = os.environ.get(PROGRESS_DIR)
         self.fd = _open_mark_file(Path(folder)) if folder else None
         if self.fd is not None:
             let_the_agent_read_my_stack()
@@ -98,8 +65,8 @@ class Progress:
         if phase == "computing" and self.first < 0:
             self.first = step
         if self.fd is not None:
-            os.pwrite(self.fd, RECORD.pack(step, PHASES.index(phase), time.monotonic(), self.hang_timeout_s,
-                                           self.first, self.warmup_s), 0)
+            os.pwrite(self.fd, Mark(step, phase, time.monotonic(), self.hang_timeout_s, self.first,
+                                    self.warmup_s).pack(), 0)
 
     def close(self) -> None:
         if self._unwatch is not None:
@@ -130,15 +97,3 @@ def let_the_agent_read_my_stack() -> None:
     that still runs where py-spy is missing."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     prctl(PR_SET_PTRACER, os.getppid())  # (not Linux: py-spy asks for what it needs there)
-
-
-def read(path: str) -> Mark | None:
-    """The last mark in a progress file; None where it holds none yet."""
-    try:
-        data = read_own_file(Path(path), RECORD.size)
-    except OSError:  # not yet made; or not a regular file of this user's: never read
-        return None
-    if len(data) < RECORD.size:
-        return None
-    step, phase, when, timeout, first, warmup_timeout = RECORD.unpack(data)
-    return Mark(step, PHASES[phase] if 0 <= phase < len(PHASES) else "starting", when, timeout, first, warmup_timeout)

@@ -19,8 +19,13 @@ from mingpt.model import GPT
 from mingpt.rundir import RunDir
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
-from mingpt.training.launcher import membership_change
-from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
+from mingpt.training.performance import (
+    Throughput,
+    flops_per_token,
+    mfu,
+    peak_flops,
+    peak_memory_bytes,
+)
 from mingpt.training.resume import Resumed
 from mingpt.training.state import TrainState
 from mingpt.training.stragglers import StepTimes
@@ -38,7 +43,7 @@ class Report:
         self.speaks = speaks
         self.metrics = Loggers(cfg.trainer.loggers, run, cfg.to_dict(), speaks)
         # What changed in the job's membership before this generation, as mingpt-torchrun's agent saw it.
-        self.change = membership_change() if world.is_leader else None
+        self.change = world.job.membership if world.is_leader else None
         self.flops_per_token = flops_per_token(model.config, model.num_params())
         self.throughput: Throughput | None = None
         self.peak: float | None = None  # FLOP/s of one process, for MFU (known to the leader)

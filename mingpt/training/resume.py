@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from mingpt.checkpoint.store import Snapshot
 from mingpt.errors import DataError, PeerLeft
 from mingpt.interop.pretrained import Pretrained
+from mingpt.jobenv import PEER_LOST
 from mingpt.storage import redact
 from mingpt.training import distributed
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.distributed import World
-from mingpt.training.launcher import PEER_LOST
 from mingpt.training.state import Replica
 from mingpt.training.stopflag import StopFlag
 

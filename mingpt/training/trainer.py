@@ -31,21 +31,32 @@ from mingpt.checkpoint.shm import remove_ended_agents_folders
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import WindowOrder, micro_batches, shard, window_order
-from mingpt.errors import ConfigError, PeerLeft, TrainingError, forget_stops, raise_stopped
+from mingpt.errors import (
+    ConfigError,
+    PeerLeft,
+    TrainingError,
+    forget_stops,
+    raise_stopped,
+)
 from mingpt.interop.pretrained import Pretrained, open_pretrained
+from mingpt.jobenv import PEER_STOPPED, JobEnv, first_on_its_node, leads_this_generation
 from mingpt.model import GPT, GPTConfig
+from mingpt.processes import end_with_parent
 from mingpt.storage import redact
-from mingpt.training import distributed, parallel
-from mingpt.training import generation
-from mingpt.training import live
+from mingpt.training import distributed, generation, live, parallel
 from mingpt.training.agreement import Outcome, Share, StepAgreement
 from mingpt.training.benchmark import HellaSwag, agree, load_hellaswag, read_hellaswag
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.compile_cache import CompileCache, describe
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
-from mingpt.training.launcher import PEER_STOPPED, end_with_the_agent
-from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
+from mingpt.training.precision import (
+    autocast_for,
+    choose_compile,
+    choose_precision,
+    compute_dtype,
+    dtype_name,
+)
 from mingpt.training.preparation import prepare_data
 from mingpt.training.progress import Progress
 from mingpt.training.recovery import check_memory_dir
@@ -69,24 +80,25 @@ class TrainResult:
 
 def train(cfg: Config) -> TrainResult:
     """Run (or resume) the job `cfg` describes; returns when `max_steps` is reached or a stop was requested."""
-    launch = distributed.check_launch()  # first: a launch that is inconsistent or would deadlock fails before any work
-    end_with_the_agent()
+    job = JobEnv.from_environ()  # first: a launch that is inconsistent or would deadlock fails before any work
+    if job.under_torchrun:  # its agent dies (SIGKILL, the OOM killer): save the step and leave, as when it stops us
+        end_with_parent(signal.SIGTERM)
     torch_internals.check(launcher=False)  # DCP's private names, which snapshots rely on
-    _check_batch(cfg, launch.world_size)
-    distributed.check_store_sharing()
+    _check_batch(cfg, job.world_size)
+    distributed.check_store_sharing(job)
     # SIGTERM (torchrun's at every membership change) before the training loop stops preparation at once,
     # through its cleanups (worker processes, temporary folders, the lease); the loop has its own StopFlag.
     previous = signal.signal(signal.SIGTERM, raise_stopped)
     forget_stops()
     try:
-        return _train(cfg)
+        return _train(cfg, job)
     finally:
         signal.signal(signal.SIGTERM, previous)
         forget_stops()
 
 
-def _train(cfg: Config) -> TrainResult:
-    meeting = generation.meet(cfg.trainer.dist_timeout_s)  # first: peers wait for this process while it prepares
+def _train(cfg: Config, job: JobEnv) -> TrainResult:
+    meeting = generation.meet(job, cfg.trainer.dist_timeout_s)  # first: peers wait for this process while it prepares
     store = snapshot_store(cfg.snapshot.dir, keep=cfg.snapshot.keep, storage_options=cfg.snapshot.storage_options)
     store.check_writable()
     check_memory_dir(cfg.snapshot)
@@ -96,16 +108,16 @@ def _train(cfg: Config) -> TrainResult:
     # can no longer commit (see mingpt.checkpoint.lease).
     # (Live mode: the writer's group claims it when it becomes the writer; every group refuses a run its job's id
     # holds in the restart mode, whose nodes it never meets.)
-    leads, timeout = distributed.leads_this_generation(), cfg.snapshot.lease_timeout_s
-    if leads and live.enabled():
+    leads, timeout = job.rank == 0, cfg.snapshot.lease_timeout_s
+    if leads and job.live:
         store.refuse_the_other_mode(timeout, LIVE)
-    with store.claim(timeout) if leads and not live.enabled() else nullcontext():
-        examples = read_hellaswag(cfg.trainer)  # before the data work: a file that is not HellaSwag's stops it
+    with store.claim(timeout) if leads and not job.live else nullcontext():
+        examples = read_hellaswag(cfg.trainer, job)  # before the data work: a file that is not HellaSwag's stops it
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         data = PreparedData(prepare_data(cfg, pretrained))
         model_config = _model_config(cfg, data, pretrained)
         hellaswag = load_hellaswag(cfg.trainer, examples, data.tokenizer, model_config.block_size)
-        world = generation.start(cfg.trainer.dist_timeout_s, meeting)
+        world = generation.start(job, cfg.trainer.dist_timeout_s, meeting)
         try:
             with StopFlag() as stop, _a_lost_peer_ends_the_generation():
                 result = Trainer(cfg, world, store, data, model_config, pretrained, hellaswag).run(stop)
@@ -139,7 +151,7 @@ def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None
             f"model.init_from={redact(pretrained.url)} has a vocabulary of {pretrained.config.vocab_size}, the data's "
             f"tokenizer ({data.tokenizer.describe()}) one of {data.vocab_size}; leave data.tokenizer at its default "
             "to use the tokenizer that came with the weights")
-    if distributed.leads_this_generation():  # before the process group exists: the future leader
+    if leads_this_generation():  # before the process group exists: the future leader
         log.info("model.init_from=%s: %s (instead of model=%s)", redact(pretrained.url), pretrained.describe(),
                  cfg.model.name)
     return replace(pretrained.config, dropout=cfg.model.dropout)
@@ -159,7 +171,7 @@ class Trainer:
         model = GPT(model_config)  # in host memory: to the device whole (ddp), or shard by shard (fsdp)
         precision, self.precision_reason = choose_precision(t.precision, world.device, model_config.n_embd)
         self.autocast, scaler = autocast_for(precision, world.device)
-        self.live = live.enabled()
+        self.live = world.job.live is not None
         mode, self.parallelism_reason = parallel.choose(t.parallelism, model.num_params(False), world, self.live)
         if scaler is not None and mode != "ddp":
             raise ConfigError(f"trainer.precision=fp16 works with trainer.parallelism=ddp only (it needs a loss "
@@ -179,7 +191,7 @@ class Trainer:
             self.agreement = StepAgreement(world, self.checkpointer, t.global_batch_size)
         self.report = Report(cfg, world, store.run, model, compute_dtype(self.autocast),
                              speaks=world.is_leader and not self.live)
-        self.progress = Progress(t.hang_timeout_s, t.dist_timeout_s)  # for the agent's watchdog (training.watchdog)
+        self.progress = Progress(world.job.progress_dir, t.hang_timeout_s, t.dist_timeout_s)  # for its agent's watchdog
         self.hellaswag = agree(hellaswag, world, self.report.speaks) if t.hellaswag_every else None
         self.train_loss: float | None = None
         self.val_loss: float | None = None
@@ -288,7 +300,7 @@ class Trainer:
         if self.compiled and self.cfg.trainer.compile_cache:  # the run's caches, before the first compile
             self.compile_cache = CompileCache(self.checkpointer.store.run, describe(
                 self.model.config, self.world.device, compute_dtype(self.autocast), self.topology.mode),
-                announce=distributed.first_on_its_node())  # each node: its machine may have other caches
+                announce=first_on_its_node())  # each node: its machine may have other caches
             self.compile_cache.load()
         if self.compiled:
             self.progress.watch_compiles()  # a compile at any step is work, not a hang (training.watchdog)

@@ -4,7 +4,7 @@ torchrun's LocalElasticAgent restarts its workers when they fail (using up --max
 node waits to join (free). This subclass of it, and a wrapper of its rendezvous handler, keep a job going
 while nodes die, leave and join:
 
-- Workers that ended because another process left or died (launcher.PEER_STOPPED, PEER_LOST) restart
+- Workers that ended because another process left or died (jobenv.PEER_STOPPED, PEER_LOST) restart
   without using up --max-restarts, as for any membership change: where they made no step, that is so only
   if the next round's nodes are not the same; otherwise the restart is used up after all, and with none
   left the job ends with the workers' exit status (RestartsUsedUp).
@@ -14,14 +14,14 @@ while nodes die, leave and join:
 - A peer node gone from the round restarts this node's workers at once, even when they are in no
   collective with it (starting, meeting their peers).
 - A rendezvous store that answers late, while the workers train, is waited for.
-- A hung worker is found from its progress marks (mingpt.training.watchdog), named with its stack and
+- A hung worker is found from its progress marks (mingpt.launch.watchdog), named with its stack and
   ended; the restart that follows is free, up to FREE_HANG_RESTARTS.
 - A waiting agent polls the round every POLL_S, so that the agents of a change find each other sooner.
 - A node waiting to join restarts a generation only once its workers took a step, or after ADMIT_AFTER_S:
   nodes arriving one after another no longer restart starting workers again and again (each start costs
   the imports and the process group), while no step is taken.
 
-Each agent also tells its new workers what changed (launcher.MEMBERSHIP); the new leader logs it.
+Each agent also tells its new workers what changed (jobenv.MEMBERSHIP); the new leader logs it.
 torch's private names are all in mingpt.torch_internals, checked before the agent starts.
 """
 
@@ -36,18 +36,27 @@ import time
 from datetime import timedelta
 
 from torch.distributed import DistError
-from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousHandler,
-                                                  RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousTimeoutError,
+)
 from torch.distributed.launcher import api as launcher_api
 
 from mingpt import torch_internals
 from mingpt.errors import one_line
+from mingpt.jobenv import MEMBERSHIP, MEMBERSHIP_EXITS, PROGRESS_DIR
+from mingpt.launch.watchdog import Watchdog
 from mingpt.torch_internals import ElasticAgent
-from mingpt.training.launcher import MEMBERSHIP, MEMBERSHIP_EXITS
-from mingpt.training.progress import PROGRESS_DIR
-from mingpt.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

@@ -50,11 +50,16 @@ import types
 from pathlib import Path
 from typing import Callable
 
-from mingpt.processes import PR_SET_CHILD_SUBREAPER, PR_SET_NAME, prctl, signal_when_parent_dies
+from mingpt.jobenv import WARM_WORKERS
+from mingpt.processes import (
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_NAME,
+    prctl,
+    signal_when_parent_dies,
+)
 
 log = logging.getLogger(__name__)
 
-SWITCH = "MINGPT_WARM_WORKERS"  # 0: every worker starts as a new Python, as under plain torchrun
 SERVER_WAIT_S = 60.0  # how long the agent waits for the server to fork a worker (it may still be importing)
 # What a worker of the trainer imports: torch's compiler is most of it (the optimizer and DDP import it).
 WARM_MODULES = ("torch", "torch._dynamo", "hydra", "mingpt.training.app", "mingpt.training.trainer")
@@ -97,7 +102,7 @@ class Server:
         (a fork holds only this one: a lock another held would stay locked in the copy). The copy never returns:
         it ends when it is stopped, when this process ends, or, in a worker it forked, as the worker's script does
         (its SystemExit or exception leaves through the caller's frames, so nothing there may catch it)."""
-        if os.environ.get(SWITCH) == "0" or threading.active_count() > 1 or not hasattr(os, "fork"):
+        if os.environ.get(WARM_WORKERS) == "0" or threading.active_count() > 1 or not hasattr(os, "fork"):
             return None
         agent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sys.stdout.flush()

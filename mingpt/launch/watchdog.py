@@ -33,7 +33,7 @@ from collections import deque
 from pathlib import Path
 
 from mingpt.checkpoint.shm import process_folder
-from mingpt.training import progress
+from mingpt.jobenv import Mark, read_mark
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +97,9 @@ class Watchdog:
                 pass
         return hung
 
-    def marks(self, pids: list[int]) -> dict[int, progress.Mark]:
+    def marks(self, pids: list[int]) -> dict[int, Mark]:
         """The last marks of these workers (of this generation): those that made one."""
-        return {pid: mark for pid in pids if (mark := progress.read(str(self.folder / str(pid)))) is not None}
+        return {pid: mark for pid in pids if (mark := read_mark(self.folder / str(pid))) is not None}
 
     def timeout(self, marks: dict) -> float | None:
         """The hang timeout the workers asked for, or (auto) the one their step times give; None until known."""
