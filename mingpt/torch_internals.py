@@ -6,7 +6,10 @@ torch promises nothing about names that start with an underscore, and mingpt nee
 - the dynamic rendezvous: who is in the round, leaving it, and how long a waiting agent sleeps;
 - two helpers of torchrun's command line, so that mingpt-torchrun reads it as torch does;
 - how torchrun's launcher starts a worker process (`SubprocessHandler._popen`), which mingpt's forkserver
-  replaces;
+  replaces, and the agent class it starts (`launcher.api.LocalElasticAgent`, a module global), which mingpt's
+  agent replaces;
+- where a DTensor's shard lies in the whole (`DTensor.__create_chunk_list__`, DCP's), for the memory tier and
+  healing, which carry shards without DCP;
 - DCP's fsspec reader and writer, and the private classes that its index (a pickle) names;
 - Inductor's local cache folder, its C++ code caches, its CPU feature probes and its counters, which
   carry compile caches between machines (mingpt.training.compile_cache);
@@ -25,6 +28,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -39,6 +43,8 @@ INSTALL = "pip install torch==2.13.0"
 RENDEZVOUS = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 RENDEZVOUS_UTILS = "torch.distributed.elastic.rendezvous.utils"
 SUBPROCESS_HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
+LAUNCHER_API = "torch.distributed.launcher.api"
+DTENSOR = "torch.distributed.tensor"
 DCP_FSSPEC = "torch.distributed.checkpoint._fsspec_filesystem"
 INDUCTOR_CODECACHE = "torch._inductor.codecache"
 INDUCTOR_CACHE_DIR = "torch._inductor.runtime.cache_dir_utils"
@@ -59,7 +65,7 @@ DCP_INDEX_CLASSES = (
 LAUNCHER_NAMES = (
     (RENDEZVOUS, "_delay"), (RENDEZVOUS, "_Action"), (RENDEZVOUS, "_RendezvousContext"),
     (RENDEZVOUS_UTILS, "_matches_machine_hostname"), (RENDEZVOUS_UTILS, "_parse_rendezvous_config"),
-    (SUBPROCESS_HANDLER, "SubprocessHandler"),
+    (SUBPROCESS_HANDLER, "SubprocessHandler"), (LAUNCHER_API, "LocalElasticAgent"),
 )
 SHARDED_NAMES = (
     (DCP_FSSPEC, "FileSystem"), (DCP_FSSPEC, "FsspecReader"), (DCP_FSSPEC, "FsspecWriter"),
@@ -108,6 +114,8 @@ def check(launcher: bool = True, sharded: bool = True) -> None:
     names = (LAUNCHER_NAMES if launcher else ()) + (SHARDED_NAMES if sharded else ())
     missing = [f"{module}.{name}" for module, name in names if _find(module, name) is None]
     missing += _check_objects() if launcher else []
+    if sharded and not callable(getattr(_find(DTENSOR, "DTensor"), "__create_chunk_list__", None)):
+        missing.append(f"{DTENSOR}.DTensor.__create_chunk_list__")
     if missing:
         raise _missing_error(missing)
 
@@ -205,6 +213,12 @@ class ElasticAgent(LocalElasticAgent):
     def worker_pids(self) -> list[int]:
         """The pids of this node's running workers (none before they start)."""
         return list(self._pcontext.pids().values()) if self._pcontext is not None else []
+
+
+def launch_with_agent(agent_class: type) -> None:
+    """torchrun's launcher (torch.distributed.run) starts `agent_class`, a subclass of `ElasticAgent`, instead of
+    torch's LocalElasticAgent: it looks up that module global at each launch."""
+    importlib.import_module(LAUNCHER_API).LocalElasticAgent = agent_class
 
 
 def start_workers_with(start: Callable[[tuple, dict, Any, Any], Any]) -> None:
@@ -377,3 +391,17 @@ def watch_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Ca
         handler.remove_end_callback(on_end)
 
     return unwatch
+
+
+# -- sharded tensors --------------------------------------------------------------------------------------------
+
+
+def shard_offsets(tensor: Any) -> tuple[list[int], list[int]] | None:
+    """Where this process's shard of a DTensor lies in the whole, as DCP records it: (offsets, sizes); None for
+    any other tensor. (Where torch.distributed.tensor was never imported, no tensor is one: it is not imported
+    here, which costs a second of CPU.)"""
+    module = sys.modules.get(DTENSOR)
+    if module is None or not isinstance(tensor, module.DTensor):
+        return None
+    [chunk] = tensor.__create_chunk_list__()
+    return list(chunk.offsets), list(chunk.sizes)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from launch import free_port, train_here
 
 from mingpt.errors import ConfigError, PeerLeft
-from mingpt.jobenv import PEER_LOST, JobEnv
+from mingpt.jobenv import PEER_LOST, JobEnv, LiveEndpoints
 from mingpt.training import generation
 
 
@@ -99,11 +99,20 @@ def test_sigterm_ends_a_process_blocked_in_torch_connecting_to_a_store_that_neve
 def test_a_peer_gone_while_a_generation_forms_under_torchrun_ends_the_generation(monkeypatch):
     """torchrun set MASTER_*, so a store that stops answering is a peer gone (exit 76, restarted for free);
     by hand it is a launch to check (one line, exit 2)."""
-    meeting = object.__new__(generation.Meeting)
-    meeting.job = JobEnv(rank=1, world_size=2, master=("127.0.0.1", 1), run_id="job")
-    meeting.address, meeting.timeout_s = "127.0.0.1:1", 300
+    meeting = generation.Meeting(JobEnv(rank=1, world_size=2, master=("127.0.0.1", 1), run_id="job"), 300)
     cut = dist.DistNetworkError("Failed to recv, got 0 bytes")
     assert isinstance(meeting._error(cut), PeerLeft) and meeting._error(cut).exit_code == PEER_LOST
     assert isinstance(meeting._error("rank(s) 0 never started"), ConfigError)
-    meeting.job = JobEnv(rank=1, world_size=2, master=("127.0.0.1", 1))
+    meeting = generation.Meeting(JobEnv(rank=1, world_size=2, master=("127.0.0.1", 1)), 300)
     assert isinstance(meeting._error(cut), ConfigError)
+
+
+def test_the_job_environment_reads_back_what_it_writes():
+    """What an agent hands a worker (JobEnv.to_environ) is what the worker reads (JobEnv.from_environ)."""
+    live = LiveEndpoints(lighthouse="http://10.0.0.1:29501", rendezvous="10.0.0.1:29500", host="10.0.0.2", min_nodes=2)
+    job = JobEnv(rank=3, world_size=4, local_rank=1, local_world_size=2, master=("10.0.0.1", 29400), run_id="job-7",
+                 restart_count=2, nodes=2, max_nodes=2, progress_dir="/tmp/mingpt-progress-1",
+                 membership={"left": ["node-a"]}, hellaswag_fetched="cached", live=live)
+    again = JobEnv.from_environ(job.to_environ())
+    assert again == job and again.membership == job.membership and again.under_torchrun
+    assert JobEnv.from_environ({}) == JobEnv() and not JobEnv().under_torchrun  # a process started by hand

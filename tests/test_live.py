@@ -38,8 +38,10 @@ from launch import (
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.packing import pack
 from mingpt.errors import PeerLeft
-from mingpt.jobenv import PEER_LOST
+from mingpt.jobenv import PEER_LOST, JobEnv, LiveEndpoints
+from mingpt.training.distributed import World
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
+from mingpt.training.parallel import Topology
 from mingpt.training.live import (
     COLLECTIVE_TIMEOUT_S,
     NEVER,
@@ -88,7 +90,10 @@ def test_a_vote_that_never_ends_loses_a_peer_and_waits_longer_than_a_collective(
             asked.append(timeout)
             raise TimeoutError("Timeout expired")
 
-    group = LiveAgreement.__new__(LiveAgreement)
+    endpoints = LiveEndpoints(lighthouse="http://127.0.0.1:1", rendezvous="127.0.0.1:1", host="127.0.0.1", min_nodes=1)
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), job=JobEnv(live=endpoints))
+    group = LiveAgreement(Topology(world, "ddp"), replica=None, checkpointer=None, global_batch_size=8,
+                          state=dict, load=print)  # built, not started: it reaches nothing
     group.manager = SilentGroup()
     with pytest.raises(PeerLeft) as ended:
         group._vote()

@@ -214,3 +214,18 @@ def test_encode_array_is_encode_as_integers():
     tok = train_tokenizer("bpe", TEXT, vocab_size=300)
     ids = tok.encode_array("to be <|endoftext|>")  # special tokens are text here too
     assert np.issubdtype(ids.dtype, np.integer) and ids.tolist() == tok.encode("to be <|endoftext|>")
+
+
+def test_tiktokens_private_tables_are_read_on_the_tiktoken_the_tests_run_on_and_their_absence_is_one_line(monkeypatch):
+    import tiktoken
+
+    from mingpt.tokenizers.bpe import BPE_PATTERN, TIKTOKEN_TESTED
+
+    tokenizer = BPETokenizer.train("the cat sat on the mat. " * 40, 280)
+    ranks, pattern = tokenizer.tables()
+    assert tiktoken.__version__.startswith(TIKTOKEN_TESTED + ".")
+    assert pattern == BPE_PATTERN and sorted(ranks, key=ranks.get) == tokenizer.ranks
+    monkeypatch.delattr(tokenizer.encoding, "_pat_str")
+    with pytest.raises(TokenizerError) as refused:
+        tokenizer.tables()
+    assert f"mingpt is tested with tiktoken {TIKTOKEN_TESTED}" in str(refused.value) and "\n" not in str(refused.value)

@@ -10,6 +10,8 @@ from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticA
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.launcher import api as launcher_api
+from torch.distributed.tensor import DTensor
 
 from mingpt import torch_internals
 from mingpt.torch_internals import ElasticAgent, TorchInternalsError
@@ -26,6 +28,8 @@ def test_every_name_is_there_in_the_torch_the_tests_run_on():
     (SimpleElasticAgent, "_assign_worker_ranks",
      "LocalElasticAgent._assign_worker_ranks(store, group_rank, group_world_size, spec)"),
     (DynamicRendezvousHandler, "_stop_heartbeats", "DynamicRendezvousHandler._stop_heartbeats"),
+    (launcher_api, "LocalElasticAgent", "torch.distributed.launcher.api.LocalElasticAgent"),
+    (DTensor, "__create_chunk_list__", "torch.distributed.tensor.DTensor.__create_chunk_list__"),
 ])
 def test_a_missing_name_is_named_with_torchs_version(monkeypatch, owner, name, said):
     monkeypatch.delattr(owner, name)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from mingpt.torch_internals import shard_offsets
 
 
 @dataclass
@@ -26,9 +27,8 @@ def pack(obj: Any, tensors: list[torch.Tensor], shared: dict[tuple, int] | None 
     """A JSON tree of `obj` whose tensors are replaced by their index in `tensors`, appended to it; a sharded
     tensor by its shard's, with where the shard lies in the whole. With `shared`, a tensor whose storage was
     packed before (tied weights) is packed once: safetensors refuses two tensors on one storage."""
-    if isinstance(obj, DTensor):
-        [chunk] = obj.__create_chunk_list__()  # what DCP records of a shard: its offsets in the whole
-        return {**pack(obj.to_local(), tensors, shared), "shape": list(obj.shape), "offsets": list(chunk.offsets)}
+    if (shard := shard_offsets(obj)) is not None:
+        return {**pack(obj.to_local(), tensors, shared), "shape": list(obj.shape), "offsets": shard[0]}
     if isinstance(obj, torch.Tensor):
         key = (obj.data_ptr(), obj.dtype, tuple(obj.shape), tuple(obj.stride()))
         if shared is None or key not in shared:
@@ -78,16 +78,16 @@ def placed_like(tree: Any, template: Any) -> Any:
     """The unpacked state `tree`, each Chunk made the DTensor that `template` (a state of this process's)
     holds at its place: a state sent by a process that holds the same pieces as this one (hsdp: the process
     of this one's place on another node). ValueError where a piece is not the one this process holds."""
+    mine = shard_offsets(template)
     if isinstance(tree, Chunk):
-        mine = template.__create_chunk_list__()[0] if isinstance(template, DTensor) else None
-        if mine is None or tree.shape != list(template.shape) or tree.offsets != list(mine.offsets) or \
-                tuple(tree.local.shape) != tuple(mine.sizes):
-            held = f"{list(mine.offsets)} of {list(template.shape)}" if mine is not None else "a whole tensor"
+        if mine is None or tree.shape != list(template.shape) or tree.offsets != mine[0] or \
+                list(tree.local.shape) != mine[1]:
+            held = f"{mine[0]} of {list(template.shape)}" if mine is not None else "a whole tensor"
             raise ValueError(f"a shard at {tree.offsets} of {tree.shape} where this process holds {held}")
         local = tree.local.to(template.to_local().device)
-        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
-                                  shape=template.shape, stride=template.stride())
-    if isinstance(template, DTensor):
+        return type(template).from_local(local, template.device_mesh, template.placements, run_check=False,
+                                         shape=template.shape, stride=template.stride())
+    if mine is not None:
         raise ValueError(f"a whole tensor where this process holds a shard of {list(template.shape)}")
     if isinstance(tree, dict) and isinstance(template, dict):
         return {key: placed_like(value, template.get(key)) for key, value in tree.items()}

@@ -50,7 +50,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousTimeoutError,
 )
-from torch.distributed.launcher import api as launcher_api
 
 from mingpt import torch_internals
 from mingpt.errors import one_line
@@ -85,7 +84,7 @@ def install() -> None:
     and its rendezvous poll every POLL_S, once torch is found to have what they rely on (not the sharded runs'
     names: importing DCP would cost every agent most of a second of CPU, for its workers to check)."""
     torch_internals.check(sharded=False)
-    launcher_api.LocalElasticAgent = Agent
+    torch_internals.launch_with_agent(Agent)
     torch_internals.poll_rendezvous_every(POLL_S)
 
 

@@ -22,15 +22,15 @@ import io
 import os
 import re
 import stat
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from fsspec.asyn import get_loop, sync
+from fsspec.implementations.local import LocalFileSystem
 
 from mingpt.errors import MinGPTError, one_line
-from mingpt.storage import open_fs, parse_json, private_folder, read_head, read_own_file, redact
+from mingpt.storage import open_fs, parse_json, private_folder, read_head, read_own_file, redact, replace_atomically
 
 PUBLIC_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # The public file's digest, from Hugging Face datasets' record of it (datasets/hellaswag/dataset_infos.json,
@@ -205,7 +205,7 @@ def _examples_at(url: str, fetch: bool) -> list[Example]:
     what, advice = f"the file fetched from {redact(url)}", f"it is not kept; {GIVE_THE_FILE}"
     _check_digest(data, url, what, advice)
     examples = parse_examples(data, what, advice)
-    _write_cached(path, data)
+    replace_atomically(LocalFileSystem(), str(path), data)  # whole or not at all, whoever fetches at once
     return examples
 
 
@@ -285,19 +285,3 @@ def _check_digest(data: bytes, url: str, what: str, advice: str) -> None:
     if expected and hashlib.sha256(data).hexdigest() != expected:
         raise MinGPTError(f"{what} is not HellaSwag's validation file (sha256 {hashlib.sha256(data).hexdigest()}, "
                           f"expected {expected}); {advice}")
-
-
-def _write_cached(path: Path, data: bytes) -> None:
-    """Write the file whole under a new name of its own, then rename it into place: a reader sees all of it or
-    nothing, and processes that fetch at once each put a whole copy there."""
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()

@@ -15,6 +15,7 @@ from mingpt.errors import TokenizerError
 from mingpt.tokenizers.base import EOT, Tokenizer
 
 log = logging.getLogger(__name__)
+TIKTOKEN_TESTED = "0.14"  # the tiktoken release the tests ran on (pyproject's range), for its private tables
 
 # GPT-4's split pattern: words, numbers of up to 3 digits, punctuation runs and whitespace
 # are merged within, never across. rustbpe's default is the same pattern.
@@ -45,6 +46,16 @@ class _TiktokenBacked(Tokenizer):
             return self.encoding.decode_bytes(list(ids))
         except KeyError as e:
             raise TokenizerError(f"token id {e} is not in this {self.describe()} vocabulary") from None
+
+    def tables(self) -> tuple[dict[bytes, int], str]:
+        """The encoding's merge ranks and split pattern, for other programs' files (tiktoken keeps them in private
+        fields, and has no public reader); a TokenizerError, in one line, on a tiktoken that lacks them."""
+        ranks, pattern = getattr(self.encoding, "_mergeable_ranks", None), getattr(self.encoding, "_pat_str", None)
+        if not isinstance(ranks, dict) or not isinstance(pattern, str):
+            raise TokenizerError(f"tiktoken {tiktoken.__version__} keeps its merge ranks and split pattern elsewhere "
+                                 f"than mingpt reads them; mingpt is tested with tiktoken {TIKTOKEN_TESTED}: pip "
+                                 f"install 'tiktoken=={TIKTOKEN_TESTED}.*'")
+        return ranks, pattern
 
 
 class BPETokenizer(_TiktokenBacked):

@@ -131,7 +131,7 @@ def tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, bytes]:
                                decoder={"type": "Fuse"})
         return {"tokenizer.json": _dumps(fast), "tokenizer_config.json": _dumps(config)}
     if isinstance(tokenizer, (BPETokenizer, TiktokenTokenizer)):
-        ranks, pattern = tokenizer.encoding._mergeable_ranks, tokenizer.encoding._pat_str  # tiktoken's own tables
+        ranks, pattern = tokenizer.tables()
         to_text = byte_to_unicode()
         text = lambda token: "".join(to_text[b] for b in token)
         vocab = {text(token): rank for token, rank in ranks.items()}

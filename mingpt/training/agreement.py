@@ -7,6 +7,8 @@ averaged the gradients meanwhile. The live mode's counterpart, over torchft, is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
 from mingpt.training import distributed
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.distributed import World
@@ -28,6 +30,28 @@ class Outcome:
     run_lost: bool  # the leader lost the run's lease
     committed: bool = True  # live mode: the step counts (else it is done again)
     generation: int | None = None  # live mode: the writer's lease generation
+
+
+class Agreement(Protocol):
+    """The per-step protocol that the trainer follows in either mode (StepAgreement here, the live mode's
+    LiveAgreement), in the order it calls it."""
+
+    writes: bool  # whether this process's group writes the run's snapshots and metrics (the live mode's changes)
+
+    def resumed_at(self, step: int, samples_seen: int) -> None:
+        """Once, after resuming: where the run goes on from."""
+
+    def begin(self) -> Share:
+        """Before each step: this process's place among those that take part in it."""
+
+    def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
+        """Once this process's gradients are in: what every process of the step then acts on alike."""
+
+    def enforce(self, outcome: Outcome) -> None:
+        """After the step: stop every process together where the outcome says so."""
+
+    def close(self) -> None:
+        """At the end of the generation."""
 
 
 class StepAgreement:

@@ -25,26 +25,32 @@ class Meeting:
     agent). Opened first thing, so that a process that is still preparing data can say so: its peers
     then wait for it as long as it takes (torchrun ends them all if it dies) instead of timing out in
     init_process_group, and the leader names whom it waits for. A process that never shows up at all
-    is still an error after trainer.dist_timeout_s."""
+    is still an error after trainer.dist_timeout_s. `open` meets there; the constructor reaches nothing."""
 
     def __init__(self, job: JobEnv, timeout_s: float):
         self.job, self.timeout_s = job, timeout_s
         host, port = job.master
         self.address = f"{host}:{port}"
-        self.opened = time.monotonic()
         # Rank 0 hosts a fresh store for each generation. torchrun's own store (shared by the agent, one
         # agent only: see check_store_sharing) outlives restarts: there the restart count keeps the keys of
         # earlier generations apart. (It differs between agents, so it is not used where there are several.)
-        agent_store = job.agent_store
-        self.prefix = f"mingpt/{job.run_id or ''}/{job.restart_count if agent_store else '-'}"
+        self.prefix = f"mingpt/{job.run_id or ''}/{job.restart_count if job.agent_store else '-'}"
+        self.store: dist.TCPStore | None = None
+        self.opened = 0.0
+
+    def open(self) -> Meeting:
+        """Connect to the store (hosting it on rank 0 where the agent does not), and say this process joined."""
+        host, port = self.job.master
+        agent_store, self.opened = self.job.agent_store, time.monotonic()
         try:
             with sigterm_ends_at_once():  # connecting waits in torch's C++ for a store that may never come
-                self.store = dist.TCPStore(host, port, job.world_size, is_master=job.rank == 0 and not agent_store,
-                                           timeout=timedelta(seconds=timeout_s), multi_tenant=not agent_store,
-                                           wait_for_workers=False)
+                self.store = dist.TCPStore(host, port, self.job.world_size, is_master=self.job.rank == 0 and not
+                                           agent_store, timeout=timedelta(seconds=self.timeout_s),
+                                           multi_tenant=not agent_store, wait_for_workers=False)
         except dist.DistError as e:
             raise self._error(e) from None
-        self.store.set(self._key("joined", job.rank), socket.gethostname())
+        self.store.set(self._key("joined", self.job.rank), socket.gethostname())
+        return self
 
     def ready(self) -> None:
         """Say that this process has prepared its data; wait until every process has."""
@@ -89,7 +95,7 @@ WAIT_LOG_S = 30.0  # how often the leader says whom it waits for
 
 def meet(job: JobEnv, timeout_s: float) -> Meeting | None:
     """The generation's meeting point (None when this process is alone)."""
-    return Meeting(job, timeout_s) if job.world_size > 1 else None
+    return Meeting(job, timeout_s).open() if job.world_size > 1 else None
 
 
 def start(job: JobEnv, timeout_s: float, meeting: Meeting | None = None) -> World:
@@ -105,7 +111,7 @@ def start(job: JobEnv, timeout_s: float, meeting: Meeting | None = None) -> Worl
     else:
         device = torch.device("cpu")
     if job.world_size > 1:
-        _join(meeting or Meeting(job, timeout_s), device)
+        _join(meeting or Meeting(job, timeout_s).open(), device)
     return World(rank=job.rank, world_size=job.world_size, local_rank=job.local_rank, device=device,
                  per_node=job.local_world_size, job=job)
 

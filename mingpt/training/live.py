@@ -131,22 +131,13 @@ class LiveAgreement:
 
     def __init__(self, topology: Topology, replica, checkpointer, global_batch_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None]):
-        # torchft logs each failed collective with its traceback, and each reconfiguration; this module says
-        # in a line when steps stop and start counting.
-        logging.getLogger("torchft").setLevel(logging.CRITICAL)
-        world, self.sharded = topology.world, topology.sharded
+        """The agreement of this worker of a live job (topology.world.job.live); `start` joins the job."""
+        world, self.sharded, self.mode = topology.world, topology.sharded, topology.mode
         self.settings = world.job.live
         self.world, self.replica, self.checkpointer = world, replica, checkpointer
         self.global_batch_size, self.state, self.load = global_batch_size, state, load
-        host, port = self.settings.rendezvous.rsplit(":", 1)
-        self.rendezvous = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                        timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
         self.job_id = world.job.run_id or ""
         self.healers = f"{HEALERS_KEY}{self.job_id}/{world.rank}"
-        # Checked in every step's table, and against the state a peer sends this group to heal.
-        self.credentials = credentials(self.job_id, checkpointer.data_fingerprint, world.world_size, topology.mode)
-        self.name = group_name(world)
-        self.manager = self._new_manager()
         self.min_groups = self.settings.min_nodes
         self.position: int | None = None  # this group's place in the step's quorum
         self.groups = 0  # groups in the step's quorum
@@ -155,6 +146,22 @@ class LiveAgreement:
         self.writes = False  # whether this group writes the run's snapshots and metrics (as of the last table)
         self.failed_since: float | None = None  # when steps stopped being committed (monotonic), while they are
         self.counted = 0  # the groups of the last committed step (0: none yet)
+
+    def start(self) -> LiveAgreement:
+        """Reach mingpt-rendezvous's store, name this group and start its Manager (which meets the Lighthouse at
+        the first quorum)."""
+        # torchft logs each failed collective with its traceback, and each reconfiguration; this module says
+        # in a line when steps stop and start counting.
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+        host, port = self.settings.rendezvous.rsplit(":", 1)
+        self.rendezvous = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
+        # Checked in every step's table, and against the state a peer sends this group to heal.
+        self.credentials = credentials(self.job_id, self.checkpointer.data_fingerprint, self.world.world_size,
+                                       self.mode)
+        self.name = group_name(self.world)
+        self.manager = self._new_manager()
+        return self
 
     def _new_manager(self):
         """torchft's Manager for this worker, on a store of the group's own that its first worker hosts: a new

@@ -44,7 +44,7 @@ from mingpt.model import GPT, GPTConfig
 from mingpt.processes import end_with_parent
 from mingpt.storage import redact
 from mingpt.training import distributed, generation, live, parallel
-from mingpt.training.agreement import Outcome, Share, StepAgreement
+from mingpt.training.agreement import Agreement, Outcome, Share, StepAgreement
 from mingpt.training.benchmark import HellaSwag, agree, load_hellaswag, read_hellaswag
 from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.compile_cache import CompileCache, describe
@@ -184,9 +184,10 @@ class Trainer:
         self.ddp: DDP | None = None
         self.compile_cache: CompileCache | None = None
         self.checkpointer = Checkpointer(cfg, self.topology, store, data.tokenizer, data.fingerprint, self.replica)
+        self.agreement: Agreement
         if self.live:
             self.agreement = live.LiveAgreement(self.topology, self.replica, self.checkpointer, t.global_batch_size,
-                                                self._state_for_a_peer, self._heal)
+                                                self._state_for_a_peer, self._heal).start()
         else:
             self.agreement = StepAgreement(world, self.checkpointer, t.global_batch_size)
         self.report = Report(cfg, world, store.run, model, compute_dtype(self.autocast),
@@ -341,23 +342,23 @@ class Trainer:
         self.replica.optimizer.zero_grad(set_to_none=True)
         if share.count == 0:
             return 0.0
-        mine, pieces = _my_pieces(len(starts), t.micro_batch_size, share, self.topology.sharded)
+        mine, batches = _my_micro_batches(len(starts), t.micro_batch_size, share, self.topology.sharded)
         # DDP and FSDP (and the live mode's agreement) average gradients over processes; scaling each
         # micro-batch's mean loss by (its examples * processes / global batch) makes the result the
         # full-batch gradient, also when the batch does not split evenly.
         scale = share.count / t.global_batch_size
         loss_sum = torch.zeros((), device=world.device)
         started, waited = time.perf_counter(), 0.0
-        for i, piece in enumerate(pieces):
-            first = mine.start + (piece or pieces[0]).start
-            count = piece.stop - piece.start if piece else 0  # a padding piece: run, but weigh nothing
+        for i, batch in enumerate(batches):
+            first = mine.start + (batch or batches[0]).start
+            count = batch.stop - batch.start if batch else 0  # a padding micro-batch: run, but weigh nothing
             fetched = time.perf_counter()
             x, y = self.train_blocks.windows(starts[first : first + max(count, 1)])
             x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
             waited += time.perf_counter() - fetched
             # Dropout masks are a function of the data position, not of the process or its history.
             torch.manual_seed((self.cfg.seed * 1_000_003 + self.replica.state.samples_seen + first) % 2**63)
-            sync = i == len(pieces) - 1
+            sync = i == len(batches) - 1
             with (nullcontext() if sync else parallel.no_sync(self.model, self.ddp)), self.autocast:
                 _, loss = (self.ddp or self.replica.model)(x, y)
             weighted = loss * (count * scale)
@@ -433,12 +434,12 @@ def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.To
     evaluations of one run, and of runs that sample windows differently, compare."""
     count = min(cfg.trainer.eval_samples, len(blocks))
     world = topology.world
-    mine, pieces = _my_pieces(count, cfg.trainer.micro_batch_size, Share(world.rank, world.world_size),
+    mine, batches = _my_micro_batches(count, cfg.trainer.micro_batch_size, Share(world.rank, world.world_size),
                               topology.sharded)
     model.eval()
     loss_sum = 0.0
-    for piece in pieces:
-        start, size = (mine.start + piece.start, piece.stop - piece.start) if piece else (0, 0)
+    for batch in batches:
+        start, size = (mine.start + batch.start, batch.stop - batch.start) if batch else (0, 0)
         x, y = blocks.batch(range(start, start + max(size, 1)))
         with autocast:
             _, loss = model(x.to(world.device), y.to(world.device))
@@ -448,16 +449,16 @@ def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.To
     return distributed.all_reduce_sum([loss_sum], world)[0] / count
 
 
-def _my_pieces(total: int, micro_batch_size: int, share: Share, sharded: bool) -> tuple[slice, list]:
+def _my_micro_batches(total: int, micro_batch_size: int, share: Share, sharded: bool) -> tuple[slice, list]:
     """This process's part of `total` examples, and its micro-batches (slices of the part). A sharded
     model's forward is a collective, so there every process runs as many as the one with the largest
-    part: None pads the list, a piece to run on any example and weigh zero."""
+    part: None pads the list, a micro-batch to run on any example and weigh zero."""
     mine = shard(total, share.count, share.index)
-    pieces = micro_batches(mine.stop - mine.start, micro_batch_size)
+    batches = micro_batches(mine.stop - mine.start, micro_batch_size)
     if sharded:
         largest = math.ceil(total / share.count)
-        pieces += [None] * (len(micro_batches(largest, micro_batch_size)) - len(pieces))
-    return mine, pieces
+        batches += [None] * (len(micro_batches(largest, micro_batch_size)) - len(batches))
+    return mine, batches
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:
