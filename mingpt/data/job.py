@@ -1,9 +1,8 @@
 """One preparation of a corpus: its tokenizer, then its token files, built in a scratch folder and published.
 
-Tokenizing streams. The corpus is read in pieces (see mingpt.data.corpus), worker processes tokenize them
-(mingpt.data.pool, mingpt.data.tasks), and the tokens are appended to the files in corpus order as they come
-back, so memory stays bounded whatever the corpus size. Every document ends with the tokenizer's end-of-text
-token. After every piece, how far it got is saved (mingpt.data.resume): a stopped preparation goes on from there.
+Worker processes (mingpt.data.pool, mingpt.data.tasks) tokenize the corpus in pieces (mingpt.data.pieces); the tokens
+are appended to the files in corpus order as they come back, so memory stays bounded whatever the corpus size. After
+every piece, how far it got is saved (mingpt.data.resume): a stopped preparation goes on from there.
 """
 
 from __future__ import annotations
@@ -179,10 +178,9 @@ class Job:
 
     def pieces(self, digests: dict[int, str] | None = None, done: Tokenized | None = None,
                read_so_far: collections.deque | None = None) -> Iterator[Piece]:
-        """The corpus in pieces after those `done` has (which are read for `digests` only, and must read as
-        they did: else CorpusChanged), sent lean where workers can read the bytes themselves: a local file
-        that is not compressed (so that its bytes do not go through a pipe, which costs more than reading).
-        `read_so_far` receives, for each piece sent, the digest of the corpus up to its end."""
+        """The corpus in pieces after those `done` has (read for `digests` only, and CorpusChanged where they read
+        otherwise than they did), lean where workers can read the bytes of a local uncompressed file themselves (cheaper
+        than a pipe). `read_so_far` receives, for each piece sent, the digest of the corpus up to its end."""
         digests = {} if digests is None else digests
         skip = done.pieces if done else 0
         finished, current, number = hashlib.sha256(), None, -1  # the digests of the sources read through
@@ -205,7 +203,6 @@ class Job:
 
     def workers(self, tok: Tokenizer | None = None, dtype=None, folder: Path | None = None,
                 count: int = 0) -> WorkerPool:
-        """`count` (default: num_workers) worker processes that know the sources, and the tokenizer and the
-        folder to write tokens to."""
+        """`count` (default: num_workers) workers that know the sources, the tokenizer and the folder for tokens."""
         context = {**self.context, "tokenizer": tok.to_json() if tok else None, "dtype": dtype, "folder": folder}
         return WorkerPool(count or self.num_workers, tasks.setup, context)

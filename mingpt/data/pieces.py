@@ -1,12 +1,11 @@
-"""The corpus read in pieces: whole (`read_pieces`), or a sample drawn across it (`sample_pieces`); and the
-documents of a piece (`documents`).
+"""The corpus read in pieces: whole (`read_pieces`), or a sample drawn across it (`sample_pieces`); and the documents of
+a piece (`documents`).
 
-Documents are read in pieces of about `piece_bytes` (of a Parquet file: a batch of rows). A text
-document larger than that is cut where a line break stands between two characters that are not
-whitespace ("x\\nY"): tokenizers split words there anyway, so the pieces encode to the same tokens
-as the whole document. A line with no such place within 4 pieces is cut at any line break, or else
-anywhere (a minified megabyte-long line); only there can tokens differ from encoding the document
-whole.
+Documents are read in pieces of about `piece_bytes` (of a Parquet file: a batch of rows). A text document larger than
+that is cut where a line break stands between two characters that are not whitespace ("x\\nY"): tokenizers split words
+there anyway, so the pieces encode to the same tokens as the whole document. A line with no such place within 4 pieces
+is cut at any line break, or else anywhere (a minified megabyte-long line); only there can tokens differ from encoding
+the document whole.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ MAX_RECORD_BYTES = 64 << 20  # a JSONL line or a Parquet row is read whole: memo
 
 @dataclass(frozen=True)
 class Piece:
-    """Consecutive documents of one source: part of one text document, whole lines of a JSONL file, or
-    rows of a Parquet file."""
+    """Consecutive documents of one source: part of a text document, whole lines of a JSONL file, or Parquet rows."""
 
     source: int  # index into the list of sources
     offset: int  # of `data` in the (decompressed) source; for Parquet, the row of its first document
@@ -55,9 +53,8 @@ class Piece:
 
 
 def read_pieces(sources: Sequence[Source], text_field: str, digests: dict[int, str] | None = None) -> Iterator[Piece]:
-    """Every source in order, in pieces of about PIECE_BYTES cut at safe places (see the module
-    docstring), their records numbered across the corpus. Where `digests` is given, it holds each
-    source's sha256 (of its documents as read), up to the piece last yielded while it is being read."""
+    """Every source in order, in pieces of about PIECE_BYTES cut at safe places, records numbered across the corpus.
+    `digests`, where given, holds each source's sha256 (of its documents as read) to the last piece yielded."""
     records = 0
     for index, source in enumerate(sources):
         hasher = hashlib.sha256()
@@ -101,13 +98,10 @@ def _pieces(index: int, source: Source, text_field: str, chosen: Callable[[int],
 
 
 def sample_pieces(sources: Sequence[Source], text_field: str, chosen: Callable[[int, int], bool]) -> Iterator[Piece]:
-    """The pieces numbered n of source s where `chosen(s, n)`, each about PIECE_BYTES of whole lines
-    (of a Parquet file, the row groups n).
-
-    A file stored uncompressed is read only where a piece is chosen (a seek, or a ranged GET on an
-    object store), so sampling a large corpus reads about the sample, not the corpus. Parquet reads
-    only the chosen row groups' text column. A compressed file cannot seek: it is read through, and
-    its cut pieces are chosen the same way."""
+    """The pieces numbered n of source s where `chosen(s, n)`, each about PIECE_BYTES of whole lines (of a Parquet file,
+    the row groups n). An uncompressed file is read only where a piece is chosen (a seek, or a ranged GET on an object
+    store), so sampling a large corpus reads about the sample, not the corpus; Parquet reads only the chosen row groups'
+    text column. A compressed file cannot seek: it is read through, and its cut pieces are chosen the same way."""
     piece_bytes = PIECE_BYTES
     for index, source in enumerate(sources):
         if source.format == "parquet":

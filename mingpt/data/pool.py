@@ -1,12 +1,10 @@
-"""Worker processes that map a function over corpus pieces: results in order, few pieces in flight (memory
-stays bounded however fast the corpus is read), and the workers ended at once when the work stops.
+"""Worker processes that map a function over corpus pieces: results in order, few pieces in flight (memory stays bounded
+however fast the corpus is read), and the workers ended at once when the work stops.
 
-Workers are forked: they start at once and share this process's memory. They open only corpus files and
-their own part files, and take no lock that a thread of this process (a lease renewer) could hold. Each
-has a pipe of its own and works on one piece at a time, handed to it when it is idle. A worker that dies
-(killed for memory, say) fails the work at once. Workers end with this process, however it ends: it kills
-and reaps them when it stops (an error, Ctrl-C, SIGTERM), and the kernel kills them when it is killed
-(see `_start_worker`).
+Workers are forked: they start at once and share this process's memory. They open only corpus files and their own part
+files, and take no lock that a thread of this process (a lease renewer) could hold. A worker that dies (killed for
+memory, say) fails the work at once. Workers end with this process however it ends: it kills and reaps them when it
+stops (an error, Ctrl-C, SIGTERM), the kernel when it is killed.
 """
 
 from __future__ import annotations
@@ -142,8 +140,7 @@ class WorkerPool:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        # Stopped or failed (or left with pieces in flight): those pieces are wanted no more, so the workers
-        # are killed, not waited for. Either way they are reaped here, so that none outlives the work.
+        # Stopped, failed or abandoned mid-work: kill workers (their pieces are unwanted). Reap all: none outlives it.
         finished = exc_type is None and all(worker.task is None for worker in self.workers)
         for worker in self.workers:
             worker.stop(at_once=not finished)
@@ -178,7 +175,7 @@ def _start_worker(parent: int) -> None:
     # The kernel SIGKILLs this process when its parent ends, even by SIGKILL.
     if not signal_when_parent_dies(signal.SIGKILL, parent):  # the parent ended between the fork and the prctl
         os._exit(1)
-    # Ctrl-C and a SIGTERM sent to the whole process group (torchrun's) are for the parent to act on: it stops
-    # the workers itself, so a worker never ends first with a traceback of its own or a "worker died".
+    # Ctrl-C and a SIGTERM sent to the whole process group (torchrun's) are for the parent to act on: it stops the
+    # workers itself, so a worker never ends first with a traceback of its own or a "worker died".
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)

@@ -3,12 +3,11 @@
 A prepared folder holds
     train.bin, val.bin   the token ids, raw little-endian uint16 (uint32 when the vocabulary needs it)
     tokenizer.json       the tokenizer (see mingpt.tokenizers)
-    meta.json            what was prepared from what: the sources as listed, settings, counts, dtype,
-                         the sha256 of each file above and the fingerprint of them all
+    meta.json            what was prepared from what: the sources as listed, settings, counts, dtype, the sha256 of
+                         each file above and the fingerprint of them all
 
-An example is a window of `block_size` input tokens `x` and the same window shifted by one, `y`.
-Windows are addressed by their token offset, so that which windows a step reads is decided
-elsewhere (by the trainer's sampler) as a pure function of seed and position.
+An example is a window of `block_size` input tokens `x` and the same window shifted by one, `y`. Windows are addressed
+by their token offset, so that the trainer's sampler decides which windows a step reads, from seed and position alone.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ if TYPE_CHECKING:  # torch is imported where a batch is made: preparing data and
     import torch
 
 FORMAT = "mingpt-prepared"
-FORMAT_VERSION = 3  # 3: the files' sha256 and the fingerprint (a folder of an older version is prepared again)
+FORMAT_VERSION = 3  # a folder of an older version is prepared again
 META_FILE = "meta.json"
 MAX_META_BYTES = 64 << 20  # a description lists the sources: large for a corpus of many files, never this
 TOKENIZER_FILE = "tokenizer.json"
@@ -71,8 +70,8 @@ def read_meta(directory: str | os.PathLike) -> dict:
 
 
 def parse_meta(text: str, path: str, directory: str) -> dict:
-    """The description in `text`, read from `path` of the prepared folder `directory`; DataError when
-    it is not a valid one, or contradicts itself."""
+    """The description `text`, read from `path` in the folder `directory`; DataError unless it is valid and
+    consistent."""
     try:
         meta = parse_json(text)
     except ValueError:
@@ -104,11 +103,9 @@ def token_dtype(vocab_size: int) -> str:
 
 
 class TokenBlocks:
-    """`(x, y)` windows of a flat token file, read through a memory map.
-
-    Examples by index (`batch`, `[i]`) are the fixed blocks `i * stride`: evaluation reads those,
-    so that every evaluation sees the same text. Training reads windows at any token offset
-    (`windows`), chosen by the sampler (mingpt.data.sampler)."""
+    """`(x, y)` windows of a flat token file, read through a memory map. Examples by index (`batch`, `[i]`) are the
+    fixed blocks `i * stride`: evaluation reads those, so that every evaluation sees the same text. Training reads
+    windows at any token offset (`windows`), chosen by the sampler."""
 
     def __init__(self, path: str | os.PathLike, dtype: str, block_size: int, stride: int | None = None,
                  vocab_size: int | None = None):

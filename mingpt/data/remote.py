@@ -1,23 +1,21 @@
-"""Prepared data in an object store (data.prepared_dir=s3://...): prepared once, by the node that claims
-it first, and copied by every other node into a local folder that it memory-maps.
+"""Prepared data in an object store (data.prepared_dir=s3://...): prepared once, by the node that claims it first, and
+copied by every other node into a local folder that it memory-maps.
 
     s3://bucket/data/web-bpe/
         claim/gen-000000001.json            who prepares (or prepared) it, and a beat it advances
         tokenizer.json, train.bin, val.bin  as in a local prepared folder (mingpt.data.prepared)
         meta.json                           written last: the folder is published once it is there
 
-The claim is mingpt.claim's generational claim, which the run's lease shares: a node claims the folder by
-creating the next generation exclusively (If-None-Match: *), so two nodes do not prepare at once, and marks
-it released when done. A node that finds a claim waits for the meta.json. This module decides whom a node
-may take the claim from: a holder that released it; one of this machine whose process has ended (by pid and
-start time: a reused pid does not count), at once; one whose beat stood still for CLAIM_TIMEOUT_S, watched
-on the waiter's own clock (clocks of two machines are never compared), which belongs to a node that died.
-Taking over creates the next generation too, so of waiters that found the same dead holder, one prepares.
-(An older version's claim.json, a file beside claim/, is no claim of this one's and is left alone.)
+The claim is mingpt.claim's generational claim, which the run's lease shares: a node claims the folder by creating the
+next generation exclusively (If-None-Match: *), so two nodes do not prepare at once, and marks it released when done; a
+node that finds a claim waits for the meta.json. It may take the claim from a holder that released it; at once from one
+of this machine whose process has ended (by pid and start time: a reused pid does not count); or from one whose beat
+stood still for CLAIM_TIMEOUT_S on the waiter's own clock (two machines' clocks are never compared), a dead node. Taking
+over creates the next generation too, so of waiters that found the same dead holder, one prepares.
 
-A copy reads each file with parallel ranged reads into a scratch folder beside the local copy, checks
-each sha256 against meta.json, and only then renames the folder into place, so a damaged upload, or
-one replaced halfway through the copy, is never used.
+A copy reads each file with parallel ranged reads into a scratch folder beside the local copy, checks each sha256
+against meta.json, and only then renames the folder into place, so a damaged upload, or one replaced halfway through the
+copy, is never used.
 """
 
 from __future__ import annotations
@@ -94,9 +92,8 @@ class RemoteFolder:
         return None
 
     def try_claim(self, gone: Claim | None = None) -> GenerationalClaim | None:
-        """This process's claim, renewed in the background until released; None while another node holds it.
-        A node may take the claim over from a holder that released it, or from `gone`, a holder that
-        `wait_for_holder` found dead, where it still holds the claim as it did then."""
+        """This process's claim, renewed in the background until released; None while another node holds it. Taken over
+        from a holder that released it, or from `gone` (found dead by `wait_for_holder`) if unchanged since."""
         claims = self._claims()
         try:
             claim = claims.take(lambda holder: bool(holder.record.get("released")) or holder == gone)
@@ -109,9 +106,8 @@ class RemoteFolder:
         return claims
 
     def wait_for_holder(self, published: Callable[[], bool]) -> Claim | None:
-        """Wait while the node holding the claim lives and `published()` is false. The holder, once found dead:
-        of this machine, its process ended; of another, its claim stood still for CLAIM_TIMEOUT_S on this
-        machine's clock. None when it is worth looking again (published, released, or the claim changed hands)."""
+        """Wait while the node holding the claim lives and `published()` is false. The holder once found dead (see the
+        module docstring); None when it is worth looking again (published, released, or the claim changed hands)."""
         claims, said = self._claims(), float("-inf")
         newest = lambda: self._newest(claims)
 
@@ -215,8 +211,7 @@ def _open_for_pwrite(path: Path, size: int) -> Iterator[int]:
 
 
 def _ranged_copy(fs, path: str, target: Path) -> int:
-    """Copy the object `path` to the new local file `target` with PARALLEL_READS ranged reads in flight;
-    its size."""
+    """Copy the object `path` to the new local file `target` with PARALLEL_READS ranged reads in flight; its size."""
     size = fs.size(path)
 
     def fetch(start: int) -> None:

@@ -1,8 +1,4 @@
-"""How far a stopped preparation got, so that the next start on this machine goes on from there.
-
-`Tokenized` is the record saved in the scratch folder after every piece; `take_leftover` picks, of the scratch
-folders stopped preparations left, the one to go on from. Nothing in a record is trusted unchecked.
-"""
+"""How far a stopped preparation got, so that the next start on this machine goes on from there."""
 
 from __future__ import annotations
 
@@ -38,11 +34,10 @@ def take_leftover(out: Path, meta: dict) -> tuple[Path, "Tokenized"] | None:
 
 @dataclass
 class Tokenized:
-    """How far tokenizing got (saved as PROGRESS_FILE in the scratch folder after every piece): the pieces
-    done, the bytes of each token file that hold their tokens, and what `meta` they were prepared for.
-
-    A resume trusts none of it unchecked: the file is sealed by a hash of its fields, the token files'
-    kept bytes must hash as recorded, and the corpus's pieces done must read as they did (`Job.pieces`)."""
+    """How far tokenizing got (saved as PROGRESS_FILE in the scratch folder after every piece): the pieces done, the
+    bytes of each token file that hold their tokens, and what `meta` they were prepared for. A resume trusts none of it
+    unchecked: the file is sealed by a hash of its fields, the token files' kept bytes must hash as recorded, and the
+    corpus's pieces done must read as they did (`Job.pieces`)."""
 
     meta: dict
     pieces: int = 0

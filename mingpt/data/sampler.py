@@ -1,18 +1,16 @@
 """Data order as a pure function of (seed, global position), sliced over whatever ranks exist now.
 
-The trainer keeps one cursor, the number of examples consumed so far. Step `s` of a run with
-global batch `G` reads the examples at positions `[cursor, cursor + G)` of an endless stream.
-Each process takes a contiguous slice of that batch, so the same examples are read, in the same
-optimizer steps, at any world size.
+The trainer keeps one cursor, the number of examples consumed so far. A step of a run with global batch `G` reads the
+examples at positions `[cursor, cursor + G)` of an endless stream. Each process takes a contiguous slice of that batch,
+so the same examples are read, in the same optimizer steps, at any world size.
 
-An example is a window of `block_size + 1` tokens of the training split, named by the token
-offset where it starts. Two orders map positions to offsets (`data.windows`):
+An example is a window of `block_size + 1` tokens of the training split, named by the token offset where it starts. Two
+orders map positions to offsets (`data.windows`):
 
-    RandomWindows   position p starts at a hash of (seed, p), anywhere in the split: every
-                    offset is a possible window, so a small corpus is not cut into a few
-                    thousand fixed blocks that the model sees again and again
-    StridedWindows  the split cut into blocks `stride` apart, one fresh permutation of them per
-                    epoch (GlobalOrder): each epoch reads every block exactly once
+    RandomWindows   position p starts at a hash of (seed, p), anywhere in the split: every offset may begin a window,
+                    so a small corpus is not cut into a few thousand fixed blocks that the model sees again and again
+    StridedWindows  the split cut into blocks `stride` apart, one fresh permutation of them per epoch (GlobalOrder):
+                    each epoch reads every block exactly once
 """
 
 from __future__ import annotations
@@ -69,9 +67,8 @@ class StridedWindows:
         return self.order.indices(start, count) * self.stride
 
 
-# SplitMix64 (Steele, Lea and Flood 2014): a Weyl sequence with step GOLDEN through a 64-bit
-# finalizer. Its i-th output is a function of (state, i) alone, so any position can be drawn
-# without drawing the ones before it, in any order and by any process.
+# SplitMix64 (Steele, Lea and Flood 2014): a Weyl sequence with step GOLDEN through a 64-bit finalizer. Its i-th output
+# is a function of (state, i) alone, so any position is drawn without the ones before it, in any order, by any process.
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -88,13 +85,10 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 class RandomWindows:
-    """Position p starts at output p of a SplitMix64 stream seeded by (seed), reduced to a valid offset.
-
-    Offsets are uniform over [0, num_tokens - block_size - 1], every start from which a window of
-    block_size + 1 tokens fits (the modulo's bias is below num_tokens / 2**64). Positions are drawn
-    with replacement: a window may come twice before another comes once, which at these numbers
-    of possible windows (one per token) matters less than seeing only fixed blocks.
-    """
+    """Position p starts at output p of a SplitMix64 stream seeded by (seed), reduced to a valid offset. Offsets are
+    uniform over [0, num_tokens - block_size - 1], every start from which a window of block_size + 1 tokens fits (the
+    modulo's bias is below num_tokens / 2**64). Positions are drawn with replacement: a window may come twice before
+    another comes once, which, with one possible window per token, matters less than seeing only fixed blocks."""
 
     def __init__(self, num_tokens: int, block_size: int, seed: int):
         self.num_starts = num_tokens - block_size  # offsets 0 .. num_tokens - block_size - 1
@@ -126,5 +120,4 @@ def shard(count: int, parts: int, index: int) -> slice:
 
 
 def micro_batches(count: int, micro_batch_size: int) -> list[slice]:
-    """Consecutive slices of range(count) of at most `micro_batch_size` each."""
     return [slice(i, min(i + micro_batch_size, count)) for i in range(0, count, micro_batch_size)]

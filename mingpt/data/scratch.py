@@ -1,10 +1,9 @@
 """Where prepared data is written before it is a prepared folder, and how it becomes one.
 
-A preparation (or a copy) writes into a scratch folder beside the prepared folder, named by this machine and
-process (`scratch`), so that a later start on this machine finds the scratch folders a stopped one left
-(`leftovers`). A finished scratch folder is renamed into place (`publish`), so that a reader never sees a
-half-written folder; it replaces only prepared data or an empty folder, never anything else
-(`check_replaceable`).
+A preparation (or a copy) writes into a scratch folder beside the prepared folder, named by this machine and process
+(`scratch`), so that a later start on this machine finds the scratch folders a stopped one left (`leftovers`). A
+finished scratch folder is renamed into place (`publish`), so that a reader never sees a half-written folder; it
+replaces only prepared data or an empty folder, never anything else (`check_replaceable`).
 """
 
 from __future__ import annotations
@@ -34,9 +33,8 @@ def _host() -> str:
 
 
 def leftovers(folder: Path) -> list[Path]:
-    """The scratch folders that this machine's preparations left in `folder` when stopped or killed (not
-    another machine's, not host "node1-b"'s for host "node1"). Only looked at with the machine lock held:
-    then no preparation of this machine is running there."""
+    """The scratch folders this machine's stopped or killed preparations left in `folder` (not another machine's, nor
+    host "node1-b"'s for host "node1"). Looked at only under the machine lock, when none of them runs."""
     ours = re.compile(rf"^\..+\.(tmp|stale)-{re.escape(_host())}-\d+-[0-9a-f]{{8}}$")
     return sorted(path for path in folder.iterdir() if ours.match(path.name))
 
@@ -50,7 +48,7 @@ def remove_leftovers(folder: Path, keep: Path | None = None) -> None:
 
 
 def _remove(path: Path) -> None:
-    """Remove a scratch folder, or the link to a folder that an --out named (rmtree refuses links: one stayed)."""
+    """Remove a scratch folder, or the link to a folder that an --out named (rmtree refuses links)."""
     if path.is_symlink():
         path.unlink(missing_ok=True)
     else:
@@ -71,9 +69,8 @@ def matches(directory: Path, wanted: dict) -> bool:
 
 
 def check_replaceable(out: Path) -> None:
-    """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace).
-
-    Anything else may be a user's files: preparing there would delete them."""
+    """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace). Anything else may
+    be a user's files: preparing there would delete them."""
     try:
         os.stat(out)
     except FileNotFoundError:

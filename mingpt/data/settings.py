@@ -15,9 +15,8 @@ MIN_BPE_SAMPLE = 1_000_000  # bytes: bpe learns nothing worth its merges from le
 class PrepareConfig:
     """What to prepare and how: the settings that `mingpt-prepare` and the trainer's `data` group share."""
 
-    # A file, a folder, a quoted glob, or a list of these; local paths or fsspec URLs (s3://...);
-    # .gz/.bz2/.xz/.zst read as such, .jsonl as one document per line, .parquet one per row; hf://datasets/...
-    # (Hugging Face Hub); or the built-in python-docs.
+    # A file, a folder, a quoted glob, or a list of these: local paths, fsspec URLs (s3://...), hf://datasets/... (the
+    # Hub), or the built-in python-docs; .gz/.bz2/.xz/.zst decompressed, .jsonl one document a line, .parquet one a row.
     corpus: Any = BUILTIN_CORPUS
     text_field: str = "text"  # the field of each JSONL record, or the Parquet column, that holds the text
     # char, bpe, a tiktoken encoding name (gpt2, cl100k_base, ...), or a folder with a slash in its name

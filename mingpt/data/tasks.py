@@ -1,7 +1,5 @@
-"""What a worker does with a piece of the corpus: its documents' characters (`chars`), their texts (`texts`),
-or their tokens, written by split to part files (`encode`). A worker is set up once (`setup`) with what it
-needs to know: the sources, the split, and the tokenizer and folder to write tokens to.
-"""
+"""What a worker does with a piece of the corpus: its documents' characters (`chars`), their texts (`texts`), or their
+tokens, written by split to part files (`encode`)."""
 
 from __future__ import annotations
 
@@ -36,7 +34,6 @@ def _documents(piece: Piece) -> Iterator[tuple[int, str]]:
 
 
 def chars(piece: Piece) -> set[str]:
-    """The characters of the piece's documents."""
     found: set[str] = set()
     for _, text in _documents(piece):
         found.update(text)
@@ -44,7 +41,6 @@ def chars(piece: Piece) -> set[str]:
 
 
 def texts(piece: Piece) -> list[str]:
-    """The texts of the piece's documents."""
     return [text for _, text in _documents(piece)]
 
 

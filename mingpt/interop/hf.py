@@ -1,16 +1,14 @@
 """Hugging Face's GPT-2 format: weights in and out, and the export of a whole snapshot.
 
-In: `model.init_from=FOLDER` reads a GPT-2 folder (`config.json`, `model.safetensors` or
-`pytorch_model.bin`, loaded with weights_only), local or an fsspec URL. (`data.tokenizer=FOLDER`
-reads its tokenizer: see mingpt.tokenizers.huggingface.) Nothing is downloaded: a folder fetched
-once with `huggingface-cli download gpt2 --local-dir gpt2` is enough.
+In: `model.init_from=FOLDER` reads a GPT-2 folder (`config.json`, `model.safetensors` or `pytorch_model.bin`, loaded
+with weights_only), local or an fsspec URL; `data.tokenizer=FOLDER` reads its tokenizer (mingpt.tokenizers.huggingface).
+Nothing is downloaded: a folder fetched once with `huggingface-cli download gpt2 --local-dir gpt2` is enough.
 
 Out: `mingpt-export SNAPSHOT OUT` writes a folder that `transformers` loads with
 `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`.
 
-GPT-2's layers map one to one onto mingpt.model's; HF stores its linear weights as Conv1D,
-(in, out), the transpose of nn.Linear's. Its GELU is the tanh form ("gelu_new"), as ours. A
-model trained here without biases is exported with zero biases, which computes the same.
+GPT-2's layers map one to one onto mingpt.model's (HF's Conv1D weights transposed); its GELU is the tanh form
+("gelu_new"), as ours. A model trained here without biases is exported with zero biases, which computes the same.
 """
 
 from __future__ import annotations

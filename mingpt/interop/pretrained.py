@@ -1,10 +1,9 @@
 """`model.init_from`: start a new run from existing weights instead of random ones.
 
-The weights come from a Hugging Face GPT-2 folder (see mingpt.interop.hf) or from a mingpt snapshot (a
-snapshot folder, or a run folder: its newest snapshot). Either gives the model's shape, overriding
-the preset, and a tokenizer that `data.tokenizer` uses when left at its default. Only the weights
-are taken: the optimizer starts fresh at step 0, in the run's own snapshot.dir. Once that run has
-a snapshot of its own, every restart resumes from it and never reads init_from again.
+The weights come from a Hugging Face GPT-2 folder (see mingpt.interop.hf) or from a mingpt snapshot (a snapshot folder,
+or a run folder: its newest snapshot). Either gives the model's shape, overriding the preset, and a tokenizer that
+`data.tokenizer` uses when left at its default. Only the weights are taken: the optimizer starts fresh at step 0, in the
+run's own snapshot.dir; once that run has a snapshot, every restart resumes from it and never reads init_from again.
 """
 
 from __future__ import annotations

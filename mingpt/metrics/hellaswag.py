@@ -1,10 +1,9 @@
 """HellaSwag's validation file: where it comes from, and its examples as lm-evaluation-harness's `hellaswag` task
 reads them.
 
-The file is the public JSONL of the HellaSwag authors (one JSON object a line: activity_label, ctx_a, ctx_b,
-endings, label). A local path is read as it is. A URL is fetched once into a folder that only this user can write
-(`cache_folder`), checked against the file's known sha256 where it is known, kept there only once its examples
-parsed, and read from there afterwards.
+The file is the public JSONL of the HellaSwag authors (one JSON object a line: activity_label, ctx_a, ctx_b, endings,
+label). A URL is fetched once into a folder that only this user can write (`cache_folder`), checked against the file's
+known sha256 where there is one, kept only once its examples parsed, and read from there afterwards.
 
 Every input is bounded before it costs much: a file of at most MAX_BYTES, of which no more is read or fetched;
 lines of at most MAX_LINE_CHARS characters, a longer one refused before it is parsed, so that no example's text
@@ -52,8 +51,7 @@ class HellaSwagUnavailable(MinGPTError):
 
 @dataclass(frozen=True)
 class Example:
-    """One HellaSwag example as lm-evaluation-harness scores it: each choice is a continuation of the query,
-    after a space."""
+    """One HellaSwag example as lm-evaluation-harness scores it: each choice continues the query, after a space."""
 
     query: str
     choices: tuple[str, ...]
@@ -61,10 +59,9 @@ class Example:
 
 
 def load_examples(source: str, setting: str, fetch: bool = True) -> list[Example]:
-    """The examples of `source`, a local path or a URL, as given in `setting` (trainer.hellaswag_data, --data),
-    which every error names. A URL is read from the cache, else fetched (where `fetch`) and cached once it parsed.
-    HellaSwagUnavailable where a URL can be neither read from the cache nor fetched; MinGPTError for a file that is
-    not HellaSwag's."""
+    """The examples of `source`, a local path or a URL, as given in `setting` (trainer.hellaswag_data, --data), which
+    every error names. HellaSwagUnavailable where a URL can be neither read from the cache nor fetched (`fetch`);
+    MinGPTError for a file that is not HellaSwag's."""
     try:
         if is_local(source):
             return parse_examples(_read_local(source), source)
@@ -104,8 +101,7 @@ def _read_local(source: str) -> bytes:
 
 
 def parse_examples(data: bytes, source: str, advice: str = GIVE_THE_FILE) -> list[Example]:
-    """The examples of a HellaSwag JSONL file; MinGPTError naming the first line that is not one, with `advice`.
-    Blank lines are skipped; a line longer than MAX_LINE_CHARS characters is refused before it is parsed."""
+    """The examples of a HellaSwag JSONL file, blank lines skipped; MinGPTError naming the first bad line."""
     examples = []
     for number, line in enumerate(_lines(data), 1):
         where = f"{source} line {number}"
@@ -188,9 +184,8 @@ def cache_path(url: str) -> Path:
 
 
 def _examples_at(url: str, fetch: bool) -> list[Example]:
-    """The examples of the file at `url`: its cached copy's where there is one, else fetched now (where `fetch`)
-    and cached once they parsed: a page that is not the file (an HTML error page, say) is never kept. Checked
-    against the file's known sha256 (KNOWN_SHA256) either way."""
+    """The examples of the file at `url`: its cached copy's where there is one, else fetched now (where `fetch`) and
+    cached once they parsed: a page that is not the file (an HTML error page, say) is never kept."""
     path = cache_path(url)
     _check_cache_folder(path.parent)
     cached = _read_cached(path)
@@ -235,11 +230,10 @@ def _read_cached(path: Path) -> bytes | None:
 
 
 def _download(url: str, path: Path) -> bytes:
-    """The file at `url`, at most MAX_BYTES of it, within FETCH_TIMEOUT_S for all its requests together: an
-    http(s) URL is one GET (its redirects included), an object store's ranged read is cancelled there too, and
-    other file systems (hf://) keep their clients' own timeouts. HellaSwagUnavailable where the file cannot be had;
-    MinGPTError for a URL that cannot be used at all (an unknown protocol) or a file too large to be HellaSwag's:
-    a mistake to fix, not a network to wait for."""
+    """The file at `url`, at most MAX_BYTES of it, within FETCH_TIMEOUT_S for all its requests together: an http(s) URL
+    is one GET, an object store's ranged read is cancelled there too, other file systems (hf://) keep their clients' own
+    timeouts. HellaSwagUnavailable where the file cannot be had; MinGPTError for a URL that cannot be used at all (an
+    unknown protocol) or a file too large to be HellaSwag's: a mistake to fix, not a network to wait for."""
     try:
         if url.startswith(("http://", "https://")):
             data = sync(get_loop(), _http_get, url, timeout=FETCH_TIMEOUT_S)  # on fsspec's loop, cancelled there

@@ -8,9 +8,9 @@ Every logger has the same small interface, and only the leader of a job logs:
     flush()                  at every snapshot: what must survive a crash is written out
     close()                  at the end of the job
 
-A restarted job continues the same TensorBoard run and the same W&B run. It resumes from a snapshot,
-which may be older than the last step it logged before it stopped; the steps it trains again are not
-logged twice (TensorBoard purges its older events from that step on, W&B keeps the first ones).
+A restarted job continues the same TensorBoard run and the same W&B run. It resumes from a snapshot, which may be older
+than the last step it logged before it stopped; the steps it trains again are not logged twice (TensorBoard purges its
+older events from that step on, W&B keeps the first ones).
 """
 
 from __future__ import annotations
@@ -94,9 +94,9 @@ class Logger:
 
 
 class Loggers(Logger):
-    """The loggers of `trainer.loggers`, called in turn. A logger that fails while training is
-    warned about once and dropped: dashboards are a convenience and must not stop a job. Starting
-    one may fail (a W&B login missing): that stops the job, before its first step."""
+    """The loggers of `trainer.loggers`, called in turn. One that fails while training is warned about once and dropped:
+    dashboards are a convenience and must not stop a job. One failing to start (a W&B login missing) stops the job,
+    before its first step."""
 
     def __init__(self, names: Sequence[str], run: RunDir, config: dict, leader: bool):
         check_loggers(names)
@@ -133,11 +133,8 @@ class Loggers(Logger):
 
 
 class JsonlLogger(Logger):
-    """Appends one JSON line per record to metrics.jsonl beside the snapshots.
-
-    Local files get each record at once; object stores, which rewrite a file to append to it,
-    get the records in batches when a snapshot is written and at the end.
-    """
+    """Appends one JSON line per record to metrics.jsonl beside the snapshots: to a local file at once; to an object
+    store, which rewrites a file to append to it, in batches at each snapshot and at the end."""
 
     def __init__(self, run: RunDir, config: dict):
         self.path = run.metrics
@@ -166,10 +163,9 @@ class JsonlLogger(Logger):
 
 
 class TensorBoardLogger(Logger):
-    """Event files in <snapshot.dir>/tensorboard/, or in a local folder when snapshot.dir is not local.
-
-    Each start opens a new event file in the same folder; its first event tells TensorBoard to
-    drop the earlier events from the resumed step on, so steps trained again appear once."""
+    """Event files in <snapshot.dir>/tensorboard/, or in a local folder when snapshot.dir is not local. Each start opens
+    a new event file in the same folder; its first event tells TensorBoard to drop the earlier events from the resumed
+    step on, so steps trained again appear once."""
 
     def __init__(self, run: RunDir, config: dict):
         self.folder = run.tensorboard()
@@ -201,14 +197,11 @@ class TensorBoardLogger(Logger):
 
 
 class WandbLogger(Logger):
-    """One W&B run per snapshot.dir. <snapshot.dir>/wandb_run.json keeps its id, the last step
-    logged and the event counts, so that a restarted job resumes the same run (also offline, where
-    W&B itself cannot tell what the run holds) and logs only steps after those already logged.
-
-    The last step is recorded at snapshots and at the end, not at every step: W&B's service buffers
-    what it is given and drops the buffer when the training process dies (offline, measured: an
-    empty run file after 30 logged steps). Recorded sooner, the steps it lost would be skipped
-    after the restart too, leaving a gap."""
+    """One W&B run per snapshot.dir. <snapshot.dir>/wandb_run.json keeps its id, the last step logged and the event
+    counts, so that a restarted job resumes the same run (also offline, where W&B itself cannot tell what the run holds)
+    and logs only steps after those already logged. The last step is recorded at snapshots and at the end, not at every
+    step: W&B's service buffers what it is given and drops the buffer when the training process dies. Recorded sooner,
+    the steps it lost would be skipped after the restart too, leaving a gap."""
 
     def __init__(self, run: RunDir, config: dict):
         self.fs, self.path = run.fs, run.wandb_state

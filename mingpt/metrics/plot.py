@@ -1,9 +1,7 @@
-"""A run's loss from its metrics.jsonl, as a picture (`mingpt-plot`): train and val loss against step,
-tokens/s on a second axis, and a vertical line where the run restarted or its world size changed; below,
-where the run recorded them, HellaSwag's acc_norm with GPT-2 124M's line, and each process's own time per step
-(mingpt.training.stragglers), so that a slow one stands out.
-Needs matplotlib: pip install -e ".[plot]".
-"""
+"""A run's loss from its metrics.jsonl, as a picture (`mingpt-plot`): train and val loss against step, tokens/s on a
+second axis, and a vertical line where the run restarted or its world size changed; below, where the run recorded them,
+HellaSwag's acc_norm with GPT-2 124M's line, and each process's own time per step (mingpt.training.stragglers), so that
+a slow one stands out. Needs matplotlib: pip install -e ".[plot]"."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ class Curves:
 
 
 def read_records(run: str) -> list[dict]:
-    """The records of RUN/metrics.jsonl in file order. A line cut short (a process killed while writing it)
-    is skipped."""
+    """The records of RUN/metrics.jsonl in file order, skipping a line cut short (a process killed while writing it)."""
     folder = RunDir(run)
     url = folder.url_of(RunDir.METRICS)
     try:
@@ -89,14 +86,12 @@ def curves(records: list[dict]) -> Curves:
 
 
 def find_marks(records: list[dict]) -> list[Mark]:
-    """Restarts and world-size changes, seen in the progress records (those with a train loss).
-
-    A process logs at every multiple of trainer.log_every and at the step it stops at. So the
-    records after a restart are recognised by a step that does not move forward (the run resumed
-    from a snapshot older than what it had logged), a previous record off the usual stride (the
-    process stopped there), or a pause that the throughput does not account for: a new process
-    starting, or the machine stalling, so such a mark is labelled with the pause's length. Each
-    line is drawn where training went on from, as far as the records tell."""
+    """Restarts and world-size changes, seen in the progress records (those with a train loss). A process logs at every
+    multiple of trainer.log_every and at the step it stops at. So the records after a restart are recognised by a step
+    that does not move forward (the run resumed from a snapshot older than what it had logged), a previous record off
+    the usual stride (the process stopped there), or a pause that the throughput does not account for: a new process
+    starting, or the machine stalling, so such a mark is labelled with the pause's length. Each line is drawn where
+    training went on from, as far as the records tell."""
     progress = [r for r in records if "train_loss" in r]
     steps = [r["step"] for r in progress]
     strides = [b - a for a, b in zip(steps, steps[1:]) if b > a]
@@ -117,9 +112,8 @@ def find_marks(records: list[dict]) -> list[Mark]:
 
 
 def _tokens_per_step(progress: list[dict]) -> float | None:
-    """Tokens one step trains: each record's tokens/s covers the time since the record before it in
-    the same process but its `other_s` (evaluations and snapshots; older records count them in). The
-    median, so restarts do not count."""
+    """Tokens one step trains: each record's tokens/s covers the time since the record before it in the same process,
+    less its `other_s` (evaluations and snapshots). The median, so restarts do not count."""
     estimates = [(b["time"] - a["time"] - _other(b)) * b["tokens_per_s"] / (b["step"] - a["step"])
                  for a, b in zip(progress, progress[1:]) if b["step"] > a["step"] and _timed(a, b)]
     return statistics.median(estimates) if estimates else None
@@ -161,8 +155,7 @@ def pyplot():
 
 
 def draw(data: Curves, title: str, out: str, plt) -> None:
-    """Write the picture to `out` (PNG, or any format matplotlib knows by the name's ending) with `plt`,
-    matplotlib.pyplot."""
+    """Write the picture to `out` (PNG, or any format matplotlib knows by the name's ending) with `plt` (pyplot)."""
     fig = figure(data, title, plt)
     try:
         fig.savefig(out, dpi=100)
@@ -171,8 +164,7 @@ def draw(data: Curves, title: str, out: str, plt) -> None:
 
 
 def figure(data: Curves, title: str, plt):
-    """The picture: losses and tokens/s against step, restarts and world-size changes marked; below, HellaSwag's
-    acc_norm and each process's own time, where the run recorded them."""
+    """The picture the module docstring describes."""
     from matplotlib.ticker import MaxNLocator
 
     ratios = [3] + [1.6] * bool(data.hellaswag) + [1.3] * bool(data.own_ms)
@@ -240,7 +232,6 @@ GPT2_124M_ACC_NORM = 0.3114
 
 
 def _draw_hellaswag(axis, acc_norm: dict[int, float]) -> None:
-    """HellaSwag acc_norm against step, with GPT-2 124M's line."""
     steps = sorted(acc_norm)
     axis.plot(steps, [acc_norm[s] for s in steps], "o-", color="tab:green", lw=1.2, ms=3, label="hellaswag acc_norm")
     axis.axhline(GPT2_124M_ACC_NORM, color="0.4", ls="--", lw=1, label=f"GPT-2 124M ({GPT2_124M_ACC_NORM:.4f})")

@@ -1,15 +1,12 @@
-"""Tokenizers: characters, a byte-level BPE trained on the corpus, or a named tiktoken encoding; and
-the tokenizer of a folder (a Hugging Face one, or a mingpt snapshot's).
+"""Tokenizers: characters, a byte-level BPE trained on the corpus, or a named tiktoken encoding; and the tokenizer of a
+folder (a Hugging Face one, or a mingpt snapshot's).
 
-All share one small interface (`encode`, `decode`, `vocab_size`, `to_json`; see base.py). A saved
-tokenizer is a small JSON file, never a pickle, so that a snapshot or a prepared data folder
-carries its vocabulary and can be decoded without the corpus.
+All share one small interface (`encode`, `decode`, `vocab_size`, `to_json`; see base.py). A saved tokenizer is a small
+JSON file, never a pickle, so a snapshot or prepared data folder carries its vocabulary and decodes without the corpus.
 
-Each reserves an end-of-text token (`eot_id`, written `<|endoftext|>`), the last id for char and
-bpe, tiktoken's own for its encodings. Prepared data ends every document with it, so that
-documents never run into each other. Text is always encoded as plain text: a corpus that says
-"<|endoftext|>" does not make that token. (Tokenizer files written before it was added load
-without one.)
+Each reserves an end-of-text token (`eot_id`, written `<|endoftext|>`), the last id for char and bpe, tiktoken's own for
+its encodings. Prepared data ends every document with it, so that documents never run into each other. Text is always
+encoded as plain text: a corpus that says "<|endoftext|>" does not make that token.
 """
 
 from __future__ import annotations
@@ -82,9 +79,8 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def load_tokenizer_folder(url: str) -> Tokenizer:
-    """The tokenizer of a folder: mingpt's own tokenizer.json (a snapshot or prepared data), or a Hugging
-    Face byte-level BPE (tokenizer.json, or vocab.json + merges.txt) converted to a tiktoken encoding, or the
-    character vocabulary that mingpt-export writes for a char tokenizer."""
+    """The tokenizer of a folder: mingpt's own tokenizer.json (a snapshot or prepared data), a Hugging Face byte-level
+    BPE (tokenizer.json, or vocab.json + merges.txt) as a tiktoken encoding, or mingpt-export's char vocabulary."""
     fs, path = open_fs(url.rstrip("/"))
     if fs.isfile(path):  # a tokenizer.json named itself
         path = path.rpartition("/")[0]

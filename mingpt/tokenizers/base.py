@@ -72,9 +72,8 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def lone_surrogate(text: str) -> str | None:
-    """Where `text` holds a lone surrogate, a character that no UTF-8 text holds, which one, in words; else None.
-    Python makes one of each byte of a command-line argument that is not UTF-8, and a JSON escape of half
-    a UTF-16 pair makes one."""
+    """Which lone surrogate `text` holds (a character that no UTF-8 text holds), in words; else None. Python makes one
+    of each byte of a command-line argument that is not UTF-8, and a JSON escape of half a UTF-16 pair makes one."""
     found = _LONE_SURROGATE.search(text)
     if found is None:
         return None

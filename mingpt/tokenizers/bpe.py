@@ -59,10 +59,8 @@ class _TiktokenBacked(Tokenizer):
 
 
 class BPETokenizer(_TiktokenBacked):
-    """Byte-level BPE trained on the corpus with rustbpe, encoded with tiktoken.
-
-    The first 256 tokens are the bytes, so any text round-trips.
-    """
+    """Byte-level BPE trained on the corpus with rustbpe, encoded with tiktoken. The first 256 tokens are the bytes,
+    so any text round-trips."""
 
     kind = "bpe"
 
@@ -79,7 +77,7 @@ class BPETokenizer(_TiktokenBacked):
 
     @classmethod
     def train(cls, texts: str | Iterable[str], vocab_size: int) -> "BPETokenizer":
-        """Merges learnt from `texts` (pieces cut between words: see mingpt.data.corpus), up to a vocabulary
+        """Merges learnt from `texts` (pieces cut between words: see mingpt.data.pieces), up to a vocabulary
         of `vocab_size` including end-of-text."""
         import rustbpe
 

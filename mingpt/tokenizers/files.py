@@ -1,9 +1,8 @@
 """Reading files that other programs wrote (Hugging Face folders: JSON, text, safetensors, torch files).
 
-Every such file goes through `read_file`, which turns any failure to parse it (a truncated download,
-a garbage file, another format) into one line naming the file and saying what to do. Used by the
-tokenizers here and by mingpt.interop for model weights.
-"""
+Every such file goes through `read_file`, which turns any failure to parse it (a truncated download, a garbage file,
+another format) into one line naming the file and saying what to do. Used by the tokenizers here and by mingpt.interop
+for model weights."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """Hugging Face's byte-level BPE tokenizers, in and out, as tiktoken encodings.
 
-In: a folder holding `tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt` (local or an fsspec
-URL), becomes a `bpe` tokenizer (pattern + ranks), stored in prepared data and snapshots like any
-BPE vocabulary; the character vocabulary that mingpt-export writes becomes a char tokenizer.
-(A mingpt tokenizer.json in a folder is read by the dispatch, mingpt.tokenizers.)
+In: a folder holding `tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt` (local or an fsspec URL), becomes a `bpe`
+tokenizer (pattern + ranks), stored like any BPE vocabulary; the character vocabulary that mingpt-export writes becomes
+a char tokenizer. (A mingpt tokenizer.json in a folder is read by the dispatch, mingpt.tokenizers.)
 
-Out: `tokenizer_files` writes the same vocabulary in Hugging Face's form, which `AutoTokenizer`
-encodes to the same ids.
+Out: `tokenizer_files` writes the same vocabulary in Hugging Face's form, which `AutoTokenizer` encodes to the same ids.
 """
 
 from __future__ import annotations
@@ -49,9 +47,8 @@ def _merges(data: bytes) -> list[tuple[str, ...]]:
 
 
 def from_tokenizer_json(payload: dict, url: str) -> Tokenizer:
-    """A Hugging Face tokenizer.json (parsed): a byte-level BPE as a tiktoken encoding, or the character
-    vocabulary that mingpt-export writes. Valid JSON of another shape (a key missing, a list where an
-    object belongs) is one TokenizerError, whatever the parser trips on."""
+    """A parsed Hugging Face tokenizer.json: a byte-level BPE as a tiktoken encoding, or mingpt-export's char
+    vocabulary. Valid JSON of another shape (a key missing, a list where an object belongs) is one TokenizerError."""
     try:
         return _from_tokenizer_json(payload, url)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
