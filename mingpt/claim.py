@@ -12,9 +12,7 @@ folder among the processes of one machine.
   on the claimant's own monotonic clock: no two machines' clocks are ever compared.
 - A holder on this machine (the same host and boot) is gone once none of its processes runs, known by pid and
   start time, so that a reused pid is never taken for it: `ended_here`.
-- Whom a claimant may take over is each policy's decision (the lease's, the prepared data's), never this module's.
-- A `MachineLock` is an flock on a folder: one process of this machine at a time works there.
-"""
+- Whom a claimant may take over is each policy's decision (the lease's, the prepared data's), never this module's."""
 
 from __future__ import annotations
 
@@ -236,8 +234,7 @@ class GenerationalClaim:
                 if existing != record:  # another claimant's; else our own PUT, retried after a cut connection
                     continue
             self.held, self.lost = Claim(generation, record), False
-            # Made from a listing that newer claims outran (the number freed again when they forgot older files):
-            # the newer claims win.
+            # Made from a stale listing (its number freed when newer claims forgot older files): the newer claims win.
             if self.overtaken() is not None:
                 self.held = None
                 continue

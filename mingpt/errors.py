@@ -1,8 +1,7 @@
 """Errors the library raises for bad input.
 
-Each message says what is wrong and what to do about it; the command-line
-entry points print the message alone, without a traceback.
-"""
+Each message says what is wrong and what to do about it; the command-line entry points print the message alone, without
+a traceback."""
 
 import contextlib
 import signal
@@ -47,19 +46,17 @@ class PeerLeft(Exception):
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM, raised where the program is, so that its cleanups run (temporary files,
-    worker processes, the run's lease) before it exits. A KeyboardInterrupt: code that handles Ctrl-C
-    handles both."""
+    """SIGINT or SIGTERM, raised where the program is, so that its cleanups run (temporary files, worker processes, the
+    run's lease) before it exits. A KeyboardInterrupt: code that handles Ctrl-C handles both."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-# Signals whose Stopped was raised. Python runs a handler wherever the main thread is, and an exception
-# raised inside a callback whose exceptions are printed and dropped (logging's after-fork hook, while a
-# worker process is forked) would lose the stop: loops that run long call `check_stopped`, and code that
-# forks defers the raise to it (`deferred_stops`).
+# Signals whose Stopped was raised. Python runs a handler wherever the main thread is, and an exception raised inside a
+# callback whose exceptions are printed and dropped (logging's after-fork hook, while a worker is forked) would lose the
+# stop: long loops call `check_stopped`, and code that forks defers the raise to it (`deferred_stops`).
 _received: list[int] = []
 _deferred = False
 

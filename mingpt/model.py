@@ -1,9 +1,7 @@
 """The GPT language model: a decoder-only Transformer with a key/value cache for generation.
 
-Pre-LayerNorm blocks, causal self-attention through `F.scaled_dot_product_attention`,
-a GELU MLP, learned position embeddings and (by default) input/output weight tying,
-initialised as GPT-2 was.
-"""
+Pre-LayerNorm blocks, causal self-attention through `F.scaled_dot_product_attention`, a GELU MLP, learned position
+embeddings and (by default) input/output weight tying, initialised as GPT-2 was."""
 
 from __future__ import annotations
 
@@ -19,10 +17,8 @@ from mingpt.shape import PRESETS, GPTConfig  # noqa: F401  (the model's shape, i
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, for one attention layer.
-
-    Preallocated for the whole block so that appending a position is a copy, not a concat.
-    """
+    """Keys and values of the positions seen so far, for one attention layer, preallocated for the whole block so that
+    appending a position is a copy, not a concat."""
 
     def __init__(self, batch: int, n_head: int, block_size: int, head_dim: int, like: torch.Tensor):
         shape = (batch, n_head, block_size, head_dim)
@@ -65,12 +61,8 @@ class CausalSelfAttention(nn.Module):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """Scaled dot-product attention; on CPUs always computed in fp32.
-
-    PyTorch's CPU flash-attention kernel is slow in bf16: for gpt-micro (batch 12, block 64) its
-    backward took 4.8 ms a call in bf16 against 0.6 ms in fp32, and made a bf16-autocast step slower
-    than an fp32 one although its matmuls ran 2.6x faster. Casting q, k, v up costs far less.
-    """
+    """Scaled dot-product attention; on CPUs always computed in fp32: PyTorch's CPU flash-attention kernel is so slow in
+    bf16 that it makes a bf16-autocast step slower than an fp32 one, and casting q, k, v up costs far less."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         with torch.autocast("cpu", enabled=False):
             y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal, dropout_p=dropout_p)
@@ -116,8 +108,7 @@ class GPT(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
-        # GPT-2: scale the projections into the residual stream by 1/sqrt(number of them),
-        # so the stream's variance does not grow with depth.
+        # GPT-2: residual-stream projections scaled by 1/sqrt(their number), so the variance does not grow with depth.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
@@ -156,10 +147,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW parameter groups: weight decay on matrices (Linear, Embedding), none on biases and norms.
-
-        Use as `torch.optim.AdamW(model.param_groups(0.1), lr=..., betas=(0.9, 0.95))`.
-        """
+        """AdamW parameter groups: weight decay on matrices (Linear, Embedding), none on biases and norms. Use as
+        `torch.optim.AdamW(model.param_groups(0.1), lr=..., betas=(0.9, 0.95))`."""
         params = [p for p in self.parameters() if p.requires_grad]  # tied weights appear once
         return [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -179,12 +168,10 @@ class GPT(nn.Module):
     ) -> Iterator[torch.Tensor]:
         """Yield the next token ids (B,), one step at a time, continuing the prompts `idx` (B, T).
 
-        `temperature=0` picks the most likely token (greedy). With the cache each step
-        feeds one position. The context is a window of at most `block_size` tokens; when
-        it is full it slides forward by half a block, so the cache is refilled only once
-        every `block_size // 2` tokens. `use_cache=False` runs the same windows without
-        the cache (for testing and benchmarks) and yields the same tokens.
-        """
+        `temperature=0` picks the most likely token (greedy). With the cache each step feeds one position. The context
+        is a window of at most `block_size` tokens; when it is full it slides forward by half a block, so the cache is
+        refilled only once every `block_size // 2` tokens. `use_cache=False` runs the same windows without the cache
+        (for testing and benchmarks) and yields the same tokens."""
         check_sampling(temperature, top_k, top_p)
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError("prompt must be a (batch, length) tensor with at least one token")

@@ -8,8 +8,7 @@
     <dir>/tensorboard/      TensorBoard event files; a run on an object store keeps them on this
                             machine instead, in ./tensorboard/<bucket>/<prefix>
 
-The folder is a local path or any fsspec URL (s3://bucket/prefix).
-"""
+The folder is a local path or any fsspec URL (s3://bucket/prefix)."""
 
 from __future__ import annotations
 

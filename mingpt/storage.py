@@ -2,9 +2,8 @@
 and on this machine's own disk, folders and files of this user's alone (`private_folder`, `open_own_file`),
 for what is kept in folders that other users share (/dev/shm, /tmp, a cache).
 
-Every message built here is safe to log: URLs lose any credentials they carry, and storage
-options (which may hold keys) are never part of a message.
-"""
+Every message built here is safe to log: URLs lose any credentials they carry, and storage options (which may hold keys)
+are never part of a message."""
 
 from __future__ import annotations
 
@@ -58,9 +57,8 @@ def redact(text: object) -> str:
 
 
 def open_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFileSystem, str]:
-    """The file system and path of `url`: a local path, a file: URL (RFC 8089) or an fsspec URL.
-    MinGPTError for one it cannot use: an unknown protocol, a file: URL naming another machine,
-    credentials in an object store's URL."""
+    """The file system and path of `url`: a local path, a file: URL (RFC 8089) or an fsspec URL. MinGPTError for one it
+    cannot use: an unknown protocol, a file: URL naming another machine, credentials in an object store's URL."""
     url = str(url)
     if "::" in url:  # an fsspec chain (simplecache::s3://...): each link is checked as a URL of its own
         for link in url.split("::")[1:]:
@@ -154,9 +152,8 @@ def is_local(fs: AbstractFileSystem) -> bool:
 
 
 def explain_storage_error(e: BaseException, local: bool = False, setting: str = "snapshot.dir") -> str:
-    """A one-line reason for a storage failure, with what to do about it. Never includes credentials.
-
-    `setting` names the option the user should fix (snapshot.dir, data.corpus, ...)."""
+    """A one-line reason for a storage failure, with what to do about it; never credentials. `setting` names the option
+    the user should fix (snapshot.dir, data.corpus, ...)."""
     name = type(e).__name__
     detail = redact(e)  # clients echo the URL or request they failed on
     text = f"{name}: {detail}"
@@ -234,11 +231,9 @@ def sync_folder(fs: AbstractFileSystem, path: str) -> None:
 
 
 def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write a small file whole, only if nothing exists at `path` yet (FileExistsError otherwise).
-
-    Local disk: the bytes go to a temporary name and are fsynced, then hard-linked to `path`
-    (link fails when `path` exists), so `path` never exists with partial content.
-    Object stores: one PUT with `If-None-Match: *`."""
+    """Write a small file whole, only if nothing exists at `path` yet (FileExistsError otherwise). Local disk: the bytes
+    go to a temporary name and are fsynced, then hard-linked to `path` (link fails when `path` exists), so `path` never
+    exists with partial content. Object stores: one PUT with `If-None-Match: *`."""
     if not is_local(fs):
         fs.pipe_file(path, data, mode="create")
         return
@@ -297,7 +292,6 @@ def others_may_replace_in(folder: Path | str) -> str | None:
 
 
 def own_file(path: Path) -> os.stat_result:
-    """lstat of `path`; OSError unless it is a regular file of this user's."""
     found = os.lstat(path)
     if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
         raise OSError(f"not a regular file of this user's (mode {stat.filemode(found.st_mode)}, owner {found.st_uid})")

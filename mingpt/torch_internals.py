@@ -5,9 +5,8 @@ torch promises nothing about names that start with an underscore, and mingpt nee
   assigning ranks), its count of restarts left and its worker processes (`ElasticAgent`);
 - the dynamic rendezvous: who is in the round, leaving it, and how long a waiting agent sleeps;
 - two helpers of torchrun's command line, so that mingpt-torchrun reads it as torch does;
-- how torchrun's launcher starts a worker process (`SubprocessHandler._popen`), which mingpt's forkserver
-  replaces, and the agent class it starts (`launcher.api.LocalElasticAgent`, a module global), which mingpt's
-  agent replaces;
+- how torchrun's launcher starts a worker process (`SubprocessHandler._popen`) and the agent class it starts
+  (`launcher.api.LocalElasticAgent`, a module global), which mingpt's forkserver and agent replace;
 - where a DTensor's shard lies in the whole (`DTensor.__create_chunk_list__`, DCP's), for the memory tier and
   healing, which carry shards without DCP;
 - DCP's fsspec reader and writer, and the private classes that its index (a pickle) names;
@@ -16,12 +15,10 @@ torch promises nothing about names that start with an underscore, and mingpt nee
 - Dynamo's callbacks at the start and end of each compile, which tell the agent's watchdog that a worker
   compiles (mingpt.training.progress).
 
-`check()` looks each one up, on a real rendezvous handler and a real agent where they are fields, and fails
-in one line that names torch's version and what is missing. mingpt-torchrun checks the launcher's names
-before its agent starts (without importing DCP, which is slow to import and which it does not need), a
-worker checks DCP's before any work, a compiling worker Dynamo's before its first compile
-(`watch_compiles`), and the tests check all: on another torch, nothing degrades in silence.
-"""
+`check()` looks each one up, on a real rendezvous handler and a real agent where they are fields, and fails in one line
+that names torch's version and what is missing. mingpt-torchrun checks the launcher's names before its agent starts
+(without importing DCP, slow and not needed there), a worker checks DCP's before any work, a compiling worker Dynamo's
+before its first compile (`watch_compiles`), and the tests check all: on another torch, nothing degrades in silence."""
 
 from __future__ import annotations
 
@@ -60,8 +57,7 @@ DCP_INDEX_CLASSES = (
     ("torch.serialization", "_get_layout"),
 )
 
-# Names looked up in a module, by who needs them. (The launcher's fields of torch's objects are checked on
-# real ones: `_check_objects`.)
+# Names looked up in a module, by who needs them (the fields of torch's objects: `_check_objects`).
 LAUNCHER_NAMES = (
     (RENDEZVOUS, "_delay"), (RENDEZVOUS, "_Action"), (RENDEZVOUS, "_RendezvousContext"),
     (RENDEZVOUS_UTILS, "_matches_machine_hostname"), (RENDEZVOUS_UTILS, "_parse_rendezvous_config"),
@@ -100,7 +96,6 @@ def _missing_error(names: list[str]) -> TorchInternalsError:
 
 
 def _find(module: str, name: str) -> Any:
-    """`module.name`, or None where this torch has no such thing."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
@@ -340,7 +335,6 @@ def cpu_probe_sources() -> set[str]:
 
 
 def _with_subclasses(cls: type) -> list[type]:
-    """`cls` and every class derived from it, however deep."""
     found, frontier = [], [cls]
     while frontier:
         found.append(frontier.pop())
@@ -375,10 +369,9 @@ def compile_counters() -> dict[str, int]:
 
 
 def watch_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Callable[[], None]:
-    """Call `started()` when torch begins to compile in this process and `ended()` when it is done, whatever
-    compiles (Dynamo tracing a frame, a backward compiled when first run, CUDA graphs recorded; a compile
-    inside another counts once); returns what stops the calls. TorchInternalsError where this torch has no
-    such callbacks."""
+    """Call `started()` when torch begins to compile in this process and `ended()` when it is done, whatever compiles
+    (Dynamo tracing a frame, a backward compiled when first run, CUDA graphs recorded; a compile inside another counts
+    once); returns what stops the calls. TorchInternalsError where this torch has no such callbacks."""
     handler = _find(DYNAMO_CALLBACK, "callback_handler")
     if handler is None:
         raise _missing_error([f"{DYNAMO_CALLBACK}.callback_handler"])
@@ -397,9 +390,8 @@ def watch_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Ca
 
 
 def shard_offsets(tensor: Any) -> tuple[list[int], list[int]] | None:
-    """Where this process's shard of a DTensor lies in the whole, as DCP records it: (offsets, sizes); None for
-    any other tensor. (Where torch.distributed.tensor was never imported, no tensor is one: it is not imported
-    here, which costs a second of CPU.)"""
+    """Where this process's shard of a DTensor lies in the whole, as DCP records it: (offsets, sizes); None for any
+    other tensor. (torch.distributed.tensor is slow to import, so not imported here: where it never was, none is.)"""
     module = sys.modules.get(DTENSOR)
     if module is None or not isinstance(tensor, module.DTensor):
         return None

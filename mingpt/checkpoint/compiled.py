@@ -4,12 +4,9 @@
     <dir>/compile-cache/manifest.json               written last: key, file, bytes, sha256, writer
 
 The key names what makes the caches valid (torch, device, model shape, precision, compile settings;
-mingpt.training.compile_cache makes it). Only the holder of the run's lease writes: the blob first, then
-the manifest, replaced whole, both after the lease's fence; then the blobs the manifest does not name
-are removed, so only the newest key's caches stay. A reader trusts a blob only through a manifest that
-names a writer (its lease) and only when its size and sha256 match: compiled caches are code, and loading
-them runs it. Nothing here knows what the bytes hold.
-"""
+mingpt.training.compile_cache makes it). Only the holder of the run's lease writes (`commit`), and only the newest key's
+caches stay. A reader trusts a blob only through a manifest that names a writer (its lease) and only when its size and
+sha256 match: compiled caches are code, and loading them runs it. Nothing here knows what the bytes hold."""
 
 from __future__ import annotations
 
@@ -65,8 +62,8 @@ class CompiledCaches:
         return None
 
     def commit(self, key: str, blob: bytes, describes: dict, lease: RunLease) -> None:
-        """Publish `blob` as the caches of `key`: the blob, then the manifest, each after the lease's fence
-        (LeaseLostError once another writer holds the run); then remove every other blob."""
+        """Publish `blob` as the caches of `key`: the blob, then the manifest (replaced whole), each after the lease's
+        fence (LeaseLostError once another writer holds the run); then remove every other blob."""
         sha = hashlib.sha256(blob).hexdigest()
         name = f"{key}.{sha[:16]}.zip"
         path = f"{self.folder}/{name}"

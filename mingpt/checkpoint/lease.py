@@ -1,33 +1,27 @@
 """Run ownership: one job at a time writes to a snapshot folder.
 
-Two jobs started into the same `snapshot.dir` by mistake would delete each other's saves and
-resume from each other's state. So the job that writes there holds a lease on it:
+Two jobs started into the same `snapshot.dir` by mistake would delete each other's saves and resume from each other's
+state. So the job that writes there holds a lease on it:
 
     <dir>/owner/gen-000000007.json    job, host, pids, since, renewed, beat, released, timeout, token
 
-Claiming the run means creating the next generation file with exclusive create (O_EXCL on local
-disk, a conditional PUT on S3), so of two jobs claiming at once exactly one wins. The newest
-generation file names the holder; every manifest names the job and generation that wrote it, so
-the run's history survives the loss of the `owner/` folder (a hand, a bucket expiry rule). The
-holder rewrites its own file every `timeout_s / 4` seconds (a new "beat") and marks it released
-when it exits.
+The claim itself is mingpt.claim's, which the prepared data's claim shares: its generation files, each created
+exclusively so that of two jobs claiming at once exactly one wins; the holder's beat every `timeout_s / 4` seconds, and
+its release when it exits; the watch and the fence. This module decides whom the run may be taken from, and what a
+commit says of its writer. Every manifest names the job and generation that wrote it, so the run's history survives the
+loss of the `owner/` folder (a hand, a bucket expiry rule).
 
-Another job may take the run over when the holder released it, ran on this machine and is gone, or
-stopped beating: judged by watching the claim (and the newest commit) not change for the holder's
-`timeout_s` on this process's own monotonic clock. Timestamps written by another host are never
-compared with ours, so no clock skew lets a live holder be taken over. (The claim itself, its
-generations, beat, watch and fence, is mingpt.claim's, which the prepared data's claim shares; this
-module decides whom the run may be taken from, and what a commit says of its writer.)
+Another job may take the run over when the holder released it, ran on this machine and is gone, or stopped beating:
+judged by watching the claim (and the newest commit) not change for the holder's `timeout_s` on this process's own
+monotonic clock. Timestamps written by another host are never compared with ours, so no clock skew lets a live holder be
+taken over.
 
-Every generation of workers of one torchrun job (restarts, nodes leaving or joining) carries the
-same job identity, so it takes the run over at once. A claim also names the job's mode, the restart mode or the
-live one (`mingpt-torchrun --live`): nodes of one job id in the two modes never meet, so each is to the other
-another job, refused while the holder lives. A worker left over from an older generation
-(its agent killed, its peers gone) finds a newer generation file before it commits or deletes
-anything, and stops instead: that is the fence `check()` gives the snapshot store. So does a commit
-at a step this job saves that another job wrote: the store asks `check(found)`, and keeps none of
-the ownership decisions itself.
-"""
+Every generation of workers of one torchrun job (restarts, nodes leaving or joining) carries the same job identity, so
+it takes the run over at once. A claim also names the job's mode, restart or live (`mingpt-torchrun --live`): nodes of
+one job id in the two modes never meet, so each is to the other another job, refused while the holder lives. A worker
+left over from an older generation (its agent killed, its peers gone) finds a newer generation file before it commits or
+deletes anything, and stops instead: that is the fence `check()` gives the snapshot store, which also asks it about a
+commit another job wrote at a step this job saves."""
 
 from __future__ import annotations
 
@@ -76,11 +70,9 @@ class Commit:
 
 
 def job_identity() -> str:
-    """What stays the same across every generation of workers of this job, and differs between jobs.
-
-    Under torchrun it is the rendezvous id (`--rdzv-id`; a fresh uuid with `--standalone`). Without
-    `--rdzv-id` torchrun says "none": then the agent process stands for the job, which is right for
-    a one-node launch. A plain process is a job of its own."""
+    """What stays the same across every generation of workers of this job, and differs between jobs: under torchrun the
+    rendezvous id (`--rdzv-id`; a fresh uuid with `--standalone`); where torchrun says "none" (no `--rdzv-id`), the
+    agent process, which is right for a one-node launch; else this process."""
     run_id = JobEnv.from_environ().run_id
     if run_id and run_id != "none":
         return f"torchrun:{run_id}"
@@ -132,10 +124,9 @@ class RunLease:
     # -- claiming ------------------------------------------------------------------------------
 
     def acquire(self, last_commit: LastCommit = lambda: None) -> Claim:
-        """Claim the run, or raise RunOwnedError naming the job that holds it and what to do.
-
-        `last_commit` tells the newest commit: where the claim files are gone, its writer stands for the
-        holder, and a holder that still commits is alive."""
+        """Claim the run, or raise RunOwnedError naming the job that holds it and what to do. `last_commit` tells the
+        newest commit: where the claim files are gone, its writer stands for the holder, and a holder that still commits
+        is alive."""
         job = JobEnv.from_environ()
         if job.run_id == "none" and job.nodes > 1:
             log.warning("torchrun was started without --rdzv-id: each node's agent then counts as a job of its "
@@ -243,9 +234,9 @@ class RunLease:
     # -- holding -------------------------------------------------------------------------------
 
     def check(self, found: Commit | None = None) -> None:
-        """The fence, before this process writes or deletes anything in the run: LeaseLostError when a newer
-        generation (of this or another job) claimed the run, or when `found`, a commit at a step this job is
-        saving, is another job's. One there before this job claimed the run is the one it resumed from."""
+        """The fence, before this process writes or deletes anything in the run: LeaseLostError when a newer generation
+        (of this or another job) claimed the run, or when `found`, a commit at a step this job is saving, is another
+        job's. One there before this job claimed the run is the one it resumed from."""
         if self.claim is None:
             return
         newer = self.claims.overtaken()
@@ -297,8 +288,8 @@ class RunLease:
     # -- reading -------------------------------------------------------------------------------
 
     def current(self) -> Claim | None:
-        """The newest valid claim on the run (held, expired or released), or None when there is none.
-        Entries of owner/ that are not claims (damaged, foreign, not files) are skipped."""
+        """The newest valid claim on the run (held, expired or released), or None when there is none. Entries of owner/
+        that are not claims (damaged, foreign, not files) are skipped."""
         return self.claims.newest()
 
     def _has_metrics(self) -> bool:
@@ -326,8 +317,8 @@ def _when(epoch) -> str:
 
 
 def _timeout_of(record: dict, default: float) -> float:
-    """The holder's lease timeout, as its claim says; `default` where it says none or nonsense; at most
-    an hour, or `default` where that is longer (a claim file may be hand-edited)."""
+    """The holder's lease timeout, as its claim says; `default` where it says none or nonsense; at most an hour, or
+    `default` where that is longer (a claim file may be hand-edited)."""
     try:
         timeout = float(record.get("timeout_s"))
     except (TypeError, ValueError):

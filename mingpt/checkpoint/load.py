@@ -1,9 +1,7 @@
 """Reading a trained model back: what `mingpt-sample`, `mingpt-export`, `model.init_from` and a resume share.
 
-A URL names one snapshot (a folder holding a manifest) or a run folder (its newest snapshot that
-verifies). Only the files a model needs are read: the optimizer state never is. What a model's
-snapshot must hold (`snapshot_problem`) is said here; the store knows files only.
-"""
+Only the files a model needs are read: the optimizer state never is. What a model's snapshot must hold
+(`snapshot_problem`) is said here; the store knows files only."""
 
 from __future__ import annotations
 
@@ -97,8 +95,7 @@ def read_weights(snapshot: Snapshot, device: torch.device | str = "cpu", model: 
     process of a sharded job wrote, read by this process alone (into `model`'s tensors where given)."""
     if not snapshot.sharded:
         return snapshot.load_tensors("model.pt", device)
-    # Imported here, not above: DCP and the DTensor machinery under it cost each command about 0.7 s of
-    # CPU to import, and only a sharded snapshot needs them.
+    # Imported here: DCP and the DTensor machinery under it are slow to import, and only a sharded snapshot needs them.
     from mingpt.checkpoint.sharded import read_model
 
     weights = read_model(snapshot, model or GPT(GPTConfig(**snapshot.manifest["model_config"])))

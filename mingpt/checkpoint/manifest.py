@@ -1,8 +1,7 @@
-"""A snapshot's manifest, its commit record: the snapshot's name (its step), and for each file its size and
-sha256 (an entry, made by `HashingWriter` as the file is written); `manifest_problem` says why a manifest read
-back cannot be trusted. `read_manifest` and `read_recorded` read a manifest and the files it records, for
-snapshots and for the compile caches alike: only regular files of the size expected are opened at all (a FIFO
-or a device planted under the name would block or never end), and no more than that size is read."""
+"""A snapshot's manifest, its commit record: the snapshot's name (its step), and for each file its size and sha256 (an
+entry, made by `HashingWriter` as the file is written). Reading a manifest and the files it records, for snapshots and
+the compile caches alike, opens only regular files of the size expected (a FIFO or a device planted under the name would
+block or never end), and reads no more than that size."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from mingpt.storage import parse_json
 FORMAT = "mingpt-snapshot"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-# What a file in a snapshot may be called: a name, or a name in one folder; never `..`, never absolute.
-# A manifest naming anything else (`../../etc/passwd`) is damaged.
+# A file in a snapshot: a name, or a name in one folder; a manifest naming anything else (`../..`, `/etc`) is damaged.
 _FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_.][A-Za-z0-9_.-]*)?$")
 _NAME = re.compile(r"^step-(\d{9})$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

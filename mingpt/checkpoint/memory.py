@@ -10,24 +10,20 @@ failure costs at most the step in flight.
         peer-0.*, peer-1.*        the piece of a process on another node, sent here (mingpt.training.recovery)
         reached                   the last step its writer finished, for steps_lost
 
-A piece is what one process holds of the state: all of it (ddp: piece 0 of 1), or its shard (fsdp,
-hsdp: where a tensor's shard lies in the whole is recorded with it, so that pieces written at one
-world size reassemble at any other). One process per launcher (torchrun's agent, one per node, which
-outlives its workers) and piece writes a folder, the first to lock it. Writing a slot removes its
-description first and writes it again only once the copy is complete, so a copy cut short (the
-process killed in the middle) is never read: the other slot still holds the step before. A tier
-belongs to one job (mingpt.checkpoint.lease.job_identity) and one snapshot.dir; one of another job,
-or whose launcher has ended, is removed when a job starts.
+A piece is what one process holds of the state: all of it (ddp: piece 0 of 1), or its shard (fsdp, hsdp: where a
+tensor's shard lies in the whole is recorded with it, so that pieces written at one world size reassemble at any other).
+One process per launcher and piece writes a folder, the first to lock it. Writing a slot removes its description first
+and writes it again only once the copy is complete, so a copy cut short (the process killed in the middle) is never
+read: the other slot still holds the step before. A tier belongs to one job (mingpt.checkpoint.lease.job_identity) and
+one snapshot.dir; one of another job, or whose launcher has ended, is removed when a job starts.
 
-/dev/shm is writable by every user of the machine, and these names can be worked out. So a folder is
-used only if it is a folder (not a link) of this user's alone (mode 0700); every file in it is checked
-to be a regular file of this user's before it is read or written, and opened without following links;
-a description is checked for its types and bounds, and a buffer against the sha256 (of it and of its
-description) recorded when it was written, which also covers a piece sent from another node. Anything
-else is skipped with a warning, never loaded. A tier that cannot be written (no room, a folder another
-user made, the folder deleted under the job) turns itself off with one warning: the job goes on from
-its snapshots.
-"""
+/dev/shm is writable by every user of the machine, and these names can be worked out. So a folder is used only if it is
+a folder (not a link) of this user's alone (mode 0700); every file in it is checked to be a regular file of this user's
+before it is read or written, and opened without following links; a description is checked for its types and bounds, and
+a buffer against the sha256 (of it and of its description) recorded when it was written, which also covers a piece sent
+from another node. Anything else is skipped with a warning, never loaded. A tier that cannot be written (no room, a
+folder another user made, the folder deleted under the job) turns itself off with one warning: the job goes on from its
+snapshots."""
 
 from __future__ import annotations
 
@@ -66,7 +62,7 @@ log = logging.getLogger(__name__)
 _LOCAL = LocalFileSystem()
 
 FORMAT = "mingpt-memory"
-VERSION = 3  # 2: a sha256 of each slot; 3: pieces, and copies sent from another node
+VERSION = 3
 ALIGN = 64  # bytes: every tensor starts at a multiple, so any dtype can be viewed in place
 MAX_HEADER = 64 * 2**20  # bytes: a larger description is not ours
 DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
@@ -199,11 +195,9 @@ class MemoryTier:
     # -- writing ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Make this process's folder, once every process has read what it needed, and write it if no other
-        process of its launcher does. A folder of this run that holds another job's state is removed: this
-        job holds the run (mingpt.checkpoint.lease), so that job ended or died. So is any tier whose
-        launcher on this machine has ended (torchrun's agent outlives its workers: while it runs, its tier
-        may be needed)."""
+        """Make this process's folder, once every process has read what it needed, and write it if no other process of
+        its launcher does. A folder of this run that holds another job's state is removed: this job holds the run
+        (mingpt.checkpoint.lease), so that job ended or died. So is any tier whose launcher has ended."""
         if self.off:
             return
         remove_ended_tiers(self.root)
@@ -378,7 +372,6 @@ def _map(held: Held) -> torch.Tensor:
 
 
 def _jobs(folder: Path) -> set:
-    """The jobs that the described slots in `folder` belong to."""
     jobs = set()
     for header in folder.glob("*-?.json"):
         try:
@@ -437,7 +430,6 @@ def remove_ended_tiers(root: str | Path) -> None:
 
 
 def _launcher_gone(folder: Path) -> bool:
-    """Whether the launcher that the folder is named after (a process of this machine) has ended."""
     parts = folder.name.split("-")  # mingpt, hash, pid, piece (none in a folder of an earlier version)
     return len(parts) in (3, 4) and parts[2].isdigit() and not process_alive(int(parts[2]))
 

@@ -1,8 +1,7 @@
-"""A state (nested dicts, lists and tuples of tensors and plain values) as a JSON tree and a list of
-tensors, and back: how the memory tier (mingpt.checkpoint.memory) and the live mode's healing
-(mingpt.training.healing) lay out a state, where a pickle would run whatever its bytes say. Dict keys
-keep their type (an optimizer's are ints), and a sharded tensor is its shard with where it lies in the
-whole, so that the pieces of every shard reassemble (`assemble`)."""
+"""A state (nested dicts, lists and tuples of tensors and plain values) as a JSON tree and a list of tensors, and back:
+how the memory tier (mingpt.checkpoint.memory) and the live mode's healing (mingpt.training.healing) lay out a state,
+where a pickle would run whatever its bytes say. Dict keys keep their type (an optimizer's are ints), and a sharded
+tensor is its shard with where it lies in the whole, so that the pieces of every shard reassemble (`assemble`)."""
 
 from __future__ import annotations
 

@@ -7,13 +7,11 @@ reads it back, through torch.distributed.checkpoint (DCP), which plans who reads
                         tokenizer.json
                         manifest.json        written last, by the leader: the size and sha256 of every file
 
-The commit protocol is the store's: a snapshot counts only once its manifest exists. Each shard file
-is created exclusively, after its writer checked the run's lease, and hashed as it is written; the
-leader gathers the hashes and writes the manifest. Reading goes through the manifest too: every file,
-`.metadata` included, is checked against its sha256 before DCP sees a byte of it. And since DCP
-unpickles `.metadata` and the small values in shards, neither is ever unpickled with more than DCP's
-own classes or plain data: a planted file, even with a manifest to match, cannot run code.
-"""
+The commit protocol is the store's: a snapshot counts only once its manifest exists. Each shard file is created
+exclusively, after its writer checked the run's lease, and hashed as it is written; the leader writes the manifest of
+all the hashes. Reading goes through the manifest too: every file, `.metadata` included, is checked against its sha256
+before DCP sees a byte of it. Since DCP unpickles `.metadata` and the small values in shards, neither is ever unpickled
+with more than DCP's own classes or plain data: a planted file, even with a manifest to match, cannot run code."""
 
 from __future__ import annotations
 
@@ -95,8 +93,7 @@ class _VerifiedFiles(FileSystem):
 
 
 class ShardReader(FsspecReader):
-    """DCP's reader of a sharded snapshot, which reads only files whose checksum matches the manifest, and
-    hands DCP the index that `read_index` read (unpickled with nothing but DCP's own classes)."""
+    """DCP's reader of a sharded snapshot: files checked against the manifest, and the index `read_index` read."""
 
     def __init__(self, snapshot: Snapshot, index: Metadata):
         super().__init__(STATE_DIR)
@@ -139,8 +136,7 @@ def read_index(snapshot: Snapshot) -> Metadata:
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    """DCP writes its index with pickle. This unpickler builds DCP's metadata classes, torch.Size, dtypes
-    and layouts, and refuses anything else: a planted index cannot call a function."""
+    """DCP's index, a pickle, unpickled with _INDEX_CLASSES alone: a planted index cannot call a function."""
 
     def find_class(self, module: str, name: str):
         if (module, name) not in _INDEX_CLASSES:

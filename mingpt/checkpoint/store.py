@@ -1,20 +1,17 @@
-"""Snapshots of a run, in a local folder or any fsspec URL, one folder per snapshot: files, their hashes,
-and an opaque info dict that the store's user fills and checks. The trainer's hold:
+"""Snapshots of a run, in a local folder or any fsspec URL, one folder per snapshot: files, their hashes, and an opaque
+info dict that the store's user fills and checks. The trainer's hold:
 
     <dir>/step-000001200/model.pt        model weights (state dict; all a sampler needs)
                         optimizer.pt    AdamW state
                         tokenizer.json  the vocabulary
                         manifest.json   written last: step, info (configs, ...), size and sha256 of each file
 
-or, written by every process of a sharded job, `state/` (one shard file per writing process and DCP's
-index, see mingpt.checkpoint.sharded) in place of model.pt and optimizer.pt. What a trained model's
-snapshot must hold is mingpt.checkpoint.load's to say (`expects`).
+or, written by every process of a sharded job, `state/` (shards and DCP's index, see mingpt.checkpoint.sharded) in place
+of model.pt and optimizer.pt. What a trained model's snapshot must hold is mingpt.checkpoint.load's to say (`expects`).
 
-The manifest (its format: mingpt.checkpoint.manifest) is the commit marker: a folder without one is
-debris from an interrupted save and is never loaded. A committed snapshot is never overwritten. Files
-are loaded only after their checksum matches, with `torch.load(weights_only=True)`: nothing from storage
-is unpickled.
-"""
+The manifest (its format: mingpt.checkpoint.manifest) is the commit marker: a folder without one is debris from an
+interrupted save and is never loaded. A committed snapshot is never overwritten. Files are loaded only after their
+checksum matches, with `torch.load(weights_only=True)`: nothing from storage is unpickled."""
 
 from __future__ import annotations
 
@@ -87,11 +84,10 @@ class Snapshot:
             ) from None
 
     def verify(self, files: Sequence[str] | None = None, keep: bool = True) -> None:
-        """Check the payload files (default: all) against the manifest; SnapshotError when one does not match.
-
-        With `keep`, the checked bytes are kept for the next `read` of each file, so verifying and
-        then loading reads the storage once; `forget` drops what will not be read. Shards are never
-        kept: the process that verifies them all reads only its own share (but all of DCP's index)."""
+        """Check the payload files (default: all) against the manifest; SnapshotError when one does not match. With
+        `keep`, the checked bytes are kept for the next `read` of each file, so verifying and then loading reads the
+        storage once; `forget` drops what will not be read. Shards are never kept: the process that verifies them all
+        reads only its own share (but all of DCP's index)."""
         for filename in files or self.manifest["files"]:
             shard = filename.startswith(f"{STATE_DIR}/") and filename != INDEX
             try:
@@ -117,8 +113,7 @@ class Snapshot:
         return self.name, json.dumps(self.manifest["files"], sort_keys=True)
 
     def _check(self, filename: str, keep: bool) -> bytes:
-        """Check one file's size and sha256 against the manifest (manifest.read_recorded): its bytes where
-        `keep`, else b""."""
+        """Check one file's size and sha256 against the manifest: its bytes where `keep`, else b""."""
         if filename not in self.manifest["files"]:
             raise SnapshotError(f"snapshot {self.url} has no file {filename}")
         entry = self.manifest["files"][filename]
@@ -297,10 +292,8 @@ class SnapshotStore:
 
     def save(self, step: int, tensors: dict[str, Any], files: dict[str, bytes], info: dict) -> Snapshot:
         """Commit a snapshot of `step`: each of `tensors` as NAME.pt, each of `files` as is, then the manifest.
-
-        `tensors` must already be on the CPU. A committed snapshot of the same step that verifies is
-        kept as it is; a damaged one is replaced. With a lease, nothing is written once it is lost.
-        """
+        `tensors` must already be on the CPU. A committed snapshot of the same step that verifies is kept as it is; a
+        damaged one is replaced. With a lease, nothing is written once it is lost."""
         payload = {f"{key}.pt": value for key, value in tensors.items()} | files
         existing = self.begin(step)
         if existing is not None:
@@ -361,8 +354,7 @@ class SnapshotStore:
         return snapshot
 
     def _replace_damaged_or_keep(self, name: str) -> Snapshot | None:
-        """A good commit of this step, to keep; else clear the way (a damaged commit set aside, debris removed) and
-        return None."""
+        """A good commit of this step, to keep; else None, once a damaged commit is set aside and debris removed."""
         manifest, problem = self._read_manifest(name)
         if manifest is not None:
             snapshot = Snapshot(self, name, manifest)
@@ -413,11 +405,10 @@ class SnapshotStore:
             return False
 
     def _prune(self, just_committed: str) -> None:
-        """Keep the newest `keep` snapshots not known to be damaged, and whatever is newer (damaged ones
-        stay there, for inspection); remove the rest, and debris older than the newest commit. Damaged
-        commits never count toward `keep`, and the snapshot just committed is never removed, so a run
-        always ends with a verified snapshot. (Older snapshots are checked by the sizes of their files:
-        reading every byte of each at every save would cost more than the save.)"""
+        """Keep the newest `keep` snapshots not known to be damaged, and whatever is newer (damaged ones stay there, for
+        inspection); remove the rest, and debris older than the newest commit. The snapshot just committed is never
+        removed, so a run always ends with a verified snapshot. (Older snapshots are checked by the sizes of their
+        files: reading every byte of each at every save would cost more than the save.)"""
         listing = self.scan()
         if not listing.committed:
             return

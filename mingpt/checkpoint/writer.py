@@ -17,11 +17,9 @@ log = logging.getLogger(__name__)
 class SnapshotWriter:
     """Saves snapshots, in the background (`async_save`) or in the caller's thread.
 
-    At most one save is in flight: a new one first waits for the previous. A failed save is
-    logged and leaves no manifest, so it never looks committed; the next interval tries again.
-    After `max_failures` failures in a row, `failed_too_often` turns true and `check` raises
-    SnapshotError: the trainer then stops the job on every process together.
-    """
+    At most one save is in flight: a new one first waits for the previous. A failed save is logged and leaves no
+    manifest, so it never looks committed; the next interval tries again. After `max_failures` failures in a row,
+    `failed_too_often` is true and `check` raises SnapshotError: the trainer stops every process together."""
 
     def __init__(self, store: SnapshotStore, async_save: bool = True, max_failures: int = 3):
         self.store = store
@@ -45,7 +43,6 @@ class SnapshotWriter:
             self._save(step, save)
 
     def wait(self) -> None:
-        """Block until no save is in flight."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
