@@ -1,13 +1,9 @@
 """The contract between a node's agent (mingpt.launch) and its workers (mingpt.training), in one place.
 
-- The job's environment (`JobEnv`): what torchrun and mingpt-torchrun's agent hand each worker through
-  environment variables, read once per worker (`JobEnv.from_environ`) and carried on its World. A process
-  started by hand, without torchrun, is a job of one process with no agent.
-- The exit statuses by which a worker tells its agent that its generation ended because of another process.
-- The progress marks a worker writes and its agent's watchdog reads (`Mark`, `pack_mark`, `read_mark`).
-- The store key of the Lighthouse, and the Lighthouse's timeouts.
-
-It imports no torch: the agent and `mingpt-rendezvous` read it before anything heavy.
+The job's environment (`JobEnv`, read once per worker; a process started by hand is a job of one process with no
+agent), the exit statuses of a membership change, the progress marks the agent's watchdog reads, and the
+Lighthouse's store key and timeouts. It imports no torch: the agent and `mingpt-rendezvous` read it before anything
+heavy.
 """
 
 from __future__ import annotations
@@ -30,11 +26,10 @@ LIVE_LIGHTHOUSE = "MINGPT_LIVE_LIGHTHOUSE"  # --live: the Lighthouse's address (
 LIVE_RENDEZVOUS = "MINGPT_LIVE_RENDEZVOUS"  # --live: the store of mingpt-rendezvous (host:port)
 LIVE_HOST = "MINGPT_LIVE_HOST"  # --live: the address other nodes reach this one at
 LIVE_MIN_NODES = "MINGPT_LIVE_MIN_NODES"  # --live: the fewest groups that may commit a step (--nnodes's MIN)
-# The agent's own switch, which users set: 0 starts every worker as a new Python, as under plain torchrun.
-WARM_WORKERS = "MINGPT_WARM_WORKERS"
+WARM_WORKERS = "MINGPT_WARM_WORKERS"  # set by users: 0 starts every worker as a new Python, as under plain torchrun
 
-# Exit statuses by which a worker tells its agent that its generation ended because of another process, not of
-# its own failure: a membership change, which mingpt-torchrun's agent restarts without using up --max-restarts.
+# Exit statuses by which a worker says its generation ended because of another process: a membership change, which
+# the agent restarts without using up --max-restarts.
 PEER_STOPPED = 75  # another process was asked to stop (SIGTERM): its node leaves, or the job is being resized
 PEER_LOST = 76  # a collective failed: another process died, hung or was cut off
 MEMBERSHIP_EXITS = {PEER_STOPPED: "asked to stop (SIGTERM)", PEER_LOST: "lost (its processes died or were cut off)"}
@@ -58,8 +53,6 @@ class LiveEndpoints:
 
 @dataclass(frozen=True)
 class JobEnv:
-    """What the launcher says about this process and its job."""
-
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -82,8 +75,8 @@ class JobEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnv:
-        """The job `environ` (os.environ) describes; inconsistent values are a ConfigError, in one line each: a
-        wrong value would otherwise surface much later, as a hang or a misleading error."""
+        """Inconsistent values are a ConfigError: a wrong value would otherwise surface much later, as a hang or a
+        misleading error."""
         env = os.environ if environ is None else environ
         world_size, rank = _int(env, "WORLD_SIZE", 1, 1), _int(env, "RANK", 0, 0)
         if rank >= world_size:
@@ -103,7 +96,6 @@ class JobEnv:
                    live=_live(env))
 
     def to_environ(self) -> dict[str, str]:
-        """The variables that describe this job, as from_environ reads them."""
         env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_WORLD_SIZE": str(self.nodes),
                "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
@@ -120,8 +112,7 @@ class JobEnv:
 
 
 def leads_this_generation(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process will lead its generation (rank 0), known before it reads the rest of its job: a RANK
-    that from_environ refuses leads nothing (it fails first)."""
+    """Whether this process will lead its generation (rank 0), known before it reads the rest of its job."""
     try:
         return _int(os.environ if environ is None else environ, "RANK", 0, 0) == 0  # "00", " 0" and "" lead too
     except ConfigError:
@@ -129,8 +120,7 @@ def leads_this_generation(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def first_on_its_node(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is the first of its node (local rank 0): it reports the node's own work, such as
-    preparing its data, which the leader cannot see."""
+    """Whether this process is the first of its node: it reports the node's own work, which the leader cannot see."""
     try:
         return _int(os.environ if environ is None else environ, "LOCAL_RANK", 0, 0) == 0
     except ConfigError:
@@ -138,8 +128,8 @@ def first_on_its_node(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def worker_name(environ: Mapping[str, str] | None = None) -> str | None:
-    """A worker of torchrun's is named by its local rank, `mingpt-worker0` (as ps -e and top show it): one forked from
-    the agent's server has the agent's command line in /proc. None for a process torchrun did not start."""
+    """A worker's name for ps and top, `mingpt-worker0`: one forked from the agent's server has the agent's command
+    line in /proc. None for a process torchrun did not start."""
     env = os.environ if environ is None else environ
     local_rank = env.get("LOCAL_RANK", "")
     return f"mingpt-worker{local_rank}" if "TORCHELASTIC_RUN_ID" in env and local_rank.isdigit() else None
@@ -174,9 +164,8 @@ def _master(env: Mapping[str, str], world_size: int) -> tuple[str, int] | None:
 
 
 def _max_nodes(env: Mapping[str, str]) -> int:
-    """The most nodes this job may have, where the workers share their agent's store: plain torchrun's --nnodes
-    ("2" or "1:4"), which it gives its workers no variable for, read from the agent's command line or PET_NNODES
-    (torchrun reads options from PET_* variables too); else the nodes of this generation."""
+    """The most nodes this job may have, where the workers share their agent's store: plain torchrun's --nnodes, for
+    which it gives its workers no variable, read from the agent's command line or PET_NNODES; else this generation's."""
     nodes = _int(env, "GROUP_WORLD_SIZE", 1, 1)
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return nodes
@@ -217,19 +206,14 @@ def _live(env: Mapping[str, str]) -> LiveEndpoints | None:
                           "mingpt-torchrun --live") from None
 
 
-# A worker's progress mark: one pwrite of RECORD into its file in PROGRESS_DIR (mingpt.training.progress), read by
-# its agent's watchdog (mingpt.launch.watchdog). A phase the watchdog judges by the step time (computing,
-# evaluating), by the warm-up allowance (compiling) or leaves to other timeouts (starting: trainer.dist_timeout_s
-# and the rendezvous; saving: the store's own).
+# A worker's progress mark: one pwrite of RECORD, read by its agent's watchdog (mingpt.launch.watchdog), which
+# leaves the phases starting and saving to other timeouts.
 PHASES = ("starting", "computing", "evaluating", "saving", "compiling")
-# step, phase, when it was entered (time.monotonic), trainer.hang_timeout_s, the step this process started
-# computing at (-1 before), and the allowance of that first step and of a compile (trainer.dist_timeout_s)
+# step, phase, when entered (time.monotonic), hang timeout, the first step computed (-1 before), warm-up allowance
 RECORD = struct.Struct("<qqddqd")
 
 
 class Mark(NamedTuple):
-    """A process's last mark, as its agent reads it."""
-
     step: int
     phase: str
     when: float
@@ -239,7 +223,7 @@ class Mark(NamedTuple):
 
     @property
     def progressed(self) -> bool:
-        """Whether this process completed a step (its last mark is past the step it started at)."""
+        """Whether this process completed a step."""
         return 0 <= self.first < self.step
 
     @property

@@ -1,28 +1,24 @@
 """torch's elastic agent, kept going through churn: what `mingpt-torchrun` runs on every node.
 
-torchrun's LocalElasticAgent restarts its workers when they fail (using up --max-restarts) and when a
-node waits to join (free). This subclass of it, and a wrapper of its rendezvous handler, keep a job going
-while nodes die, leave and join:
+torchrun's LocalElasticAgent restarts its workers when they fail (using up --max-restarts) and when a node waits to
+join (free). This subclass of it, and a wrapper of its rendezvous handler, keep a job going while nodes die, leave
+and join:
 
-- Workers that ended because another process left or died (jobenv.PEER_STOPPED, PEER_LOST) restart
-  without using up --max-restarts, as for any membership change: where they made no step, that is so only
-  if the next round's nodes are not the same; otherwise the restart is used up after all, and with none
-  left the job ends with the workers' exit status (RestartsUsedUp).
-- Rank assignment, where a node may die after its round closed, waits at most RANKS_WAIT_S, and a round
-  that fails sends the agent into the next one.
+- Workers that ended because another process left or died (jobenv.PEER_STOPPED, PEER_LOST) restart without using
+  up --max-restarts; where they made no step, only if the next round's nodes differ, else the restart is used up
+  (with none left: RestartsUsedUp).
+- Rank assignment, where a node may die after its round closed, waits at most RANKS_WAIT_S, and a round that fails
+  sends the agent into the next one.
 - Only a finished job closes the rendezvous; a node that arrives after that exits 0 (JobFinished).
-- A peer node gone from the round restarts this node's workers at once, even when they are in no
-  collective with it (starting, meeting their peers).
+- A peer node gone from the round restarts this node's workers at once, even when they are in no collective with it.
 - A rendezvous store that answers late, while the workers train, is waited for.
-- A hung worker is found from its progress marks (mingpt.launch.watchdog), named with its stack and
-  ended; the restart that follows is free, up to FREE_HANG_RESTARTS.
+- A hung worker is found from its progress marks (mingpt.launch.watchdog), named with its stack and ended; the
+  restart that follows is free, up to FREE_HANG_RESTARTS.
 - A waiting agent polls the round every POLL_S, so that the agents of a change find each other sooner.
-- A node waiting to join restarts a generation only once its workers took a step, or after ADMIT_AFTER_S:
-  nodes arriving one after another no longer restart starting workers again and again (each start costs
-  the imports and the process group), while no step is taken.
+- A node waiting to join restarts a generation only once its workers took a step, or after ADMIT_AFTER_S, so that
+  nodes arriving one after another do not keep restarting workers that never take a step.
 
 Each agent also tells its new workers what changed (jobenv.MEMBERSHIP); the new leader logs it.
-torch's private names are all in mingpt.torch_internals, checked before the agent starts.
 """
 
 from __future__ import annotations
@@ -80,9 +76,8 @@ class RestartsUsedUp(Exception):
 
 
 def install() -> None:
-    """Make torchrun's launcher (torch.distributed.run) start this module's `Agent` instead of torch's own,
-    and its rendezvous poll every POLL_S, once torch is found to have what they rely on (not the sharded runs'
-    names: importing DCP would cost every agent most of a second of CPU, for its workers to check)."""
+    """Make torchrun's launcher start this module's `Agent` and its rendezvous poll every POLL_S, once torch is found
+    to have what they rely on (not the sharded runs' names: importing DCP is costly, and the workers check them)."""
     torch_internals.check(sharded=False)
     torch_internals.launch_with_agent(Agent)
     torch_internals.poll_rendezvous_every(POLL_S)
@@ -105,17 +100,16 @@ class Rendezvous:
         return getattr(self.handler, name)
 
     def shutdown(self) -> bool:
-        """torch's launcher calls this when its agent ends other than by a signal; it closes the rendezvous
-        for every node. A node that failed for good leaves it instead, and the others go on."""
+        """torch's launcher calls this when its agent ends other than by a signal, closing the rendezvous for every
+        node. A node that failed for good leaves it instead, and the others go on."""
         if self.finished:
             return self.handler.shutdown()
         self.leave()
         return False
 
     def num_nodes_waiting(self) -> int:
-        """torch's agent asks this of its healthy workers' round every monitor interval; a store that does
-        not answer in time ended the agent. The workers train on meanwhile (they need the store again at the
-        next restart or change of membership): said once, and asked again every STORE_RETRY_S meanwhile."""
+        """torch's agent asks this every monitor interval, and a store that does not answer would end it. The workers
+        need the store only at the next restart, so they train on (said once, asked again every STORE_RETRY_S)."""
         now = time.monotonic()
         if self.silent_since is not None and now - self.asked < STORE_RETRY_S:
             return 0
@@ -134,8 +128,7 @@ class Rendezvous:
         return waiting if waiting and self.may_admit() else 0
 
     def members(self) -> set[str] | None:
-        """The nodes of the current round ("host_pid_n"), as the store has them (without nodes whose
-        heartbeats stopped); None where the store does not answer."""
+        """The nodes of the current round ("host_pid_n") still beating; None where the store does not answer."""
         try:
             return torch_internals.round_members(self.handler)
         except (RendezvousError, DistError) as e:  # no opinion
@@ -237,10 +230,9 @@ class Agent(ElasticAgent):
                  worker_group.group_world_size)
 
     def assign_ranks(self, store, group_rank: int, group_world_size: int, spec: WorkerSpec):
-        # The first agent of the round waits for every agent's description, the others for the ranks it
-        # writes. One of them dying made the others wait the store's whole timeout, then exit, which ended
-        # the job. Wait in short slices instead, while every node of the round is alive, and at most
-        # RANKS_WAIT_S; then the error sends this agent into the next round (`rendezvous`).
+        # The first agent of the round waits for every agent's description, the others for its ranks: one dying
+        # would make the others wait the store's whole timeout, then exit. Wait in short slices while every node is
+        # alive, at most RANKS_WAIT_S; then the error sends this agent into the next round.
         previous, deadline = store.timeout, time.monotonic() + RANKS_WAIT_S
         store.set_timeout(timedelta(seconds=RANKS_SLICE_S))
         try:
@@ -268,9 +260,8 @@ class Agent(ElasticAgent):
         return False
 
     def _charge_an_unproven_restart(self, before: set[str]) -> None:
-        """The workers ended as for a membership change, after no step; this round has the same nodes as theirs:
-        nothing changed, so that restart uses up one of --max-restarts (a script that exits 75 at once would
-        otherwise restart for ever). With none left, the job ends with the workers' status."""
+        """Workers that ended as for a membership change, after no step, into a round of the same nodes use up one of
+        --max-restarts (a script that exits 75 at once would otherwise restart for ever)."""
         status, self._unproven = self._unproven, None
         if status is None or self._members != before:
             return
@@ -287,7 +278,6 @@ class Agent(ElasticAgent):
             self._cause, self._noticed = cause, time.time()
 
     def _tell_workers(self, before: set[str]) -> None:
-        """What changed since the last round, for the new workers (their leader logs it)."""
         now = self._members
         change = {"left": _hosts(before - now), "joined": _hosts(now - before) if before else [],
                   "members": _hosts(now), "cause": self._cause, "noticed": self._noticed or time.time()}
@@ -296,8 +286,7 @@ class Agent(ElasticAgent):
 
 
 def _failure(failure) -> str:
-    """A worker's end in words: host, pid, signal or exit status, and the first line of its error file where
-    it wrote one."""
+    """A worker's end in words: host, pid, signal or exit status, and its error file's first line."""
     how = f"exit {failure.exitcode}"
     if failure.exitcode < 0:
         try:

@@ -32,9 +32,7 @@ CHECK = "check with `nc -zv {host} {port}` from this node (docs/launching.md: Mu
 
 
 def check_launch(args: argparse.Namespace, options: list[str], live_mode: bool = False) -> None:
-    """Refuse in one line what torchrun refuses with a traceback (node and worker counts), or only after a
-    minute and two tracebacks (a rendezvous endpoint it cannot resolve or reach). `options`: the arguments given
-    before the training script (torchrun's own)."""
+    """`options`: the arguments given before the training script (torchrun's own)."""
     check_temporary_folder()  # where the agent keeps its logs and its watchdog's marks
     check_nnodes(args.nnodes)
     if not (args.no_python or args.module or Path(args.training_script).is_file()):
@@ -51,10 +49,8 @@ def check_launch(args: argparse.Namespace, options: list[str], live_mode: bool =
 
 
 def use_c10d(args: argparse.Namespace, options: list[str]) -> None:
-    """The agent keeps a job going on torch's c10d rendezvous, which needs no other service. Where the user named no
-    backend (torchrun's default, static, is a fixed set of nodes that never changes): c10d, at --rdzv-endpoint; else
-    on one node, on a free port of this machine (as --standalone), or at --master-addr:--master-port, where static
-    would have met."""
+    """Where the user named no backend (torchrun's default, static, is a fixed set of nodes): c10d, which needs no
+    other service, at --rdzv-endpoint, else as --standalone on one node, or where static would have met."""
     if any(arg.split("=")[0] in ("--rdzv-backend", "--rdzv_backend") for arg in options) or \
             "PET_RDZV_BACKEND" in os.environ:
         return  # check_rendezvous refuses any other than c10d
@@ -69,8 +65,8 @@ def use_c10d(args: argparse.Namespace, options: list[str]) -> None:
 BACKENDS = ("c10d",)  # the rendezvous backends the agent runs on (torch's others: static, etcd, etcd-v2)
 
 
-# The --rdzv-conf keys that are numbers of seconds or attempts, and the least of each (a heartbeat every 0 s
-# is a busy loop; 0 attempts declares every node dead).
+# The --rdzv-conf keys that are numbers, and the least of each (a heartbeat every 0 s is a busy loop; 0 attempts
+# declares every node dead).
 NUMERIC_CONF = {"join_timeout": 1, "last_call_timeout": 0, "close_timeout": 1, "keep_alive_interval": 1,
                 "keep_alive_max_attempt": 1, "read_timeout": 1, "timeout": 1}
 
@@ -113,11 +109,9 @@ def check_nproc_per_node(value: str) -> None:
 
 
 def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
-    """The c10d store at `endpoint` resolves, and unless this node hosts it, accepts a connection.
-
-    A node may start before the store's host: it is given as long as torch's own store client waits
-    (the rendezvous `read_timeout`, 60 s unless --rdzv-conf sets it), so this check never gives up
-    sooner than torchrun would, and ends what would fail anyway in one line instead of two tracebacks."""
+    """The c10d store at `endpoint` resolves, and unless this node hosts it, accepts a connection. A node may start
+    before the store's host: it is given as long as torch's own store client waits (`read_timeout`), so this check
+    never gives up sooner than torchrun would."""
     try:
         host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_PORT)
         conf = torch_internals.parse_rendezvous_config(rdzv_conf)
@@ -156,9 +150,9 @@ STORE_ANSWER_S = 6.0  # how long a rendezvous store may take to answer its first
 
 
 def check_port_to_host(host: str, port: int, endpoint: str, told: bool) -> None:
-    """This node is to host the store at `port`. Where the port is taken, torch's agent, told to host (is_host=true),
-    fails with a traceback; deciding for itself, it joins whatever listens there as a store's client, which waits
-    for good on another kind of server. A store already there (another agent of this machine hosts it) is joined."""
+    """Where the port is taken, torch's agent told to host fails with a traceback; deciding for itself, it joins
+    whatever listens there as a store's client, which waits for good on another kind of server. A store already
+    there (another agent of this machine hosts it) is joined."""
     if port == 0 or _port_is_free(port):
         return
     if not told:
@@ -209,10 +203,9 @@ def _greeting(peer: socket.socket) -> bytes:
 
 
 def check_store_answers(host: str, port: int, endpoint: str) -> None:
-    """A port that accepts connections is not yet a rendezvous store: torch's store client, connecting to
-    another kind of server (an HTTP port, say), waits for good, whatever its timeout. So its first question
-    is asked in a thread, and given STORE_ANSWER_S; standard error is closed meanwhile, as the client logs each
-    failed try with a C++ stack trace (70-190 lines before the one that says what is wrong)."""
+    """torch's store client, connecting to another kind of server (an HTTP port, say), waits for good, whatever its
+    timeout: so its first question is asked in a thread, given STORE_ANSWER_S. Standard error is closed meanwhile:
+    the client logs each failed try with a long C++ stack trace."""
     outcome: list[BaseException | None] = []
 
     def ask() -> None:

@@ -1,32 +1,30 @@
 """Warm workers: mingpt-torchrun's agent starts each worker by forking it from a server that has imported torch and
 the trainer, instead of starting a Python that imports them again.
 
-A worker's imports are seconds of CPU (torch, its compiler's modules, the trainer's), more than the first steps of
-a small job. Every worker of every generation paid them: at every restart, on the CPUs the other nodes train on,
-and while a node that joins keeps the others waiting. The server, one per agent, pays them once, and only in part:
-it is a copy of the agent, which has imported torch already.
+A worker's imports (torch, its compiler's modules, the trainer's) cost more than the first steps of a small job, at
+every restart, on the CPUs the other nodes train on, and while a node that joins keeps the others waiting. The
+server, one per agent, pays them once, and only in part: it is a copy of the agent, which has imported torch already.
 
 How the server comes to be and a worker starts:
-1. `mingpt-torchrun` forks the server first thing (`Server.fork`), before it reads its arguments and before it
-   starts any thread: a copy of the agent as it started, joined to it by a socket pair made before the fork, which
-   no other process can reach. The copy drops the descriptors it inherited and waits until the job goes ahead;
-2. the agent tells it the script and the environment the workers will share (`Server.serve`), and the server
-   imports what a worker imports under that environment while the agent meets the others, then says whether it
-   can serve, and what its imports set in the environment;
+1. `mingpt-torchrun` forks the server first thing (`Server.fork`), before it reads its arguments or starts any
+   thread, joined to it by a socket pair no other process can reach. The copy drops the descriptors it inherited
+   and waits until the job goes ahead;
+2. the agent tells it the script and the workers' environment (`Server.serve`); the server imports what a worker
+   imports while the agent meets the others, then says whether it can serve, and what its imports set in the
+   environment;
 3. for each worker (`Server.start`, where torch's launcher would start a Python), the agent sends the command's
-   arguments, its environment and folder, and its standard streams (their file descriptors);
+   arguments, its environment and folder, and its standard streams' file descriptors;
 4. the server forks a child, which forks the worker and exits. The orphaned worker is adopted by the agent, its
-   subreaper for that moment: the worker is the agent's child, as a started one would be (the agent waits for it,
-   signals it and its session, and reads its exit status; when the agent dies, the worker is told);
-5. the worker starts a session of its own, takes the streams, the environment and the folder, draws new random
-   seeds, and runs the script as `python -u SCRIPT ARGS...` would, in the modules the server imported
-   (`be_the_server`).
+   subreaper for that moment, so it is the agent's child as a started one would be (waited for, signalled, told
+   when the agent dies);
+5. the worker starts a session of its own, takes the streams, environment and folder, draws new random seeds, and
+   runs the script as `python -u SCRIPT ARGS...` would (`be_the_server`).
 
-A worker is forked only where it would be the worker a new Python would be. Else it starts as torch starts it:
-the server was not forked (MINGPT_WARM_WORKERS=0, or threads ran already); it has ended, or does not answer
-within SERVER_WAIT_S; its imports initialized CUDA (which a fork cannot carry) or started a thread (whose locks a
-fork would copy held); the agent's environment changed since the server imported under it; the command is not
-`python -u SCRIPT`. What cannot be made the same is listed in docs/launching.md (Warm workers).
+A worker is forked only where it would be the worker a new Python would be. Else it starts as torch starts it: the
+server was not forked (MINGPT_WARM_WORKERS=0, or threads ran already); it has ended, or does not answer within
+SERVER_WAIT_S; its imports initialized CUDA or started a thread; the agent's environment changed since the server
+imported under it; the command is not `python -u SCRIPT`. What cannot be made the same is listed in
+docs/launching.md (Warm workers).
 """
 
 from __future__ import annotations
@@ -65,9 +63,8 @@ SERVER_WAIT_S = 60.0  # how long the agent waits for the server to fork a worker
 WARM_MODULES = ("torch", "torch._dynamo", "hydra", "mingpt.training.app", "mingpt.training.trainer")
 ADOPT_WAIT_S = 5.0  # how long a forked worker waits to be adopted by the agent (its forking child to exit)
 MESSAGE_LIMIT = 1 << 24  # bytes of a request (a worker's arguments and environment)
-# What the launcher gives each worker on top of the agent's environment: torchrun's ranks and TORCHELASTIC_*
-# settings, mingpt's MINGPT_* (the agent's membership, its watchdog's folder). Code reads them as it runs, not as
-# it imports (the worker applies OMP_NUM_THREADS itself), so a forked worker may differ from its server in these alone.
+# What the launcher gives each worker on top of the agent's environment. Code reads them as it runs, not as it imports
+# (the worker applies OMP_NUM_THREADS itself), so a forked worker may differ from its server in these alone.
 PER_WORKER = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
                         "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS"})
@@ -75,7 +72,6 @@ PER_WORKER_PREFIXES = ("TORCHELASTIC_", "MINGPT_")
 
 
 def per_worker(name: str) -> bool:
-    """Whether the environment variable `name` is one the launcher gives each worker (PER_WORKER)."""
     return name in PER_WORKER or name.startswith(PER_WORKER_PREFIXES)
 
 
@@ -83,9 +79,7 @@ def per_worker(name: str) -> bool:
 
 
 class Server:
-    """The server an agent starts its workers from; `start` forks one, or says None (start it as torch would).
-    `channel`: this process's end of the socket pair the server holds the other end of; `may_differ`: the
-    environment variables in which a worker may differ from the server, as no import reads them."""
+    """The server an agent forks its workers from; `may_differ`: the variables no import reads."""
 
     def __init__(self, pid: int, channel: socket.socket, environment: dict[str, str] | None = None,
                  may_differ: Callable[[str], bool] = per_worker):
@@ -98,10 +92,10 @@ class Server:
 
     @classmethod
     def fork(cls) -> Server | None:
-        """A copy of this process that waits for `serve`; None under MINGPT_WARM_WORKERS=0, and where threads run
-        (a fork holds only this one: a lock another held would stay locked in the copy). The copy never returns:
-        it ends when it is stopped, when this process ends, or, in a worker it forked, as the worker's script does
-        (its SystemExit or exception leaves through the caller's frames, so nothing there may catch it)."""
+        """A copy of this process that waits for `serve`; None under MINGPT_WARM_WORKERS=0, and where threads run (a
+        lock another held would stay locked in the copy). The copy never returns: it ends when stopped, when this
+        process ends, or, in a worker it forked, as the worker's script does (its SystemExit or exception leaves
+        through the caller's frames, so nothing there may catch it)."""
         if os.environ.get(WARM_WORKERS) == "0" or threading.active_count() > 1 or not hasattr(os, "fork"):
             return None
         agent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -116,8 +110,7 @@ class Server:
         return cls(pid, agent_end)
 
     def serve(self, script: str) -> None:
-        """Have the server import what a worker of `script` imports, under this process's environment as it is
-        now: the workers', but for what torchrun gives each (PER_WORKER)."""
+        """Have the server import what a worker of `script` imports, under this process's environment as it is now."""
         self.environment = dict(os.environ)
         try:
             _send(self._channel, {"script": script, "env": self.environment})
@@ -125,9 +118,7 @@ class Server:
             self._give_up(f"their server has ended ({e})")
 
     def start(self, args: tuple, env: dict[str, str], stdout, stderr, cwd: str | None = None) -> Forked | None:
-        """Fork the worker `args` (torch's command: python -u SCRIPT ARGS) with `env`, the streams (open files, or
-        None: the agent's own) and `cwd` (else this process's folder), adopted by this process; None where the
-        server cannot."""
+        """Fork the worker `args` (python -u SCRIPT ARGS), adopted by this process; None where the server cannot."""
         if self.failed or self.environment is None or len(args) < 3 or args[0] != sys.executable \
                 or args[1] != "-u" or args[2].startswith("-"):
             return None
@@ -162,10 +153,9 @@ class Server:
         return not self.failed
 
     def _imported_under(self, env: dict[str, str]) -> bool:
-        """Whether what the server's imports read of the environment is what a worker of `env` would read: the two
-        differ only where `may_differ` allows it (torchrun's and mingpt's variables for each worker), or where the
-        imports set a variable to the worker's value. Else it starts as a new Python (one warning, naming the
-        variables: values may be secret)."""
+        """Whether what the server's imports read of the environment is what a worker of `env` would read: they differ
+        only where `may_differ` allows it, or where the imports set a variable to the worker's value. Else one warning
+        names the variables (not their values: they may be secret)."""
         imported = {**self.environment, **self.imports_set}
         changed = sorted(name for name in imported.keys() | env.keys()
                          if env.get(name) not in (self.environment.get(name), imported.get(name))
@@ -267,8 +257,7 @@ def _read_exactly(channel: socket.socket, size: int) -> bytes:
 
 
 def _wait_for_orders(channel: socket.socket) -> None:
-    """The forked server: wait for the agent's order, then serve (`be_the_server`). Nothing to read: the job did not
-    go ahead, or the agent has ended. Returns only in a worker, once its script has run."""
+    """The forked server: wait for the agent's order, then serve. Returns only in a worker, once its script has run."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it stops the workers
         prctl(PR_SET_NAME, b"mingpt-server")
@@ -282,7 +271,6 @@ def _wait_for_orders(channel: socket.socket) -> None:
 
 
 def close_inherited(keep: int) -> None:
-    """Close every descriptor above the standard streams but `keep`."""
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd > 2 and fd != keep:
@@ -294,9 +282,7 @@ def close_inherited(keep: int) -> None:
 
 def be_the_server(channel: socket.socket, script: str, modules: tuple[str, ...] = WARM_MODULES,
                   environment: dict[str, str] | None = None) -> None:
-    """Import `modules` (under `environment`, where given), then fork a worker for each request on `channel`
-    until the other end closes. Returns only in a worker, once its script has run: the script's exit and
-    exceptions are Python's own, and leave through the caller's frames."""
+    """Import `modules`, then fork a worker per request. Returns only in a worker, once its script has run."""
     try:
         request = serve(channel, script, modules, environment)
     except BaseException:
@@ -309,8 +295,7 @@ def be_the_server(channel: socket.socket, script: str, modules: tuple[str, ...] 
 
 
 def run_as_main(path: str) -> None:
-    """Run the script at `path` as `python PATH` runs it: in a new `__main__` module, with the names Python gives
-    one (runpy's differ: a package of '' and no loader)."""
+    """Run the script as `python PATH` does, in a new `__main__` (runpy's differs: a package of '' and no loader)."""
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __annotations__={},
                          __loader__=importlib.machinery.SourceFileLoader("__main__", path))
@@ -322,8 +307,7 @@ def run_as_main(path: str) -> None:
 
 def serve(channel: socket.socket, script: str, modules: tuple[str, ...],
           environment: dict[str, str] | None = None) -> dict | None:
-    """Import `modules` as a worker of `script` would, then fork a worker for each request, for ever. Returns only
-    in a worker (its request), or None where it cannot serve, or the other end has closed."""
+    """Returns only in a worker (its request), or None where it cannot serve, or the other end has closed."""
     if not signal_when_parent_dies(signal.SIGKILL):
         return None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's: it stops the workers
@@ -362,8 +346,7 @@ def serve(channel: socket.socket, script: str, modules: tuple[str, ...],
 
 
 def _fork_a_worker(channel: socket.socket) -> bool:
-    """Fork a child that forks the worker and exits; True in the worker, once it is the agent's (the child has
-    exited). In the server, tell the agent the worker's pid at that moment, and return False."""
+    """True in the worker, once the agent has adopted it; False in the server, which tells the agent its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     reader, writer = os.pipe()
@@ -390,10 +373,9 @@ def _fork_a_worker(channel: socket.socket) -> bool:
 
 
 def cannot_fork(maps: str, threads: list[str]) -> str | None:
-    """Why this process cannot fork a worker (None: it can). `maps`: /proc/self/maps; `threads`: the names of its
-    other threads. A fork cannot carry CUDA: torch's own state, or the driver library loaded (which asking for the
-    device count does, while torch still calls CUDA uninitialized). A fork holds one thread: another's locks would
-    stay held in the worker."""
+    """Why this process cannot fork a worker (None: it can). A fork cannot carry CUDA: torch's own state, or the driver
+    library loaded (which asking for the device count does, while torch still calls CUDA uninitialized). A fork holds
+    one thread: another's locks would stay held in the worker."""
     torch = sys.modules.get("torch")
     if bool(torch and torch.cuda.is_initialized()) or "/libcuda.so" in maps:
         return "initialized CUDA, which a fork cannot carry"
@@ -416,8 +398,7 @@ def other_threads() -> list[str]:
 
 
 def become_the_worker(request: dict) -> None:
-    """In the forked worker: take the request's session, streams, signals, environment, folder and arguments, and
-    new random seeds, as a Python started with them would have them."""
+    """In the forked worker: take what a Python started with the request would have."""
     os.setsid()
     prctl(PR_SET_NAME, os.path.basename(sys.executable)[:15].encode())  # a Python's name, until the script's own
     for target, fd in enumerate(request["streams"]):
@@ -448,8 +429,7 @@ def become_the_worker(request: dict) -> None:
 
 
 def draw_new_seeds() -> None:
-    """Random generators seeded anew from the system, as a new Python's are: numpy's global one and torch's
-    (Python's `random` does so itself after a fork)."""
+    """Numpy's and torch's global generators seeded anew, as a new Python's are (`random` does so after a fork)."""
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:

@@ -27,9 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def join_live(args: argparse.Namespace) -> None:
-    """--live: this node's torchrun becomes one replica group of the job. Its agent rendezvouses with this
-    node's workers alone; the groups meet through torchft's Lighthouse, which mingpt-rendezvous serves beside
-    the store at --rdzv-endpoint (mingpt.training.live)."""
+    """--live: this node's torchrun becomes one replica group of the job: its agent rendezvouses with this node's
+    workers alone, and the groups meet through the Lighthouse at --rdzv-endpoint."""
     host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=C10D_PORT)
     try:  # (where the endpoint is this machine's, check_endpoint took this node for the store's host: not here)
         socket.create_connection((host, port), timeout=STORE_ANSWER_S).close()
@@ -53,7 +52,6 @@ def join_live(args: argparse.Namespace) -> None:
         LIVE_MIN_NODES: str(lower),
     })
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every step at its default level
-    # This node's workers alone, on a rendezvous of their own that this agent hosts.
     args.nnodes, args.rdzv_endpoint = "1", "localhost:0"
     args.rdzv_conf = merge_rendezvous_conf(f"{args.rdzv_conf},is_host=true", {})
     log.info("mingpt-torchrun: live mode: this node is one replica group of job %s (Lighthouse %s)", args.rdzv_id,

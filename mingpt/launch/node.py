@@ -1,11 +1,10 @@
 """How mingpt-torchrun runs its node's part of a job: the settings it gives torchrun, the data it prepares before
 joining, and the agent, which starts the workers (forked from the warm server where it can).
 
-Why a wrapper around torchrun: by default torchrun's agents share their rendezvous store with the
-workers. With torch 2.13 a job on several agents then never trains (an agent times out on
-`/torch.rendezvous.<id>.1/torchelastic/role_info/*`), a node joining later deadlocks the job, and
-restarted workers can hang in `init_process_group`. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids
-all of it, but the agent reads it, so the worker cannot set it for itself: the launcher must.
+Why a wrapper around torchrun: by default torchrun's agents share their rendezvous store with the workers. With
+torch 2.13 a job on several agents then never trains, a node joining later deadlocks the job, and restarted workers
+can hang in `init_process_group`. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids all of it, but the agent reads it,
+so the worker cannot set it for itself: the launcher must.
 """
 
 from __future__ import annotations
@@ -33,10 +32,9 @@ log = logging.getLogger(__name__)
 
 STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
-# On GPUs (NCCL), a hung collective is found by NCCL's own watchdog too: errors end the process instead of
-# hanging it, a heartbeat monitor ends a process whose watchdog itself is stuck, and on a timeout the flight
-# recorder writes the last collectives of every process (to TORCH_FR_DUMP_TEMP_FILE, /tmp by default) for
-# `python -m torch.distributed.flight_recorder`. The user's own values win, under either name of a setting.
+# On GPUs, NCCL's own watchdog finds a hung collective too: errors end the process instead of hanging it, a heartbeat
+# monitor ends a process whose watchdog is stuck, and on a timeout the flight recorder writes the last collectives
+# of every process. The user's own values win, under either name of a setting.
 NCCL_WATCH = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_ENABLE_MONITORING": "1",
@@ -48,17 +46,15 @@ FORMER_NAMES = {"TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE"}  # torch
 
 
 def watch_nccl(environ: dict) -> None:
-    """Add NCCL_WATCH's settings to `environ` (os.environ: the workers inherit it), but for those the user set."""
     for name, value in NCCL_WATCH.items():
         if name not in environ and FORMER_NAMES.get(name, name) not in environ:
             environ[name] = value
 
 
-# Rendezvous settings for quick recovery (torch's defaults in brackets). A dead node is noticed when it has
-# missed 3 heartbeats a second apart (15 s): nodes' clocks must agree to within about a second, as NTP keeps
-# them. A round closes 1 s after its first node arrived (30 s): long enough for the survivors of a change,
-# whose agents poll the rendezvous 4 times a second (mingpt.launch.agent), to arrive together. The user's
-# own keys win.
+# Rendezvous settings for quick recovery (torch's defaults in brackets). A dead node is noticed after 3 missed
+# heartbeats a second apart (15 s): nodes' clocks must agree to within about a second, as NTP keeps them. A round
+# closes 1 s after its first node arrived (30 s): long enough for the survivors of a change, whose agents poll 4
+# times a second, to arrive together. The user's own keys win.
 QUICK_RENDEZVOUS = {
     "join_timeout": "600",
     "last_call_timeout": "1",
@@ -69,7 +65,6 @@ QUICK_RENDEZVOUS = {
 
 
 def merge_rendezvous_conf(user_conf: str, defaults: dict[str, str] = QUICK_RENDEZVOUS) -> str:
-    """torchrun's `--rdzv-conf` string ("k=v,k=v") with `defaults` for every key the user left out."""
     merged = dict(defaults)
     for item in filter(None, (part.strip() for part in user_conf.split(","))):
         key, _, value = item.partition("=")
@@ -86,8 +81,8 @@ def warm_workers(args: argparse.Namespace, server: forkserver.Server | None) -> 
 
 
 def launch(args: argparse.Namespace, server: forkserver.Server | None) -> int:
-    """Run this node's agent, with torchrun's parsed `args`, until the job ends; its exit status. `server`: the
-    copy of mingpt-torchrun that workers are forked from, or None: each worker starts as a new Python."""
+    """Run this node's agent until the job ends; its exit status. `server`: None: each worker starts as a new
+    Python."""
     os.environ.setdefault(STORE_SHARING, "1")
     watch_nccl(os.environ)
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
@@ -121,9 +116,8 @@ def launch(args: argparse.Namespace, server: forkserver.Server | None) -> int:
 
 
 def _own_log_dir(args: argparse.Namespace) -> bool:
-    """Where the user keeps no worker logs (no --log-dir, --redirects, --tee or --logs-specs), torch would still
-    make a torchelastic_* folder in /tmp for its workers' error files and leave it there: make it a folder of
-    this agent's own, which goes when the agent ends, or, if it is killed, when the next one starts."""
+    """Where the user keeps no worker logs, torch would still leave a torchelastic_* folder in /tmp for its workers'
+    error files: make it this agent's own, which goes when the agent ends, or, if it is killed, when the next starts."""
     if args.log_dir is not None or args.redirects != "0" or args.tee != "0" or args.logs_specs is not None:
         return False
     args.log_dir = str(process_folder("torchrun"))
@@ -136,11 +130,10 @@ HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", 
 
 
 def prepare_before_joining(args: argparse.Namespace) -> None:
-    """Prepare (or reuse) the data the job's overrides describe, and fetch HellaSwag's file where it is scored,
-    on this node, before its agent enters the rendezvous: a node joining a running job would otherwise make every
-    other node wait while its workers tokenize, and past trainer.dist_timeout_s end the job. Only for a mingpt
-    application (mingpt-train, or a script with a `conf/` folder beside it); a mistake in the overrides is one
-    line here, before any agent starts."""
+    """Prepare the data and fetch HellaSwag's file on this node before its agent enters the rendezvous: a node joining
+    a running job would otherwise make every other node wait while its workers tokenize, and past
+    trainer.dist_timeout_s end the job. Only for a mingpt application (mingpt-train, or a script with a `conf/`
+    folder beside it); a mistake in the overrides is one line here, before any agent starts."""
     conf = Path(args.training_script).resolve().parent / "conf"
     if Path(args.training_script).name == "mingpt-train":
         conf = CONF_DIR

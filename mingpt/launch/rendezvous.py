@@ -20,9 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
-    """Serve the store on `port` and the Lighthouse on `lighthouse_port` until SIGTERM or SIGINT; the exit status.
-    Where the Lighthouse's port was not chosen by the user (`lighthouse_chosen`) and is taken, the store is
-    served alone, with a warning."""
+    """Serve the store and the Lighthouse until SIGTERM or SIGINT. Where the Lighthouse's port was not chosen by the
+    user and is taken, the store is served alone, with a warning."""
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait below: either stops us in order
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at its default level
@@ -62,7 +61,6 @@ def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
 
 
 def start_lighthouse(port: int):
-    """torchft's Lighthouse on `port` (every interface), with the live mode's timeouts."""
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(bind=f"0.0.0.0:{port}", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,

@@ -1,20 +1,16 @@
-"""The hang watchdog of a node's agent: finds a worker that stopped making progress, names it, writes its
-Python stack to the log, and ends it, so that torchrun restarts the workers and they resume from the
-memory tiers, instead of every node waiting for trainer.dist_timeout_s.
+"""The hang watchdog of a node's agent: finds a worker that stopped making progress, names it, writes its Python
+stack to the log, and ends it, so that torchrun restarts the workers, instead of every node waiting for
+trainer.dist_timeout_s.
 
-Each worker marks its step and phase (mingpt.training.progress). A worker is hung when its last mark in a
-phase judged by the step time (computing, evaluating) is older than its hang timeout:
-trainer.hang_timeout_s, or (0, auto) HANG_STEPS times the median time of a step here, at least HANG_FLOOR_S,
-once MEASURED steps have been timed after the first ones (which compile and warm up). The first step of
-each worker's generation (warming up: minutes on GPUs) and every compile, whenever it comes (marked
-`compiling`), are allowed trainer.dist_timeout_s, as long as a collective may wait for them. While one
-worker hangs the others wait for it in their collectives, so their marks age too; the hung one is the one
-that is stopped (SIGSTOP, a debugger), or else the one whose mark is the oldest, once that is older than
-1.5 times the timeout (a hang on another node: that node's agent acts first).
+A worker is hung when its last mark (mingpt.training.progress) in a judged phase is older than its hang timeout:
+trainer.hang_timeout_s, or (auto) HANG_STEPS times the median step here, at least HANG_FLOOR_S, once MEASURED steps
+have been timed. A generation's first step (warming up: minutes on GPUs) and every compile are allowed
+trainer.dist_timeout_s, as long as a collective may wait for them. While one worker hangs the others wait for it,
+so their marks age too; the hung one is the one that is stopped (SIGSTOP, a debugger), or else the one whose mark
+is the oldest, once older than 1.5 times the timeout (a hang on another node: that node's agent acts first).
 
-Its stack comes from py-spy (`py-spy dump --nonblocking`, which reads a stopped process from outside),
-written as Python writes a traceback; where py-spy is missing or fails, a process that still runs
-writes its own on SIGUSR1 (faulthandler).
+Its stack comes from py-spy (`--nonblocking` reads a stopped process from outside); where py-spy is missing or
+fails, a process that still runs writes its own on SIGUSR1 (faulthandler).
 """
 
 from __future__ import annotations
@@ -46,8 +42,6 @@ JUDGED = ("computing", "evaluating", "compiling")  # the phases judged (mingpt.t
 
 
 class Watchdog:
-    """One agent's watch over its workers' progress."""
-
     def __init__(self):
         self.folder = process_folder("progress")  # this user's alone; removed by the next job if this agent is killed
         self.host = socket.gethostname()
@@ -57,7 +51,6 @@ class Watchdog:
         self.finding: str | None = None  # what the last hang was: for the restart's cause
 
     def new_generation(self) -> None:
-        """The workers are (re)started: their progress files and step times start afresh."""
         for path in self.folder.iterdir():
             path.unlink(missing_ok=True)
         self._seen.clear()
@@ -98,7 +91,6 @@ class Watchdog:
         return hung
 
     def marks(self, pids: list[int]) -> dict[int, Mark]:
-        """The last marks of these workers (of this generation): those that made one."""
         return {pid: mark for pid in pids if (mark := read_mark(self.folder / str(pid))) is not None}
 
     def timeout(self, marks: dict) -> float | None:
@@ -151,7 +143,7 @@ def stack(pid: int) -> str:
 
 
 def _state(pid: int) -> str:
-    """The state letter of a process (R, S, D, T, ...), from /proc; "" where it has ended."""
+    """The state letter of a process (R, S, D, T, ...); "" where it has ended."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]

@@ -1,8 +1,7 @@
-"""The per-step agreement of a generation under torchrun: who takes part in a step (all of its
-processes, by rank), and after its gradients, one all-reduce of four numbers that every process then
-acts on alike: the global batch's loss, how many processes were asked to stop, and what only the
-leader knows (snapshots keep failing; another job or a newer generation took the run over). DDP has
-averaged the gradients meanwhile. The live mode's counterpart, over torchft, is mingpt.training.live."""
+"""The per-step agreement of a generation under torchrun: every process takes part, and after its gradients, one
+all-reduce of four numbers that every process acts on alike: the loss, how many processes were asked to stop, and
+what only the leader knows (snapshots keep failing; the run was taken over). The live mode's counterpart is
+mingpt.training.live."""
 
 from __future__ import annotations
 
@@ -16,8 +15,6 @@ from mingpt.training.distributed import World
 
 @dataclass(frozen=True)
 class Share:
-    """This process's place among the processes of a step, which split its global batch."""
-
     index: int
     count: int
 
@@ -33,8 +30,7 @@ class Outcome:
 
 
 class Agreement(Protocol):
-    """The per-step protocol that the trainer follows in either mode (StepAgreement here, the live mode's
-    LiveAgreement), in the order it calls it."""
+    """The per-step protocol that the trainer follows in either mode, in the order it calls it."""
 
     writes: bool  # whether this process's group writes the run's snapshots and metrics (the live mode's changes)
 
@@ -64,14 +60,12 @@ class StepAgreement:
         return Share(self.world.rank, self.world.world_size)
 
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
-        """The collective, once this process's gradients are in; `loss_sum` is its sum(loss * examples)."""
         saves_failing, run_lost = self.checkpointer.problems()
         loss, stops, failing, lost = distributed.all_reduce_sum(
             [loss_sum, float(stop_requested), float(saves_failing), float(run_lost)], self.world)
         return Outcome(loss / self.global_batch_size, int(stops), bool(failing), bool(lost))
 
     def enforce(self, outcome: Outcome) -> None:
-        """Stop every process together where the leader lost the run or cannot write snapshots."""
         self.checkpointer.stop_on(outcome.saves_failing, outcome.run_lost)
 
     def resumed_at(self, step: int, samples_seen: int) -> None:

@@ -1,8 +1,5 @@
-"""The Hydra application's configuration, for whoever composes it: `train/main.py` (through
-@hydra.main), `mingpt-torchrun` (which prepares the data before its node joins) and the tests.
-
-The schema and the model group's options (the presets of mingpt.model, defined once) are registered
-in Hydra's ConfigStore; the YAML files live beside the application, in `train/conf/`."""
+"""The Hydra application's configuration, for whoever composes it: `train/main.py`, `mingpt-torchrun` (which prepares
+the data before its node joins) and the tests. The YAML files live in `train/conf/`."""
 
 from __future__ import annotations
 
@@ -52,7 +49,7 @@ class Command:
 
     @property
     def folders(self) -> list[Path]:
-        """The config folders Hydra searches (not the packages of a pkg:// entry)."""
+        """Not the packages of a pkg:// entry."""
         return [self.conf_dir] + [Path(entry.removeprefix("file://")) for entry in self.searchpath
                                   if "://" not in entry.removeprefix("file://")]
 
@@ -62,7 +59,6 @@ class Command:
 
 
 def read_command(conf_dir: Path, args: list[str]) -> Command:
-    """`args` split into Hydra's flags (those about configs kept) and the overrides."""
     command = Command(Path(conf_dir))
     args = list(args)
     while args:
@@ -88,8 +84,7 @@ def read_command(conf_dir: Path, args: list[str]) -> Command:
 
 
 def group_options(command: Command) -> dict[str, list[str]]:
-    """Every config group's options, in every folder Hydra searches: the model's presets, and each group folder's
-    YAML files (the application's own, and the user's through --config-dir)."""
+    """Every config group's options, in every folder Hydra searches."""
     options: dict[str, set[str]] = {"model": set(PRESETS), "data": set(), "recipe": set()}
     for folder in command.folders:
         for group in (path for path in Path(folder).glob("*") if path.is_dir()):
@@ -104,9 +99,8 @@ FIXED_HYDRA = {"hydra.job.chdir", "hydra.run.dir", "hydra.output_subdir", "hydra
 
 
 def check_overrides(conf_dir: Path, args: list[str]) -> None:
-    """ConfigError, in one line with the closest match, for a setting or a group option that does not
-    exist, or a setting deleted (`~key`): Hydra's own errors for these take seven lines and advise `+key`.
-    What Hydra's parser cannot read, Hydra's flags, and `hydra.*` are left to Hydra."""
+    """ConfigError, in one line with the closest match, for a setting or group option that does not exist, or a
+    setting deleted (`~key`): Hydra's own errors advise `+key`. The rest is left to Hydra."""
     command = read_command(conf_dir, args)
     options = group_options(command)
     parser = OverridesParser.create()
@@ -141,8 +135,7 @@ def check_overrides(conf_dir: Path, args: list[str]) -> None:
 
 
 def compose_config(conf_dir: Path, args: list[str]) -> Config:
-    """The validated Config that the application whose configs are in `conf_dir` runs with under its command
-    line `args` (overrides, and Hydra's flags); ConfigError, in Hydra's words, for what Hydra refuses."""
+    """The validated Config for the command line `args`; ConfigError, in Hydra's words, for what Hydra refuses."""
     register()
     check_overrides(conf_dir, args)
     command = read_command(conf_dir, args)

@@ -1,9 +1,8 @@
 """HellaSwag during training (`trainer.hellaswag_every`): the examples, read and tokenized once per start, scored
 by every process together.
 
-The examples are cut into fixed batches by their place in the file, and each process scores a contiguous share
-of the batches by its place in the generation; the counts are summed over all processes. A batch is the same
-computation at any world size, so any world size gives the same accuracy on the same weights.
+The examples are cut into fixed batches by their place in the file, so any world size gives the same accuracy on
+the same weights; each process scores a share of the batches, and the counts are summed.
 """
 
 from __future__ import annotations
@@ -29,14 +28,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HellaSwag:
-    """The examples this job scores, in tokens, and how many go in one forward pass."""
-
     examples: list[Encoded]
     batch_examples: int
 
     def score(self, model: GPT, topology: Topology, autocast, tick: Callable[[], None] = lambda: None) -> Tally:
-        """Every process's share scored, and the counts of all; `tick()` after each batch (the watchdog's mark).
-        A sharded model's forward is a collective: there every process runs as many batches as the one with the
+        """A sharded model's forward is a collective: there every process runs as many batches as the one with the
         most, the extra ones counting nothing."""
         world = topology.world
         batches = micro_batches(len(self.examples), self.batch_examples)
@@ -57,11 +53,9 @@ class HellaSwag:
 
 
 def read_hellaswag(t: TrainerConfig, job: JobEnv) -> list[Example] | None:
-    """The job's HellaSwag examples where `trainer.hellaswag_every` asks for them, read before the data work: a
-    file that is not HellaSwag's stops the job at once (MinGPTError). None, and one warning line, where the file
-    cannot be had (offline without a copy): the job goes on without the metric. Under mingpt-torchrun this node's
-    agent has fetched a URL already (preparation.fetch_hellaswag): its copy is read, nothing is fetched again, and
-    where the agent could not fetch it (it warned) there is nothing to read."""
+    """Read before the data work: a file that is not HellaSwag's stops the job at once. None, with one warning, where
+    the file cannot be had: the job goes on without the metric. Under mingpt-torchrun the agent has fetched a URL
+    already (preparation.fetch_hellaswag), and nothing is fetched again."""
     if not t.hellaswag_every:
         return None
     agent_found = job.hellaswag_fetched
@@ -77,8 +71,6 @@ def read_hellaswag(t: TrainerConfig, job: JobEnv) -> list[Example] | None:
 
 def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: Tokenizer,
                    block_size: int) -> HellaSwag | None:
-    """`examples` (read_hellaswag's) in tokens, with the number scored in one forward pass; None where none can
-    be scored."""
     if not examples:
         return None
     encoded, skipped = encode_all(examples, tokenizer, block_size)
@@ -88,8 +80,8 @@ def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: 
 
 
 def agree(hellaswag: HellaSwag | None, world: distributed.World, speaks: bool) -> HellaSwag | None:
-    """`hellaswag` where every process of the generation has the same number of examples, else None for all (one
-    warning line): the scoring is a collective, which all must run alike."""
+    """`hellaswag` where every process has the same number of examples, else None for all: the scoring is a
+    collective, which all must run alike."""
     have = [1.0, len(hellaswag.examples)] if hellaswag else [0.0, 0.0]
     processes, examples = distributed.all_reduce_sum(have, world)
     if processes == world.world_size and examples == world.world_size * have[1]:

@@ -1,9 +1,8 @@
 """The trainer's snapshots: which state to resume from, when to save it, and the rescue of a failed step.
 
-The state of a run is the replica's state alone (mingpt.training.state), so the leader of any
-generation can snapshot it and any number of processes can resume it. It has three homes: the
-durable store (mingpt.checkpoint.store: local or S3), the memory tier of each node and its copy on
-another node (mingpt.training.recovery). This component decides which of them to read and when to write.
+The state of a run (mingpt.training.state) has three homes: the durable store (mingpt.checkpoint.store: local or
+S3), the memory tier of each node and its copy on another node (mingpt.training.recovery). This component decides
+which of them to read and when to write.
 """
 
 from __future__ import annotations
@@ -38,12 +37,9 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Resume, periodic and final saves, the memory copies, and the rescue save of a failed step, for one
-    generation.
-
-    An unsharded replica (ddp) is saved by the leader alone, as model.pt and optimizer.pt; a sharded
-    one (fsdp, hsdp) by every process, each its shard (mingpt.checkpoint.sharded). Either kind loads
-    into either kind of replica, at any world size."""
+    """Resume, saves, the memory copies, and the rescue save of a failed step, for one generation. An unsharded
+    replica (ddp) is saved by the leader alone; a sharded one by every process, each its shard
+    (mingpt.checkpoint.sharded). Either kind loads into either kind of replica, at any world size."""
 
     def __init__(self, cfg: Config, topology: Topology, store: SnapshotStore, tokenizer: Tokenizer,
                  data_fingerprint: str, replica: Replica):
@@ -57,9 +53,8 @@ class Checkpointer:
             # Saves are collectives of their own group: in the writer's thread, beside the training's.
             self.save_group = dist.new_group(backend="gloo")
             self.fence = self._follow_lease()
-        # Named after where the run is: a local snapshot.dir by its absolute path, so that two jobs on one
-        # machine never share a tier. A process that torchrun did not start is a job of its own, which no
-        # restart continues: there (auto) the memory would never be read.
+        # Named after where the run is (a local snapshot.dir by its absolute path), so two jobs on one machine never
+        # share a tier. Without torchrun no restart continues the job: there (auto) the memory would never be read.
         wanted = cfg.snapshot.memory == "on" or (cfg.snapshot.memory == "auto" and topology.world.job.under_torchrun)
         self.memory = MemoryCopies(cfg.snapshot, topology, os.path.abspath(store.run.path) if store.local else
                                    store.url, replica) if wanted else None
@@ -96,7 +91,6 @@ class Checkpointer:
         check_compatible(snapshot, replica.model.config, self.tokenizer)
 
     def load(self, snapshot: Snapshot, replica: Replica) -> None:
-        """Restore `replica` from `snapshot` (which fits it: check_fits)."""
         manifest = snapshot.manifest
         state, whole = replica.read(snapshot)
         changed = replica.load(state, whole, manifest)
@@ -110,9 +104,7 @@ class Checkpointer:
                         "the data as it is now", saved[:12], self.data_fingerprint[:12])
 
     def load_newer_from_memory(self, snapshot: Snapshot | None) -> dict | None:
-        """Restore the replica from the newest state that the nodes' memory tiers hold, when it is newer than
-        `snapshot` (mingpt.training.recovery); the description of what was loaded (step, host, world_size),
-        or None. Every process calls it."""
+        """Restore from the memory tiers where newer than `snapshot`; what was loaded, or None. Every process calls."""
         if self.memory is None:  # the same everywhere: snapshot.memory and the launch decide it
             return None
         lease = self.store.lease
@@ -122,8 +114,8 @@ class Checkpointer:
                                    writer.get("generation") if isinstance(writer, dict) else None)
 
     def _check_shared(self) -> None:
-        """With several processes, every one must see what the leader writes: any of them may lead the
-        next generation. A local folder that is not shared between nodes would silently restart a run."""
+        """Every process must see what the leader writes: any may lead the next generation. A local folder that is
+        not shared between nodes would silently restart a run."""
         world, store = self.world, self.store
         if not world.distributed:
             return
@@ -146,8 +138,7 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------------
 
     def save(self, replica: Replica, metrics: dict) -> None:
-        """Snapshot the replica while training goes on: the leader alone where every process holds all of
-        it; every process its own shard where it is sharded."""
+        """Snapshot the replica while training goes on."""
         if not (self.sharded or self.world.is_leader):
             return
         self.writer.wait()
@@ -175,8 +166,8 @@ class Checkpointer:
         }
 
     def _commit_shards(self, step: int, state: dict, info: dict) -> None:
-        """In every process's writer thread, over the save group: the leader clears the way (or finds this
-        step committed already), every process writes its shard, the leader commits the hashes of all."""
+        """In every process's writer thread: the leader clears the way (or finds this step committed already), every
+        process writes its shard, the leader commits the hashes of all."""
         store, group, leader = self.store, self.save_group, self.world.is_leader
         decision = [None]
         if leader:
@@ -207,23 +198,20 @@ class Checkpointer:
         return RunLease.following(self.store.run, claim).check if claim else (lambda: None)
 
     def after_step(self, generation: int | None = None) -> None:
-        """The step is done everywhere: into the memory tiers (mingpt.training.recovery). Live mode: the
-        writer's lease `generation` marks the copies, as this generation's does under torchrun."""
+        """Into the memory tiers. Live mode: the writer's lease `generation` marks the copies."""
         if self.memory is not None:
             if generation is not None:
                 self.memory.generation = generation
             self.memory.after_step()
 
     def lease_generation(self) -> int | None:
-        """The generation of the run's lease that this process holds (None: it holds none)."""
         return self.store.lease.generation if self.store.lease is not None else None
 
     def hold_the_run(self, writes: bool) -> None:
-        """Live mode: whether this process writes the run's snapshots now (its group leads the quorum). A new
-        writer claims the run's lease; every group of a live job is one job (one --rdzv-id), so that takes the
-        run over at once. A writer whose lease another group took meanwhile (the quorum changed while it could
-        not say so), or that no longer writes, lets it go once its snapshot in flight is committed or fenced
-        off; a save fenced off by the new writer is not a failure of this one."""
+        """Live mode: whether this process writes the run's snapshots now. A new writer claims the run's lease, which
+        takes the run over at once (every group is one job). A writer whose lease another group took, or that no
+        longer writes, lets it go once its snapshot in flight is committed or fenced off; a save fenced off by the
+        new writer is not a failure of this one."""
         if self._held is not None and (self._held.lost or not writes):
             self.writer.wait()
             self.writer.failures = 0
@@ -253,9 +241,8 @@ class Checkpointer:
             raise SnapshotError("the process writing snapshots could not write them; see its log")
 
     def finish(self, release_memory: bool = True) -> None:
-        """Wait for the snapshot in flight: the job must not end before it is committed, nor end
-        "done" when it was not. Every process learns the outcome, so all exit alike. Then free the
-        memory tier, unless the next generation may read it."""
+        """Wait for the snapshot in flight: the job must not end before it is committed, nor end "done" when it was
+        not. Every process learns the outcome, so all exit alike."""
         self.writer.wait()
         failed = float(self.world.is_leader and self.writer.failures > 0)
         failed, lost = distributed.all_reduce_sum([failed, float(self.problems()[1])], self.world)
@@ -269,17 +256,14 @@ class Checkpointer:
             self._held.release()
 
     def rescue(self, replica: Replica, metrics: dict) -> None:
-        """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the
-        state already counts the step, so this replica is consistent: the leader snapshots it, no
-        collectives involved, before the error ends the process and torchrun restarts the group.
-        If a newer generation holds the run already, the store's fence refuses the save.
+        """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the state already
+        counts the step, so this replica is consistent: the leader snapshots it, no collectives involved. If a newer
+        generation holds the run already, the store's fence refuses the save.
 
-        Only with gloo, and unsharded: NCCL reports a peer's death late, possibly after the optimizer
-        stepped on partly reduced gradients, so there the last periodic snapshot is the safe one; and a
-        sharded replica is saved by all processes together, which a dead one cannot join: there the
-        memory tiers, which every process fills after every step, hold the step reached. Only the holder of the
-        run's lease writes one (in the live mode, the writer's leader): a group that never wrote, such as one whose
-        data is not the job's, leaves nothing behind."""
+        Only with gloo, and unsharded: NCCL reports a peer's death late, possibly after the optimizer stepped on
+        partly reduced gradients; a sharded replica is saved by all processes together, which a dead one cannot
+        join (there the memory tiers hold the step reached). Only the holder of the run's lease writes one: a group
+        that never wrote, such as one whose data is not the job's, leaves nothing behind."""
         if not self.world.is_leader or (self.world.distributed and dist.get_backend() != "gloo") or self.sharded \
                 or self.store.lease is None:
             return

@@ -1,17 +1,15 @@
-"""torch.compile's caches travel with the run (`trainer.compile_cache`): a worker on a machine that never
-compiled this model (a node that joins, a restart elsewhere) starts from what another worker compiled.
+"""torch.compile's caches travel with the run (`trainer.compile_cache`): a worker on a machine that never compiled
+this model (a node that joins, a restart elsewhere) starts from what another worker compiled.
 
 What travels, in one zip per key (mingpt.checkpoint.compiled keeps it in the run folder):
-- `mega-cache.bin`: torch's portable caches (`torch.compiler.save_cache_artifacts`: Inductor's FX graphs,
-  AOTAutograd's, autotuning), recorded by every compile of this process, hit or miss;
-- `kernels/<xx>/<name>.so`: the C++ libraries those graphs load on a CPU, and Inductor's probes of what the
-  compiler and CPU can do, which torch's caches leave out and a CPU builds in most of a cold compile's time.
-  Each is named after a hash of its source and compiler command: a machine whose compiler or flags
-  differ looks for other names, and builds its own.
+- `mega-cache.bin`: torch's portable caches (`torch.compiler.save_cache_artifacts`), recorded by every compile of
+  this process, hit or miss;
+- `kernels/<xx>/<name>.so`: the C++ libraries those graphs load on a CPU, and Inductor's probes of the compiler and
+  CPU, which torch's caches leave out and a CPU builds in most of a cold compile's time. Each is named after a hash
+  of its source and compiler command: a machine whose compiler or flags differ builds its own.
 
-The key is a digest of what makes them valid: torch, Python and mingpt versions, the device and its
-capability, the model's shape, the compute dtype, the parallelism and the compile settings. Caches of
-another key are never loaded. Loading runs what they hold: they are code (docs/snapshots.md).
+The key is a digest of what makes them valid (`describe`); caches of another key are never loaded. Loading runs
+what they hold: they are code (docs/snapshots.md).
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ _PROBE_SOURCE_MAX = 8192  # bytes: the probes are a few lines each; a kernel's s
 
 
 def describe(model: GPTConfig, device: torch.device, dtype: torch.dtype, parallelism: str) -> dict:
-    """What makes compiled caches valid for this job: what the key is a digest of."""
+    """What makes compiled caches valid for this job."""
     return {
         "torch": torch.__version__,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
@@ -72,8 +70,7 @@ def _capability(device: torch.device) -> str:
 
 
 class CompileCache:
-    """The compile caches of one worker: loaded before the model first compiles, saved (by the process that
-    holds the run's lease) after this generation's first step and whenever torch compiled more since."""
+    """The compile caches of one worker: loaded before the model first compiles, saved by the lease's holder."""
 
     def __init__(self, run: RunDir, describes: dict, announce: bool):
         self.caches = CompiledCaches(run)
@@ -84,8 +81,7 @@ class CompileCache:
         self._thread: threading.Thread | None = None
 
     def load(self) -> None:
-        """Before the first compile: install the run's caches of this key into torch's and Inductor's local
-        caches. Where there are none, or they cannot be used, torch compiles from scratch."""
+        """Install the run's caches of this key; where there are none, or they are unusable, torch compiles anew."""
         missing = torch_internals.compiled_names_missing()
         if missing:
             self._say(logging.INFO, "torch %s lacks %s: compile caches are not loaded or saved", torch.__version__,
@@ -107,9 +103,8 @@ class CompileCache:
                   time.perf_counter() - started, ", ".join(f"{n} {kind}" for kind, n in counts.items()))
 
     def after_step(self, lease: RunLease | None, snapshot: bool) -> None:
-        """A step was committed. After the first one of this generation (when the first compile is done),
-        and at each snapshot (evaluation compiles too), the lease's holder saves what torch compiled, in
-        the background, where it holds more than the run folder has."""
+        """After this generation's first step (the first compile is done) and at each snapshot (evaluation compiles
+        too), the lease's holder saves what torch compiled in the background, where it holds more than the run has."""
         self._steps += 1
         if not self.key:  # this torch lacks what they need
             return
@@ -132,8 +127,6 @@ class CompileCache:
         self._thread.start()
 
     def _commit(self, mega: bytes, artifacts: int, keys: set[str], lease: RunLease) -> None:
-        """In the background: the kernels to go with torch's caches, and the commit where they hold more than
-        the run folder has."""
         try:
             kernels = kernel_files(torch_internals.inductor_cache_dir(), keys)
             if artifacts + len(kernels) <= self._saved:
@@ -159,8 +152,7 @@ class CompileCache:
 
 
 def kernel_files(root: str, keys: set[str]) -> dict[str, str]:
-    """The C++ libraries of `keys` (those this process's compiled graphs load), and Inductor's probes of the
-    compiler and CPU, under Inductor's cache folder `root`: {name in the zip: path}."""
+    """The C++ libraries of `keys` and Inductor's probes, under Inductor's cache folder `root`: {name in zip: path}."""
     found = {}
     for key in keys:
         folder = os.path.join(root, key[1:3])
@@ -208,9 +200,8 @@ def pack(mega: bytes, kernels: dict[str, str]) -> bytes:
 
 
 def install(blob: bytes) -> dict[str, int]:
-    """Put the kernels of `blob` into Inductor's local cache folder (beside any there, never over one), then
-    hand torch its caches; what they hold, by kind. Names other than a kernel's or the mega-cache are
-    refused (ValueError): nothing is written outside the cache folder."""
+    """Put the kernels of `blob` into Inductor's local cache folder (never over one), then hand torch its caches.
+    Names other than a kernel's or the mega-cache are refused (ValueError): nothing is written outside the folder."""
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
         names = z.namelist()
         strange = [name for name in names if name != MEGA_CACHE and not _KERNEL.match(name)]
@@ -225,9 +216,8 @@ def install(blob: bytes) -> dict[str, int]:
 
 
 def _put_kernel(root: str, name: str, data: bytes) -> int:
-    """1 where the kernel was added under `root`, 0 where one of that name was there (built from the same
-    source and command: kept). Both folders must be this user's, no link, and writable by no one else (checked
-    before anything is made in them): else the kernel is skipped."""
+    """1 where the kernel was added, 0 where one of that name was there. Both folders must be this user's, no link,
+    and writable by no one else (checked before anything is made in them): else the kernel is skipped."""
     match = _KERNEL.match(name)
     sub, filename = match[1], match[2]
     folder = os.path.join(root, sub)

@@ -1,8 +1,7 @@
 """Typed configuration of a training job, one dataclass per component.
 
-Hydra (train/main.py) composes these from YAML and the command line; OmegaConf rejects a
-wrong type, and `validate` rejects a wrong value, naming the key, before any process
-group or data work starts.
+Hydra composes these from YAML and the command line; OmegaConf rejects a wrong type, and `validate` a wrong value,
+naming the key, before any process group or data work starts.
 """
 
 from __future__ import annotations
@@ -46,12 +45,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig(PrepareConfig):
-    """What to train on: the corpus and its preparation (see PrepareConfig; data.tokenizer defaults to
-    model.init_from's tokenizer where that is set), and the examples read from it."""
+    """The corpus and its preparation (data.tokenizer defaults to model.init_from's), and the examples read from it."""
 
     block_size: int = 128
-    # random: each training example is a window at an offset drawn from (seed, position);
-    # strided: example i is the i-th block of the token file, in a fresh order each epoch.
+    # random: a window at an offset drawn from (seed, position); strided: the blocks, in a fresh order each epoch.
     windows: str = "random"
 
 
@@ -77,9 +74,8 @@ class TrainerConfig:
     parallelism: str = "auto"
     eval_every: int = 100  # steps; 0 disables periodic evaluation
     eval_samples: int = 128  # validation examples per evaluation, shared among the processes
-    # HellaSwag accuracy (mingpt.metrics.scoring) every this many steps and at the end, shared among the
-    # processes; 0 disables it. Its data: HellaSwag's validation JSONL, a path or a URL (fetched once into
-    # ~/.cache/mingpt/hellaswag, the public file checked against its sha256).
+    # HellaSwag accuracy every this many steps and at the end; 0 disables it. Its data: HellaSwag's validation JSONL,
+    # a path or a URL (fetched once into ~/.cache/mingpt/hellaswag, the public file checked against its sha256).
     hellaswag_every: int = 0
     hellaswag_data: str = PUBLIC_URL
     log_every: int = 10
@@ -98,17 +94,16 @@ class SnapshotConfig:
     keep: int = 3  # committed snapshots kept, newest first
     async_save: bool = True  # serialise and upload in the background while training goes on
     max_failures: int = 3  # consecutive failed saves after which the job stops
-    # The job writing here renews its claim on the folder every lease_timeout_s / 4; another job may take
-    # the folder over once the claim has not been renewed for this long (see mingpt.checkpoint.lease).
+    # The writing job renews its claim on the folder every lease_timeout_s / 4; another may take the folder over once
+    # the claim has not been renewed for this long (see mingpt.checkpoint.lease).
     lease_timeout_s: float = 60.0
-    # The memory tier (mingpt.checkpoint.memory): a copy of the state in this node's shared memory after
-    # every step, which a restart resumes from when it is newer than the last snapshot. auto: on where
-    # /dev/shm has room for two copies; on; off.
+    # The memory tier (mingpt.checkpoint.memory): a copy of the state in this node's shared memory, which a restart
+    # resumes from when it is newer than the last snapshot. auto: on where /dev/shm has room for two copies; on; off.
     memory: str = "auto"
     memory_every: int = 0  # steps between copies; 0: as often as costs at most 3% of the step time
     memory_dir: str = "/dev/shm"  # where the tier lives: memory that outlives the workers, on this node only
-    # Passed to fsspec, e.g. {client_kwargs: {endpoint_url: "http://minio:9000"}} for S3.
-    # Prefer the AWS credential chain to keys here; these options are never logged or stored.
+    # Passed to fsspec, e.g. {client_kwargs: {endpoint_url: "http://minio:9000"}} for S3. Prefer the AWS credential
+    # chain to keys here; these options are never logged or stored.
     storage_options: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -143,15 +138,13 @@ FLOAT_KEYS = ("model.dropout", "data.val_fraction", "trainer.lr", "trainer.min_l
 
 
 def from_hydra(raw: DictConfig) -> Config:
-    """The typed Config of what Hydra composed. Hydra's `+key=value` adds keys the schema lacks (its own
-    error for a misspelt key suggests it), and they would be silently ignored: each is an error here."""
+    """Hydra's `+key=value` adds keys the schema lacks, which would be silently ignored: each is an error here."""
     check_known(OmegaConf.to_container(raw, resolve=False))
     return OmegaConf.to_object(raw)
 
 
 def check_known(data: dict) -> None:
-    """ConfigError naming the first key of `data` (nested, as Hydra composes settings) that Config lacks,
-    and the closest known one."""
+    """ConfigError naming the first key of `data` that Config lacks, and the closest known one."""
     unknown = unknown_keys(data, Config)
     if unknown:
         key, close = unknown[0]
@@ -176,7 +169,6 @@ def unknown_keys(data: dict, schema: type, prefix: str = "") -> list[tuple[str, 
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError naming the first key whose value is out of range."""
     t, d, m, s = cfg.trainer, cfg.data, cfg.model, cfg.snapshot
     for key in FLOAT_KEYS:
         if not math.isfinite(_lookup(cfg, key)):
@@ -238,7 +230,6 @@ def validate(cfg: Config) -> None:
 
 
 def _whole_numbers(cfg: Config) -> Iterator[tuple[str, int]]:
-    """(dotted key, value) of every integer setting."""
     for section in fields(cfg):
         part = getattr(cfg, section.name)
         for key, value in ([(f.name, getattr(part, f.name)) for f in fields(part)] if is_dataclass(part) else

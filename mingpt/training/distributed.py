@@ -1,11 +1,8 @@
 """The current generation of workers: who this process is in it, and its collectives.
 
-torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE. This module reads
-them afresh each start (mingpt.jobenv) and uses them for two things only: device placement (LOCAL_RANK) and
-picking one process to log and to write snapshots (rank 0 of this generation). Nothing derived
-from them is ever stored. It also checks, before any work, that the launch cannot deadlock
-(`check_store_sharing`), and tells a collective that failed because a peer went from one that failed here
-(`lost_a_peer`). The generation forms in mingpt.training.generation.
+torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE. They are read afresh each start and
+used for two things only: device placement (LOCAL_RANK) and picking the process that logs and writes snapshots
+(rank 0). Nothing derived from them is ever stored. The generation forms in mingpt.training.generation.
 """
 
 from __future__ import annotations
@@ -47,11 +44,9 @@ class World:
 
 @contextmanager
 def sigterm_ends_at_once() -> Iterator[None]:
-    """Within: SIGTERM ends the process at once (its default action). For torch's blocking calls while a
-    generation forms (connecting to its store, forming the process group), which no Python handler can
-    interrupt: with a peer gone, the process would wait there until trainer.dist_timeout_s, and torchrun's
-    agent, restarting it for a membership change, would kill it only after its shutdown timeout (30 s).
-    Nothing is lost: the process has not trained yet."""
+    """Within: SIGTERM ends the process at once. For torch's blocking calls while a generation forms, which no Python
+    handler can interrupt: with a peer gone, the process would wait until trainer.dist_timeout_s, and torchrun's
+    agent would kill it only after its shutdown timeout. Nothing is lost: the process has not trained yet."""
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         yield
@@ -60,9 +55,8 @@ def sigterm_ends_at_once() -> Iterator[None]:
 
 
 def check_store_sharing(job: JobEnv) -> None:
-    """Stop before any work where torchrun's agents share their rendezvous store with the workers and
-    the launch spans several agents: with torch 2.13 that job deadlocks (see mingpt.launch.node). On one
-    agent (standalone), where restarts were measured to work, warn instead."""
+    """Stop before any work where torchrun's agents share their rendezvous store with the workers and the launch
+    spans several agents: with torch 2.13 that job deadlocks (see mingpt.launch.node). On one agent, warn instead."""
     if not job.agent_store:
         return
     advice = ("launch with mingpt-torchrun (same arguments), or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
@@ -77,8 +71,8 @@ def check_store_sharing(job: JobEnv) -> None:
 
 
 def gpu_of(local_rank: int) -> int:
-    """The GPU of the worker with this LOCAL_RANK: its own. More workers than GPUs would share one,
-    slowly or until memory runs out (and NCCL refuses two ranks on one GPU), so that is an error."""
+    """The worker's own GPU. More workers than GPUs would share one, slowly or until memory runs out (and NCCL refuses
+    two ranks on one GPU), so that is an error."""
     count = torch.cuda.device_count()
     if local_rank >= count:
         raise ConfigError(
@@ -89,13 +83,11 @@ def gpu_of(local_rank: int) -> int:
 
 
 def lost_a_peer(error: BaseException) -> bool:
-    """Whether `error` is a collective's failure because another process died, hung or was cut off: torch's
-    DistError (NCCL, the stores), or gloo's transport error (a RuntimeError naming gloo's tcp pair)."""
+    """Whether `error` is a collective's failure because another process died, hung or was cut off."""
     return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "/gloo/transport/" in str(error))
 
 
 def peer_lost(error: BaseException) -> PeerLeft:
-    """The end of this generation because of `error`, another process's loss (see `lost_a_peer`)."""
     return PeerLeft(f"another process was lost ({one_line(error)}); this process goes on in the next round of the "
                     "job", PEER_LOST)
 
@@ -106,15 +98,14 @@ def barrier(world: World) -> None:
 
 
 def stop() -> None:
-    """Leave the process group. Objects still holding it (DDP's reducer lives in reference cycles)
-    are collected first: destroyed after the group, they abort the process now and then (torch 2.13)."""
+    """Leave the process group. Objects still holding it (DDP's reducer lives in reference cycles) are collected
+    first: destroyed after the group, they abort the process now and then (torch 2.13)."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
 
 
 def all_reduce_sum(values: list[float], world: World) -> list[float]:
-    """Sum a few floats over all processes (identity when alone)."""
     if not world.distributed:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=world.device)
@@ -123,7 +114,6 @@ def all_reduce_sum(values: list[float], world: World) -> list[float]:
 
 
 def all_gather(values: list[float], world: World) -> list[list[float]]:
-    """Each process's few floats, by rank, on every process."""
     if not world.distributed:
         return [list(values)]
     mine = torch.tensor(values, dtype=torch.float64, device=world.device)
@@ -142,7 +132,6 @@ def all_gather_object(obj, world: World) -> list:
 
 
 def broadcast_object(obj, world: World, src: int = 0):
-    """`obj` as process `src` (by default the leader) has it, on every process."""
     if not world.distributed:
         return obj
     box = [obj]

@@ -1,6 +1,4 @@
-"""Where the processes of a generation meet and form their process group: the launcher's key-value store
-(torch's TCPStore at MASTER_ADDR:MASTER_PORT), opened first thing, so that a process still preparing its
-data can say so, then the group (gloo on CPUs, NCCL on GPUs) with a finite timeout."""
+"""Where the processes of a generation meet and form their process group (gloo on CPUs, NCCL on GPUs)."""
 
 from __future__ import annotations
 
@@ -20,20 +18,17 @@ log = logging.getLogger(__name__)
 
 
 class Meeting:
-    """Where the processes of a generation meet before they form the process group: the launcher's
-    key-value store (torch's TCPStore at MASTER_ADDR:MASTER_PORT, hosted by rank 0 or by torchrun's
-    agent). Opened first thing, so that a process that is still preparing data can say so: its peers
-    then wait for it as long as it takes (torchrun ends them all if it dies) instead of timing out in
-    init_process_group, and the leader names whom it waits for. A process that never shows up at all
-    is still an error after trainer.dist_timeout_s. `open` meets there; the constructor reaches nothing."""
+    """The launcher's key-value store (MASTER_ADDR:MASTER_PORT, hosted by rank 0 or by torchrun's agent), opened first
+    thing, so that a process still preparing data can say so: its peers then wait for it as long as it takes
+    instead of timing out in init_process_group, and the leader names whom it waits for. A process that never shows
+    up is still an error after trainer.dist_timeout_s. `open` meets there; the constructor reaches nothing."""
 
     def __init__(self, job: JobEnv, timeout_s: float):
         self.job, self.timeout_s = job, timeout_s
         host, port = job.master
         self.address = f"{host}:{port}"
-        # Rank 0 hosts a fresh store for each generation. torchrun's own store (shared by the agent, one
-        # agent only: see check_store_sharing) outlives restarts: there the restart count keeps the keys of
-        # earlier generations apart. (It differs between agents, so it is not used where there are several.)
+        # Rank 0 hosts a fresh store for each generation. torchrun's own store (one agent only: see
+        # check_store_sharing) outlives restarts: there the restart count keeps earlier generations' keys apart.
         self.prefix = f"mingpt/{job.run_id or ''}/{job.restart_count if job.agent_store else '-'}"
         self.store: dist.TCPStore | None = None
         self.opened = 0.0
@@ -53,7 +48,6 @@ class Meeting:
         return self
 
     def ready(self) -> None:
-        """Say that this process has prepared its data; wait until every process has."""
         self.store.set(self._key("ready", self.job.rank), socket.gethostname())
         said = time.monotonic() - WAIT_LOG_S + 1  # the first report after a second, then every WAIT_LOG_S
         while True:
@@ -94,17 +88,12 @@ WAIT_LOG_S = 30.0  # how often the leader says whom it waits for
 
 
 def meet(job: JobEnv, timeout_s: float) -> Meeting | None:
-    """The generation's meeting point (None when this process is alone)."""
     return Meeting(job, timeout_s).open() if job.world_size > 1 else None
 
 
 def start(job: JobEnv, timeout_s: float, meeting: Meeting | None = None) -> World:
-    """Join the process group torchrun describes (if any): NCCL on GPUs, gloo on CPUs; with `meeting`,
-    once every process is ready.
-
-    The finite timeout turns a hung collective (a peer that died mid-step) into an error,
-    which torchrun answers by restarting the workers.
-    """
+    """Join the process group torchrun describes (if any), once every process is ready. The finite timeout turns a
+    hung collective (a peer that died mid-step) into an error, which torchrun answers by restarting the workers."""
     if torch.cuda.is_available():
         device = torch.device("cuda", gpu_of(job.local_rank))
         torch.cuda.set_device(device)
@@ -118,8 +107,7 @@ def start(job: JobEnv, timeout_s: float, meeting: Meeting | None = None) -> Worl
 
 def _join(meeting: Meeting, device: torch.device) -> None:
     job, timeout_s = meeting.job, meeting.timeout_s
-    # Under torchrun the peers were started together and the wait is short; in an environment made by
-    # hand a missing peer would otherwise make this process wait silently for the whole timeout.
+    # By hand, a missing peer would otherwise make this process wait silently for the whole timeout.
     say = log.info if job.under_torchrun else log.warning
     say("rank %d of %d: joining the process group at %s, waiting up to %.0f s (trainer.dist_timeout_s) for the "
         "other %d process(es) to start", job.rank, job.world_size, meeting.address, timeout_s,

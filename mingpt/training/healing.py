@@ -1,13 +1,11 @@
-"""How a replica that joins a live job gets the state from a live peer: torchft's checkpoint transport,
-over HTTP, in a format that cannot run code and with every tensor checked.
+"""How a replica that joins a live job gets the state from a live peer: torchft's checkpoint transport, over HTTP,
+in a format that cannot run code and with every tensor checked.
 
-torchft's own transports unpickle what a peer sends (torch.load with weights_only=False): any process
-that can reach the port could run code in the joiner. Here the state travels as safetensors (raw
-tensor bytes and a JSON description of the rest), each tensor with the sha256 the sender computed
-before it sent anything. The receiver checks every tensor against its digest and refuses the whole
-state on a mismatch (HealingError), then asks the other groups of the step, each of which serves the
-same state while its step lasts (`offer`). Where none sends a sound one, torchft counts the step as
-failed, and the joiner heals again at the next one.
+torchft's own transports unpickle what a peer sends (torch.load with weights_only=False): any process that can
+reach the port could run code in the joiner. Here the state travels as safetensors, each tensor with the sha256 the
+sender computed. The receiver refuses the whole state on a mismatch (HealingError), then asks the other groups of
+the step, each of which serves the same state while its step lasts (`offer`). Where none sends a sound one, torchft
+counts the step as failed, and the joiner heals again at the next one.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ class HealingError(RuntimeError):
 
 
 def encode(state: Any) -> bytes:
-    """`state` (as mingpt.checkpoint.packing packs one) as safetensors bytes: each tensor once, under its
-    index, and in the JSON metadata the rest and every tensor's sha256."""
+    """`state` as safetensors: each tensor once, under its index; in the metadata the rest and every tensor's sha256."""
     tensors: list[torch.Tensor] = []
     tree = pack(state, tensors, shared={})
     named = {str(i): tensor.detach().cpu().contiguous() for i, tensor in enumerate(tensors)}
@@ -87,10 +84,9 @@ def _digest(tensor: torch.Tensor) -> str:
 class VerifiedTransport(CheckpointTransport):
     """torchft's checkpoint transport, as `encode` and `decode` above, served over HTTP on `host`.
 
-    A source serves one step's state between `send_checkpoint` and `disallow_checkpoint` (which waits
-    for the transfers under way: the state may change once it returns); every other group of the step
-    serves it too, made when first asked, between `offer` and `disallow_checkpoint`. `peers()` gives the
-    other groups' addresses, which a healer asks when its source's state does not check out."""
+    A source serves one step's state between `send_checkpoint` and `disallow_checkpoint` (which waits for the
+    transfers under way: the state may change once it returns); every other group of the step serves it too, made
+    when first asked, from `offer`. `peers()` gives the addresses a healer asks when its source's state is refused."""
 
     def __init__(self, host: str, timeout: timedelta, peers: Callable[[], list[str]] = lambda: []):
         self.host, self.timeout, self.peers = host, timeout, peers
@@ -166,8 +162,7 @@ class VerifiedTransport(CheckpointTransport):
             self._thread.join()
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
-        """GET .../checkpoint/STEP: the state of STEP, once this source serves it (a healer may ask before the
-        source's own quorum has staged it)."""
+        """GET .../checkpoint/STEP, once this source serves it (a healer may ask before the source has staged it)."""
         wanted = request.path.rsplit("/", 1)[-1]
         at = lambda held: held is not None and str(held[0]) == wanted
         with self._lock:

@@ -1,31 +1,27 @@
 """The live mode (`mingpt-torchrun --live`): a node's death or arrival restarts nobody else.
 
-Each node is one torchft replica group: its own torchrun with K workers, which hold the whole model
-(ddp) or shard it among themselves (hsdp); across groups the model is replicated, each worker exchanging
-with the worker of its place in every other group (so every node runs as many). torchft's Manager, in
-every worker, forms a quorum of the groups at every step through the Lighthouse that mingpt-rendezvous
-serves, reconfigures the cross-group process group in place when the quorum changes, heals a group
-that is behind from a live peer (mingpt.training.healing), and votes on every step: a step that failed
-anywhere (a group died mid-collective) is not committed, and is done again with the same samples by the
-quorum that follows.
+Each node is one torchft replica group: its own torchrun with K workers, which hold the whole model (ddp) or shard
+it among themselves (hsdp); across groups the model is replicated, each worker exchanging with the worker of its
+place in every other group. torchft's Manager, in every worker, forms a quorum of the groups at every step through
+the Lighthouse that mingpt-rendezvous serves, reconfigures the cross-group process group in place when the quorum
+changes, heals a group that is behind from a live peer (mingpt.training.healing), and votes on every step: a step
+that failed anywhere is not committed, and is done again with the same samples by the next quorum.
 
 The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepAgreement):
-1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch
-   is split by that place (the group's position in the quorum, then the worker's within its group), so
-   step s trains the same samples whichever groups commit it;
-2. exchange: first the step's table, one row per group of the quorum, in one all-reduce: its loss, its stops (a
-   group asked to stop leaves; the others go on), whether the writer's saves keep failing, the writer's lease
-   generation (which marks the memory tiers' copies), and what makes it a group of this job: the job's id, its
-   data's fingerprint, its layout, and since when it takes part. A group that differs from the group longest in
-   the job leaves with one line, and the others do the step again without it. Then the gradients, averaged
-   over every process of the step (within the group, by FSDP's reduce-scatter where sharded, then across
-   groups on torchft's process group);
+1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch is split
+   by that place (the group's position in the quorum, then the worker's within its group), so step s trains the
+   same samples whichever groups commit it;
+2. exchange: first the step's table, one row per group, in one all-reduce: its loss, its stops (a group asked to
+   stop leaves; the others go on), whether the writer's saves keep failing, the writer's lease generation, and
+   what makes it a group of this job: the job's id, its data's fingerprint, its layout, and since when it takes
+   part. A group that differs from the group longest in the job leaves with one line, and the others do the step
+   again without it. Then the gradients, averaged over every process of the step (within the group, by FSDP's
+   reduce-scatter where sharded, then across groups on torchft's process group);
 3. commit (`should_commit`): only a committed step updates the weights and advances the data.
 
-The checks live in every quorum, not in mingpt-rendezvous's store, which keeps nothing when it restarts. So
-does the choice of the writer (the group that writes the snapshots and metrics and holds the run's lease):
-the group that has taken part longest, ties going to the first position; a group that joins later never takes
-the writing over from a live one.
+The checks live in every quorum, not in mingpt-rendezvous's store, which keeps nothing when it restarts. So does
+the choice of the writer (the group that writes the snapshots and metrics and holds the run's lease): the group
+that has taken part longest, ties going to the first position; a later group never takes the writing over.
 """
 
 from __future__ import annotations
@@ -49,16 +45,13 @@ from mingpt.training.parallel import Topology
 
 log = logging.getLogger(__name__)
 
-# Every timeout of the live mode, in one place.
-# (The Lighthouse's own, which mingpt-rendezvous serves it with, are in mingpt.jobenv.)
+# Every timeout of the live mode (the Lighthouse's own are in mingpt.jobenv).
 COLLECTIVE_TIMEOUT_S = 10.0  # a cross-group collective, a heal's transfer (Manager's timeout)
-# The commit vote, which waits for every process of the group. Longer than a collective's timeout: when a group
-# dies mid-step, one process may learn it at once (a refused connection) and another only when its collective
-# times out, so they reach the vote up to a collective's timeout apart.
+# The commit vote, which waits for every process of the group. Longer than a collective's timeout: when a group dies
+# mid-step, one process may learn it at once and another only when its collective times out.
 COMMIT_TIMEOUT_S = 3 * COLLECTIVE_TIMEOUT_S
-# Forming a quorum: past it, the Lighthouse is taken for lost, and the group meets it again under a new Manager.
-# Longer than a collective's timeout: a live group may still be in a collective that times out on the dead one,
-# and a group that left for a new Manager meanwhile leaves the quorum an address that no longer answers.
+# Forming a quorum: past it, the Lighthouse is taken for lost and met again under a new Manager. Longer than a
+# collective's timeout: a live group may still be in a collective that times out on the dead one.
 QUORUM_TIMEOUT_S = 15.0
 CONNECT_TIMEOUT_S = 10.0  # reaching the Lighthouse or another group's manager
 LIGHTHOUSE_WAIT_S = 300.0  # how long a lost Lighthouse is waited for (mingpt-rendezvous restarting)
@@ -68,8 +61,7 @@ HEALERS_KEY = "mingpt/live/healers/"  # + job id / local rank: the addresses gro
 
 
 def group_name(world: World) -> str:
-    """This group's name in the quorum, the same in each of its workers: its host and agent (torchft adds a
-    uuid of its own, so that a restarted group is a new one)."""
+    """This group's name in the quorum: its host and agent (torchft adds a uuid: a restarted group is a new one)."""
     name = f"{socket.gethostname()}-{os.getppid()}"
     if world.distributed:
         box = [name]
@@ -89,8 +81,7 @@ MODES = ("ddp", "hsdp")  # the layouts' modes, by their number
 
 
 def credentials(job_id: str, data_fingerprint: str, workers: int, mode: str) -> tuple[int, int, int]:
-    """What every group of a live job shares: the job's id (the first 48 bits of its sha256), its prepared data's
-    fingerprint (its first 48 bits), and its layout (the workers per group and how they split the model)."""
+    """What every group of a live job shares: its job's id, its data's fingerprint (48 bits each), its layout."""
     return (int(hashlib.sha256(job_id.encode()).hexdigest()[:12], 16), int(data_fingerprint[:12], 16),
             workers * len(MODES) + MODES.index(mode))
 
@@ -131,7 +122,7 @@ class LiveAgreement:
 
     def __init__(self, topology: Topology, replica, checkpointer, global_batch_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None]):
-        """The agreement of this worker of a live job (topology.world.job.live); `start` joins the job."""
+        """`start` joins the job."""
         world, self.sharded, self.mode = topology.world, topology.sharded, topology.mode
         self.settings = world.job.live
         self.world, self.replica, self.checkpointer = world, replica, checkpointer
@@ -148,10 +139,7 @@ class LiveAgreement:
         self.counted = 0  # the groups of the last committed step (0: none yet)
 
     def start(self) -> LiveAgreement:
-        """Reach mingpt-rendezvous's store, name this group and start its Manager (which meets the Lighthouse at
-        the first quorum)."""
-        # torchft logs each failed collective with its traceback, and each reconfiguration; this module says
-        # in a line when steps stop and start counting.
+        # torchft logs each failed collective with its traceback; this module says in a line when steps stop counting.
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
         host, port = self.settings.rendezvous.rsplit(":", 1)
         self.rendezvous = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
@@ -164,8 +152,7 @@ class LiveAgreement:
         return self
 
     def _new_manager(self):
-        """torchft's Manager for this worker, on a store of the group's own that its first worker hosts: a new
-        one for each Manager, so that no key an earlier quorum left there is read again."""
+        """torchft's Manager, on a new store of the group's own, so that no key an earlier quorum left is read again."""
         # Imported in live jobs only: torchft takes a second to import, and starts threads of its own.
         from torchft import Manager, ProcessGroupGloo
 
@@ -198,8 +185,7 @@ class LiveAgreement:
         return manager
 
     def _peers(self) -> list[str]:
-        """The addresses every group of the job (that of this worker's local rank) has served its state at;
-        none, with the reason, where mingpt-rendezvous's store cannot say."""
+        """The addresses the job's groups serve their state at; none where mingpt-rendezvous's store cannot say."""
         try:
             if self.rendezvous.check([self.healers]):
                 return self.rendezvous.get(self.healers).decode().split()
@@ -214,8 +200,8 @@ class LiveAgreement:
         return {**self.state(), "credentials": list(self.credentials)}
 
     def _heal(self, received: dict) -> None:
-        """Load what a live peer sent, once its credentials show a group of this job: else this group leaves in one
-        line, before its state or its gradients could meet the job's."""
+        """Load what a live peer sent, once its credentials show a group of this job: else this group leaves, before
+        its state or gradients could meet the job's."""
         theirs = received.pop("credentials")
         if (why := misfit(self.credentials, theirs, self.job_id)) is not None:
             raise why
@@ -236,10 +222,9 @@ class LiveAgreement:
                 raise
             except Exception as e:  # the Lighthouse stopped answering (TimeoutError, or a refused connection)
                 self._meet_again(e)
-        # Until the vote, this group's state is that of the step: a healer whose source failed it may ask here.
-        # Made here, on the training thread, and read by the transport's: FSDP's state-dict hooks swap the
-        # model's parameters, which a forward pass must not see. Not before the first step: no group heals
-        # to step 0, and the state-dict API would make the optimizer's state by taking a step.
+        # Until the vote, a healer whose source failed it may ask here. Made on the training thread: FSDP's state-dict
+        # hooks swap the model's parameters, which a forward pass must not see. Not at step 0: no group heals to it,
+        # and the state-dict API would make the optimizer's state by taking a step.
         step = self.manager.current_step()
         if step > 0:
             offered = {"user": {STATE_KEY: self._offered()}, "torchft": self.manager.state_dict()}
@@ -251,8 +236,7 @@ class LiveAgreement:
         return Share(self.position * per_group + self.world.rank, self.groups * per_group)
 
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
-        """The step's table, then the gradients, averaged over every process of the step; then the vote.
-        A stop concerns this group alone: it leaves, and the others go on."""
+        """The step's table, then the gradients, then the vote. A stop concerns this group alone: the others go on."""
         params = [p for p in self.replica.model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # no share of this step: nothing to add, but the exchange needs every process
@@ -260,8 +244,8 @@ class LiveAgreement:
         # hsdp: this process's shard of each gradient, which FSDP has averaged over the group already.
         grads = [p.grad.to_local() if self.sharded else p.grad for p in params]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
-        # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one
-        # lost to another job stops the writer's group there, when it claims the run again.
+        # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one lost to
+        # another job stops the writer's group when it claims the run again.
         saves_failing, _ = self.checkpointer.problems()
         lease = self.checkpointer.lease_generation() or 0  # its leader's alone: the group's sum is its value
         numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing), float(lease)],
@@ -289,9 +273,8 @@ class LiveAgreement:
         return Outcome(loss / self.global_batch_size, int(stops), failing > 0, False, committed, int(lease) or None)
 
     def _table(self, numbers: list[float]) -> list[list[float]] | None:
-        """Every group's row of the step, as every group sees it; None where the step cannot count:
-        the exchange failed, or a group of the quorum is not of this job (which leaves: this one raises, where
-        it is that group)."""
+        """Every group's row of the step; None where the step cannot count: the exchange failed, or a group of the
+        quorum is not of this job (this one raises, where it is that group)."""
         since = NEVER if self.since is None else self.since
         table = torch.zeros(max(self.groups, 1), COLUMNS, dtype=torch.float64)
         if self.position is not None:
@@ -318,8 +301,7 @@ class LiveAgreement:
             raise peer_lost(e) from e
 
     def _meet_again(self, error: Exception) -> None:
-        """The Lighthouse did not answer for a quorum: it stopped, or restarts. Meet it again, as the same group
-        under a new Manager (torchft keeps no quorum of the Lighthouse it lost), for up to LIGHTHOUSE_WAIT_S."""
+        """Meet the lost Lighthouse again under a new Manager (torchft keeps no quorum of the Lighthouse it lost)."""
         log.warning("live: the Lighthouse at %s does not answer (%s); meeting it again", self.settings.lighthouse,
                     one_line(error))
         self.manager.shutdown(wait=False)
@@ -340,8 +322,8 @@ class LiveAgreement:
         log.info("live: met the Lighthouse again")
 
     def _say_what_changed(self, committed: bool) -> None:
-        """One line (from the first worker of each group) when this group takes part for the first time, when
-        the number of groups changes, when steps stop being committed (why), and when they are again."""
+        """One line (from each group's first worker) when this group first takes part, when the number of groups
+        changes, when steps stop being committed (why), and when they are again."""
         if self.world.rank != 0:
             return
         step = self.manager.current_step()  # after a commit: the step just committed

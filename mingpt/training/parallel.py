@@ -1,13 +1,11 @@
 """How the replica is spread over the processes (`trainer.parallelism`).
 
 - ddp: every process holds all weights, gradients and AdamW state; gradients are averaged (DDP).
-- fsdp: each process holds 1/N of them (FSDP2's `fully_shard` per block, then the root); a block's
-  weights are gathered for its forward and backward, its gradients reduce-scattered.
+- fsdp: each process holds 1/N of them (FSDP2's `fully_shard` per block, then the root).
 - hsdp: sharded within a node, replicated across nodes: the all-gathers stay on the fast links.
 - auto: ddp while the state fits comfortably in each process's memory, fsdp beyond.
 
-Data order and loss weighting are the same in every mode (see Trainer._step), so a run may change
-mode at a restart: snapshots of each load into the others (mingpt.training.checkpointer).
+Data order and loss weighting are the same in every mode, so a run may change mode at a restart.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this generation's processes are and how the replica is spread over them: built once per
-    generation, once the mode is chosen, and passed to whatever needs it."""
+    """Where this generation's processes are and how the replica is spread over them."""
 
     world: World
     mode: str  # ddp, fsdp or hsdp
@@ -49,8 +46,7 @@ class Topology:
 
     @property
     def piece(self) -> tuple[int, int]:
-        """(index, count) of this process's piece of the state: its place along the sharded dimension (fsdp:
-        all processes; hsdp: its node's), or (0, 1) where it holds all of it."""
+        """(index, count) of this process's piece of the state; (0, 1) where it holds all of it."""
         if self.mode == "fsdp":
             return self.world.rank, self.world.world_size
         if self.mode == "hsdp":
@@ -59,15 +55,14 @@ class Topology:
 
     @property
     def neighbours(self) -> tuple[int, int]:
-        """The processes of this one's local index on the next and on the previous node (this generation's
-        ranks)."""
+        """The processes of this one's local index on the next and on the previous node."""
         rank, size = self.world.rank, self.world.world_size
         return (rank + self.per_node) % size, (rank - self.per_node) % size
 
 
 def choose(wanted: str, params: int, world: World, live: bool = False) -> tuple[str, str]:
-    """The mode to train in and why; ConfigError when ddp would not fit. `live`: the world is one node of a
-    live job (mingpt.training.live), whose nodes replicate the model: the shards stay within the node."""
+    """The mode to train in and why. `live`: the world is one node of a live job, whose nodes replicate the model:
+    the shards stay within the node."""
     if live and wanted == "fsdp":
         raise ConfigError("mingpt-torchrun --live replicates the model across nodes, so it cannot shard it over "
                           "all of them (trainer.parallelism=fsdp): use trainer.parallelism=hsdp, which shards it "
@@ -109,8 +104,7 @@ def memory_per_process(world: World) -> float:
 
 
 def place(model: GPT, topology: Topology, compute_dtype: torch.dtype) -> None:
-    """Put `model` on this process's device: whole under ddp; under fsdp and hsdp sharded in place, before
-    its optimizer is made (sharding replaces the parameters), each process's shards on its device."""
+    """Put `model` on this process's device, whole or sharded: before its optimizer (sharding replaces parameters)."""
     if not topology.sharded:
         model.to(topology.world.device)
         return
@@ -126,12 +120,10 @@ def place(model: GPT, topology: Topology, compute_dtype: torch.dtype) -> None:
 
 
 def _return_large_frees_to_the_system() -> None:
-    """Sharded training gathers each block's weights and gradients into buffers of tens of MB and frees
-    them a moment later. glibc's malloc raises its mmap threshold after each such free, so the next ones
-    come from the heap, which fragments and grows past what DDP needs. With the threshold fixed at 4 MB,
-    buffers that large come from mmap and go back at once; lower, activations of a few MB would too, at a
-    cost in speed (docs/benchmarks.md, bench/bench_fsdp.py). GPUs have their own allocator; elsewhere than
-    glibc this does nothing."""
+    """Sharded training gathers each block's weights and gradients into large buffers and frees them a moment later.
+    glibc's malloc raises its mmap threshold after each such free, so the next ones come from the heap, which
+    fragments and grows past what DDP needs. Fixed at 4 MB, such buffers come from mmap and go back at once; lower,
+    activations would too, at a cost in speed (docs/benchmarks.md). Elsewhere than glibc this does nothing."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 4 << 20)
     except (OSError, AttributeError):
@@ -139,7 +131,6 @@ def _return_large_frees_to_the_system() -> None:
 
 
 def replicate(model: GPT, topology: Topology) -> DDP | None:
-    """The DDP wrapper to train an unsharded `model` through, where there are several processes."""
     world = topology.world
     if not world.distributed or topology.sharded:
         return None

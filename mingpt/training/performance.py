@@ -1,12 +1,9 @@
 """How fast training runs against what the hardware can do: throughput, model FLOPs, MFU, memory.
 
-MFU (model FLOPs utilisation) = model FLOPs per token x tokens per second / peak FLOP/s, with
-the FLOPs counted as in the PaLM paper and nanoGPT: 6 per parameter per token (forward and
-backward matmuls; position embeddings excluded, the tied token embedding included as the output
-layer) plus 12 x layers x width x sequence length for attention scores and their use. The peak is
-taken from a table for known GPUs (dense bf16/fp16 tensor-core figures from NVIDIA's data sheets)
-and otherwise measured by a short matmul probe in the training precision, once per machine: the
-result is cached in $XDG_CACHE_HOME/mingpt/peak_flops.json (default ~/.cache).
+MFU = model FLOPs per token x tokens per second / peak FLOP/s, the FLOPs counted as in the PaLM paper and nanoGPT:
+6 per parameter per token plus 12 x layers x width x sequence length for attention. The peak comes from NVIDIA's
+data sheets for known GPUs, else from a short matmul probe in the training precision, cached once per machine in
+$XDG_CACHE_HOME/mingpt/peak_flops.json.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ from fsspec.implementations.local import LocalFileSystem
 from mingpt.model import GPTConfig
 from mingpt.storage import parse_json, replace_atomically
 
-# Dense (no sparsity) tensor-core TFLOP/s for bf16 and fp16, by a name fragment of
-# torch.cuda.get_device_name(); the first match wins, so more specific names come first.
+# Dense tensor-core TFLOP/s for bf16 and fp16, by a fragment of the device's name; the first match wins.
 GPU_PEAK_TFLOPS = [
     ("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("GH200", 989), ("B200", 2250),
     ("A100", 312), ("L40S", 362), ("L4", 121), ("A10", 125),
@@ -35,22 +31,18 @@ GPU_PEAK_TFLOPS = [
 
 
 def flops_per_token(config: GPTConfig, params: int) -> int:
-    """Training FLOPs per token of a model with `params` parameters (see the module docstring)."""
     return 6 * params + 12 * config.n_layer * config.n_embd * config.block_size
 
 
 def mfu(flops_per_token: int, tokens_per_s: float, peak_flops: float) -> float:
-    """The share of `peak_flops` that `tokens_per_s` puts to model use."""
     return flops_per_token * tokens_per_s / peak_flops
 
 
 def cpu_flags() -> set[str]:
-    """The feature flags of this CPU (empty where unknown)."""
     return set(cpuinfo("flags").split())
 
 
 def cpuinfo(field: str) -> str:
-    """The first value of `field` in Linux's /proc/cpuinfo ("" elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.split(":", 1)[0].strip() == field:
@@ -61,10 +53,8 @@ def cpuinfo(field: str) -> str:
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, measure: bool = False) -> tuple[float, str]:
-    """Peak FLOP/s of one process on `device` in `dtype`, and where the figure comes from.
-
-    `measure` probes again even where a figure is cached (a probe on a busy machine reads low, and
-    MFU above 100% shows it); the cache keeps the highest figure measured."""
+    """Peak FLOP/s of one process on `device` in `dtype`, and where the figure comes from. `measure` probes again
+    even where a figure is cached (a probe on a busy machine reads low); the cache keeps the highest."""
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device)
         for fragment, tflops in GPU_PEAK_TFLOPS:
@@ -93,8 +83,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def _probe(device: torch.device, dtype: torch.dtype, bursts: int = 5, seconds: float = 0.06, n: int = 1024) -> float:
-    """FLOP/s of n x n matmuls in `dtype`: the best of `bursts` bursts of about `seconds` each, so that
-    a moment of load elsewhere on the machine does not lower the peak."""
+    """FLOP/s of n x n matmuls: the best of several bursts, so that a moment of load elsewhere does not lower it."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     for _ in range(3):  # warm-up: kernels chosen, caches filled
@@ -121,7 +110,7 @@ def _cache_file() -> Path:
 
 
 def _remember(cache: Path, entries: dict) -> None:
-    """Write the cache whole; a cache that cannot be written only means probing again next time."""
+    """A cache that cannot be written only means probing again next time."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         replace_atomically(LocalFileSystem(), str(cache), json.dumps(entries, indent=1).encode())
@@ -130,15 +119,13 @@ def _remember(cache: Path, entries: dict) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """The most memory this process has used: allocated CUDA memory on a GPU, resident memory on a CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class Throughput:
-    """Tokens per second and seconds per step of training since the last reading (the progress line's
-    figures): time spent `excluding()` (evaluation, saving snapshots) is left out."""
+    """Tokens per second and seconds per step since the last reading; time spent `excluding()` is left out."""
 
     def __init__(self, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
@@ -156,8 +143,7 @@ class Throughput:
             self.excluded += time.perf_counter() - started
 
     def read(self) -> tuple[float, float, float]:
-        """(tokens/s, seconds/step) of training since the last reading, which starts the next window, and
-        the seconds left out."""
+        """(tokens/s, seconds/step, seconds left out); starts the next window."""
         excluded = self.excluded
         elapsed = max(1e-9, time.perf_counter() - self.started - excluded)
         rate = self.steps * self.tokens_per_step / elapsed

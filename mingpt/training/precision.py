@@ -14,13 +14,9 @@ MIN_BF16_CPU_WIDTH = 128
 
 
 def choose_precision(requested: str, device: torch.device, n_embd: int) -> tuple[str, str]:
-    """The precision to train in ('fp32', 'bf16' or 'fp16') and why, for `trainer.precision`.
-
-    `auto` takes bf16 autocast where the hardware computes bf16 natively: CUDA GPUs that support it,
-    and CPUs with AMX or AVX512-BF16 for models at least MIN_BF16_CPU_WIDTH wide (measured on such a
-    2-core CPU by bench/bench_precision.py: gpt-micro 1.33x and gpt-mini 1.70x the fp32 tokens/s, with
-    attention kept in fp32, see mingpt.model.attention). Elsewhere autocast would emulate bf16, slower
-    than fp32. Weights and optimizer state stay fp32 either way."""
+    """The precision to train in and why. `auto` takes bf16 autocast where the hardware computes bf16 natively: CUDA
+    GPUs that support it, and CPUs with AMX or AVX512-BF16 for models at least MIN_BF16_CPU_WIDTH wide. Elsewhere
+    autocast would emulate bf16, slower than fp32. Weights and optimizer state stay fp32 either way."""
     if requested != "auto":
         return requested, "as configured"
     if device.type == "cuda":
@@ -37,11 +33,8 @@ def choose_precision(requested: str, device: torch.device, n_embd: int) -> tuple
 
 
 def choose_compile(requested: bool | None, device: torch.device) -> tuple[bool, str]:
-    """Whether to torch.compile the model, and why, for `trainer.compile` (None: decide here).
-
-    On CPUs compiling was measured no faster: 0.90-1.03x the eager tokens/s of gpt-nano to gopher-44m in the
-    precision `auto` takes for each (bench/bench_precision.py), for 13-28 s of compiling per start; so
-    `auto` compiles on GPUs only."""
+    """Whether to torch.compile the model, and why. `auto` compiles on GPUs only: on CPUs compiling is no faster, and
+    costs seconds at every start (docs/benchmarks.md)."""
     if requested is not None:
         return requested, "as configured"
     if device.type == "cuda":
@@ -61,7 +54,6 @@ def autocast_for(precision: str, device: torch.device):
 
 
 def compute_dtype(autocast) -> torch.dtype:
-    """The dtype matmuls run in under `autocast` (an autocast context, or a null one for fp32)."""
     return autocast.fast_dtype if isinstance(autocast, torch.autocast) else torch.float32
 
 

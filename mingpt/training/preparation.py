@@ -1,9 +1,5 @@
-"""The data a job trains on: its prepared folder, tokenized with model.init_from's tokenizer where
-data.tokenizer is left at its default.
-
-Every worker calls `prepare_data`, and so does `mingpt-torchrun` before its node joins the job, after
-`fetch_hellaswag` where the job scores HellaSwag. The launcher imports this module, not the trainer: an agent
-needs none of the trainer's machinery (FSDP and DCP alone cost each agent about 0.7 s of CPU to import).
+"""The data a job trains on: its prepared folder, tokenized with model.init_from's tokenizer where data.tokenizer is
+left at its default. The launcher imports this module, not the trainer, whose imports an agent does not need.
 """
 
 from __future__ import annotations
@@ -21,20 +17,17 @@ from mingpt.training.config import Config, TrainerConfig
 
 log = logging.getLogger(__name__)
 def prepare_data(cfg: Config, pretrained: Pretrained | None = None) -> Path:
-    """The prepared folder of `cfg.data` (reused, or prepared now). mingpt-torchrun calls it before its
-    node joins the job, so that the job never waits while a new node tokenizes."""
+    """The prepared folder of `cfg.data`. mingpt-torchrun calls it before its node joins the job, so that the job
+    never waits while a new node tokenizes."""
     if pretrained is None and cfg.model.init_from:
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size)
     return prepare(replace(cfg.data, tokenizer=_tokenizer(cfg, pretrained)))
 
 
 def fetch_hellaswag(t: TrainerConfig) -> str | None:
-    """Where the job scores HellaSwag (trainer.hellaswag_every), read its file on this node now, before the data
-    work and before the workers start: a file that is not HellaSwag's is a MinGPTError here, and a URL is fetched
-    into this machine's cache once for the node. What came of it, for the workers (mingpt.jobenv's
-    hellaswag_fetched): "cached" (they read this copy instead of each fetching it again in the start-up their
-    peers wait on), "unavailable" (it could not be had: they train without the metric after this one warning), or
-    None (a local file: they read it)."""
+    """Read the HellaSwag file on this node before the workers start: a file that is not HellaSwag's fails here, and
+    a URL is fetched once for the node. For the workers: "cached" (they read this copy instead of each fetching it
+    in the start-up their peers wait on), "unavailable" (they train without the metric), or None (a local file)."""
     if not t.hellaswag_every:
         return None
     try:
@@ -50,7 +43,6 @@ def fetch_hellaswag(t: TrainerConfig) -> str | None:
 
 
 def _tokenizer(cfg: Config, pretrained: Pretrained | None) -> str:
-    """data.tokenizer, or the tokenizer of model.init_from where data.tokenizer is left at its default."""
     default = type(cfg.data)().tokenizer
     if pretrained is None or cfg.data.tokenizer != default:
         return cfg.data.tokenizer

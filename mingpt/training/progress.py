@@ -1,18 +1,13 @@
-"""This process's progress, for the watchdog of its node's agent (mingpt.launch.watchdog): the step and
-the phase it is in, and when it entered it, written into a small file of a private folder that the agent
-made (MINGPT_PROGRESS_DIR). It needs no collective, so a hung collective cannot hide it: a process that
-stops marking is seen by its agent, which names it, writes its Python stack to the log and restarts the
-workers.
+"""This process's progress, for the watchdog of its node's agent (mingpt.launch.watchdog): the step, the phase and
+when it entered it, in a small file of the agent's private folder (MINGPT_PROGRESS_DIR). It needs no collective, so
+a hung collective cannot hide it.
 
-Whatever torch compiles, at any step and in any phase (the first step, evaluation after training steps, a
-last batch of another shape, a recompile after a guard failed), is marked as the phase `compiling` while it
-lasts: the watchdog allows it trainer.dist_timeout_s, as a generation's first step, and the end of a compile
-counts as progress.
+Whatever torch compiles, at any step and in any phase, is marked as the phase `compiling` while it lasts: the
+watchdog allows it trainer.dist_timeout_s, as a generation's first step.
 
-Each mark is one pwrite of 48 bytes. Processes that torchrun did not start (no agent) mark nothing, and so
-does a process whose MINGPT_PROGRESS_DIR is not a folder of this user's alone (mode 0700, not a link), as
-its agent makes: in a folder others can write, they could plant a FIFO or a link. It trains on, with one
-warning, unwatched.
+Processes without an agent mark nothing, and so does one whose MINGPT_PROGRESS_DIR is not a folder of this user's
+alone (mode 0700, not a link): in a folder others can write, they could plant a FIFO or a link. It trains on, with
+one warning, unwatched.
 """
 
 from __future__ import annotations
@@ -34,10 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class Progress:
-    """Marks of this process's progress, where an agent watches them."""
-
     def __init__(self, folder: str | None, hang_timeout_s: float, warmup_s: float):
-        """Marks in `folder` (the job's progress_dir: its agent's), or none where it is None."""
         self.hang_timeout_s, self.warmup_s = hang_timeout_s, warmup_s
         self.fd = _open_mark_file(Path(folder)) if folder else None
         if self.fd is not None:
@@ -48,8 +40,7 @@ class Progress:
         self.mark(0, "starting")
 
     def watch_compiles(self) -> None:
-        """Mark every compile of torch in this process, from now on, as the phase `compiling`. (Only a process
-        that compiles calls it: importing what tells of compiles takes a second or two.)"""
+        """Called only where it compiles: the imports it needs are slow."""
         if self.fd is not None and self._unwatch is None:
             self._unwatch = torch_internals.watch_compiles(self._compiling, self._compiled)
 
@@ -78,8 +69,7 @@ class Progress:
 
 
 def _open_mark_file(folder: Path) -> int | None:
-    """This process's mark file in its agent's folder, opened for writing; None, with one warning, where the folder
-    is not one an agent of this user's made or the file is not a regular file of this user's."""
+    """None, with one warning, where the folder or the file is not this user's alone."""
     why = None if private_folder(folder) else "not a folder of this user's alone (mode 0700, not a link)"
     if why is None:
         try:
@@ -92,8 +82,7 @@ def _open_mark_file(folder: Path) -> int | None:
 
 
 def let_the_agent_read_my_stack() -> None:
-    """Where Yama lets a process read only its descendants (ptrace_scope 1), name the agent (and so the
-    py-spy it starts) as allowed to; and write every thread's stack to stderr on SIGUSR1, for a process
-    that still runs where py-spy is missing."""
+    """Where Yama lets a process read only its descendants (ptrace_scope 1), allow the agent (and its py-spy); and
+    write every thread's stack to stderr on SIGUSR1, where py-spy is missing."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     prctl(PR_SET_PTRACER, os.getppid())  # (not Linux: py-spy asks for what it needs there)

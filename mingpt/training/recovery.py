@@ -1,13 +1,11 @@
-"""The memory tiers of every node, used together: a copy of the run state after every step (or every
-few), so that a failure costs at most the step in flight, under every parallelism.
+"""The memory tiers of every node, used together: a copy of the run state after every step (or every few), so that
+a failure costs at most the step in flight, under every parallelism.
 
-Each process keeps its piece of the state (mingpt.checkpoint.memory): the whole replica under ddp, one
-process per node; its shard under fsdp and hsdp, every process. Where a piece exists on no other node
-(fsdp across nodes), each process also sends its copy to the process of the same local index on the
-next node of this generation (ranks name the peers of this generation only; nothing stored depends on
-them), so that the state outlives any one machine. After a restart the processes gather what the
-tiers of the surviving nodes hold, agree on the newest step whose pieces are all there, and load it,
-cut to the new world size.
+Each process keeps its piece of the state (mingpt.checkpoint.memory): the whole replica under ddp, one process per
+node; its shard under fsdp and hsdp. Where a piece exists on no other node (fsdp across nodes), each process also
+sends it to the process of its local index on the next node, so that the state outlives any one machine. After a
+restart the processes agree on the newest step whose pieces the surviving tiers all hold, and load it, cut to the
+new world size.
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ MEASURED_AT = 4  # the step of a generation at which snapshot.memory_every=0 is 
 
 
 def check_memory_dir(cfg: SnapshotConfig) -> None:
-    """snapshot.memory=on asks for a tier: a snapshot.memory_dir that cannot hold one is refused before any work
-    (with auto, the tier turns itself off with a warning)."""
+    """snapshot.memory=on: a snapshot.memory_dir that cannot hold a tier is refused before any work (auto: the tier
+    turns itself off with a warning)."""
     problem = unusable(cfg.memory_dir) if cfg.memory == "on" else None
     if problem:
         raise ConfigError(f"snapshot.memory=on keeps the state in snapshot.memory_dir={cfg.memory_dir}, but {problem} "
@@ -46,8 +44,8 @@ def check_memory_dir(cfg: SnapshotConfig) -> None:
 
 
 class MemoryCopies:
-    """This process's part in the memory tiers of a generation. Every process makes one where the memory
-    tier is wanted (the same decision everywhere: the copies and their exchange are collective)."""
+    """This process's part in the memory tiers of a generation: made by every process or none, as the copies and
+    their exchange are collective."""
 
     def __init__(self, cfg: SnapshotConfig, topology: Topology, run: str, replica: Replica):
         self.world, self.replica = topology.world, replica
@@ -71,9 +69,8 @@ class MemoryCopies:
 
     def restore(self, durable_step: int, durable_generation: int | None) -> dict | None:
         """Restore the replica from the newest step whose pieces the nodes' tiers hold, when it is newer than
-        the snapshot of `durable_step` and was written by its generation or a later one (a tier left by a
-        generation that another generation followed is never used); the description of one of its pieces
-        (step, host, world_size), or None. Every process calls it, then the tiers are started."""
+        `durable_step` and written by its generation or a later one (a tier left by a generation that another
+        followed is never used); the description of one of its pieces, or None. Every process calls it."""
         usable = lambda held: (held.header.get("generation") or 0) >= (durable_generation or 0)
         held = [h for h in self.tier.pieces(newer_than=durable_step) if usable(h)]
         everyone = distributed.all_gather_object(([_key(h) for h in held], self.tier.reached()), self.world)
@@ -86,9 +83,7 @@ class MemoryCopies:
         return header
 
     def _load(self, choice: list[tuple], held: list[Held], offers: set) -> dict | None:
-        """Bring every process the pieces `choice` names (offers: process, step, generation, index, count),
-        each from the process that holds it, and load them; None where a holder found its piece damaged
-        (that offer is struck off)."""
+        """Load the pieces `choice` names, each from its holder; None where a holder found its piece damaged."""
         trees, header, hosts = [], None, set()
         for offer in choice:
             process = offer[0]
@@ -111,8 +106,7 @@ class MemoryCopies:
     # -- copying ---------------------------------------------------------------------------------
 
     def after_step(self) -> None:
-        """The step is done everywhere: copy this process's piece to its tier (every snapshot.memory_every
-        steps), in the background until `before_update`; and send it to the next node where it must."""
+        """Copy this process's piece to its tier in the background, and send it to the next node where it must."""
         step, now = self.replica.state.step, time.monotonic()
         if self._last_step_at is not None:
             self._step_seconds = now - self._last_step_at
@@ -141,10 +135,9 @@ class MemoryCopies:
             self.tier.forget_other_layouts()
 
     def _every(self) -> int:
-        """snapshot.memory_every, or (0) the fewest steps between copies that keep what the training thread
-        waits for them within OVERHEAD of the step time, as measured by every process (the copy runs while
-        the next step computes: only what is left of it at the optimizer step costs time). Every process
-        chooses at the same step, together: where pieces are sent between nodes, all copy alike."""
+        """snapshot.memory_every, or (0) the fewest steps between copies that keep the training thread's wait for them
+        within OVERHEAD of the step time. Every process chooses at the same step, together: where pieces are sent
+        between nodes, all copy alike."""
         if self.every or self._steps < MEASURED_AT:
             return self.every or 1
         measured = distributed.all_gather([self._waited, self._step_seconds], self.world)
@@ -156,8 +149,8 @@ class MemoryCopies:
         return self.every
 
     def _send(self, header: dict | None, buffer: torch.Tensor | None) -> None:
-        """In the copy's thread: send this piece to the next node and keep the one the previous node sends,
-        over a group of their own. Every process takes part, with an empty piece where it copied nothing."""
+        """In the copy's thread: send this piece to the next node and keep the previous node's. Every process takes
+        part, with an empty piece where it copied nothing."""
         to, source = self.peers
         try:
             description = json.dumps(header).encode() if header else b""
@@ -182,23 +175,20 @@ class MemoryCopies:
             work.wait()
 
     def finish(self, release: bool) -> None:
-        """Wait for the copy in flight and its exchange (every process takes part); with `release`, free the
-        memory: the last step is in a snapshot."""
+        """Wait for the copy in flight and its exchange; with `release`, free the memory."""
         self.tier.wait()
         if release:
             self.tier.release()
 
 
 def _key(held: Held) -> tuple:
-    """What a piece is: (step, generation, index, count). Pieces of one step fit together only where one
-    generation wrote them all, with one layout."""
+    """Pieces of one step fit together only where one generation wrote them all, with one layout."""
     return held.step, held.header.get("generation") or 0, *held.piece
 
 
 def _newest_complete(offers: set) -> list[tuple] | None:
-    """Of offers (process, step, generation, index, count), those of the newest step (and generation) whose
-    pieces 0 .. count-1 are all offered, one per piece: the first process that holds it; None if no step is
-    complete."""
+    """Of offers (process, step, generation, index, count), one per piece of the newest step (and generation) whose
+    pieces are all offered; None if no step is complete."""
     for written in sorted({(step, gen, count) for _, step, gen, _, count in offers}, reverse=True):
         holders = {}
         for offer in sorted(o for o in offers if (o[1], o[2], o[4]) == written):

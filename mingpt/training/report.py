@@ -1,8 +1,7 @@
-"""What a training run tells the people watching it: the progress line, metrics.jsonl and the dashboards
-(trainer.loggers), MFU, what a start found, what changed in the job's membership, and the ledger of
-samples (a digest of the samples of every step, for checking that none was lost or repeated). One
-process speaks: the leader of the generation (in the live mode, the writer's); every process takes part
-in comparing step times within its generation (mingpt.training.stragglers)."""
+"""What a training run tells the people watching it: the progress line, metrics and dashboards, MFU, what a start
+found, membership changes, and the ledger of samples (a digest per step, for checking that none was lost or
+repeated). One process speaks: the leader (in the live mode, the writer's); every process takes part in comparing
+step times (mingpt.training.stragglers)."""
 
 from __future__ import annotations
 
@@ -34,15 +33,13 @@ log = logging.getLogger(__name__)
 
 
 class Report:
-    """One generation's reporting. `start` once training begins, `step` after every step, `evaluation` and
-    `hellaswag` after every evaluation; `excluding()` leaves evaluations and saves out of the tokens/s."""
+    """One generation's reporting; `excluding()` leaves evaluations and saves out of the tokens/s."""
 
     def __init__(self, cfg: Config, world: World, run: RunDir, model: GPT, compute_dtype: torch.dtype,
                  speaks: bool):
         self.cfg, self.world, self.run, self.compute_dtype = cfg, world, run, compute_dtype
         self.speaks = speaks
         self.metrics = Loggers(cfg.trainer.loggers, run, cfg.to_dict(), speaks)
-        # What changed in the job's membership before this generation, as mingpt-torchrun's agent saw it.
         self.change = world.job.membership if world.is_leader else None
         self.flops_per_token = flops_per_token(model.config, model.num_params())
         self.throughput: Throughput | None = None
@@ -52,7 +49,6 @@ class Report:
         self.step_times: StepTimes | None = None
 
     def start(self, step: int, resumed: Resumed, description: list[str]) -> None:
-        """Training begins at `step`: what the start found, the run described, the reference for MFU."""
         self.metrics.start(step)
         for kind, text in resumed.events:
             self.metrics.mark(step, kind, text)
@@ -73,8 +69,7 @@ class Report:
         self.throughput = Throughput(t.global_batch_size * self.cfg.data.block_size)
 
     def speak(self, speaks: bool, state: TrainState) -> None:
-        """Live mode: this process starts (or stops) speaking for the job, its group having become (or ceased
-        to be) the writer."""
+        """Live mode: this process speaks for the job while its group is the writer."""
         if speaks == self.speaks:
             return
         self.metrics.close()
@@ -91,8 +86,7 @@ class Report:
 
     def step(self, step: int, loss: float, lr: float, samples: str, processes: int, split: tuple[float, float],
              seconds: float, last: bool) -> None:
-        """After step `step` (every process): its loss, learning rate, the digest of its samples, the processes
-        that took part, this process's own time (waiting for data, computing) and its time in all."""
+        """After each step, in every process."""
         self.step_times.add(*split, seconds)
         self.step_times.end_of_step(step)
         self.throughput.step()
@@ -117,7 +111,6 @@ class Report:
         return self.throughput.excluding()
 
     def say(self, message: str, *args) -> None:
-        """Log a line from the process that speaks for the job."""
         if self.speaks:
             log.info(message, *args)
 
@@ -134,9 +127,7 @@ class Report:
                                 "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.processes})
 
     def _membership(self, step: int) -> None:
-        """At the generation's first step, a metrics record of its nodes and of what changed before it, as the
-        agent saw it; and where nodes left or joined, one line: who left and how, who joined, the new size,
-        the steps lost, the time from the change to this step."""
+        """At the generation's first step: a record of what changed before it; one line where nodes left or joined."""
         change, self.change = self.change, None
         left, joined, members = (change.get(key) or [] for key in ("left", "joined", "members"))
         seconds = time.time() - float(change.get("noticed") or time.time())
@@ -154,8 +145,7 @@ class Report:
                      len(members), self.world.world_size, lost, seconds)
 
     def _mfu(self, tokens_per_s: float) -> float:
-        """MFU of this run (leader only; NaN elsewhere). Above 100% the peak was probed on a busy machine:
-        probe again, keeping the higher figure."""
+        """Leader only (NaN elsewhere). Above 100% the peak was probed on a busy machine: probe again."""
         if not self.peak:
             return float("nan")
         used = mfu(self.flops_per_token, tokens_per_s, self.peak * self.processes)
@@ -166,7 +156,7 @@ class Report:
 
 
 def describe_windows(cfg: Config, blocks: TokenBlocks) -> str:
-    """What the run will read. Progress is in tokens, not epochs: random windows have no epochs."""
+    """Progress is in tokens, not epochs: random windows have no epochs."""
     t = cfg.trainer
     if cfg.data.windows == "random":
         kind = f"windows at any of {blocks.num_starts:,} offsets"

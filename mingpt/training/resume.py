@@ -25,15 +25,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Resumed:
-    """What a start found, for the report."""
-
     events: list[tuple[str, str]] = field(default_factory=list)  # (kind, text), marked on the dashboards
     steps_lost: int | None = None  # steps reached before this start and not in the state loaded (None: unknown)
 
 
 def resume(checkpointer: Checkpointer, replica: Replica, world: World, pretrained: Pretrained | None,
            stop: StopFlag) -> Resumed:
-    """Load the newest state into `replica` (see the module's description). Every process calls it."""
+    """Every process calls it."""
     snapshot = checkpointer.latest()
     agree_on_data(checkpointer, world, snapshot)
     if snapshot is not None:  # before the memory tier starts: a job refused here leaves none behind
@@ -70,10 +68,9 @@ def resume(checkpointer: Checkpointer, replica: Replica, world: World, pretraine
 
 
 def agree_on_data(checkpointer: Checkpointer, world: World, snapshot: Snapshot | None) -> None:
-    """Every process of a generation must train on the same prepared data (its fingerprint). The job's data is
-    the run's snapshot's where some process has it, else that of most processes (of the first, in a tie);
-    a process with other data (a node started with another corpus) is refused in one line, and the others
-    end the generation as for a lost peer, so that their agents go on without it."""
+    """Every process must train on the same prepared data. The job's data is the snapshot's where some process has
+    it, else that of most processes; a process with other data is refused in one line, and the others end the
+    generation as for a lost peer, so that their agents go on without it."""
     if not world.distributed:
         return
     data = checkpointer.cfg.data

@@ -1,8 +1,6 @@
-"""The run state: model, optimizer, loss scaler, step and examples seen, one object for every kind of
-replica. Its tensors are read and restored only through torch's state-dict API (`get_state_dict`,
-`set_model_state_dict`, `set_optimizer_state_dict`), which knows whole replicas (ddp) and shards (fsdp,
-hsdp) alike, so that every parallelism takes one path. Where the state is kept (a durable snapshot,
-the memory tiers) is the checkpointer's concern; what a snapshot must match to be trained on is here.
+"""The run state: model, optimizer, loss scaler, step and examples seen, one object for every kind of replica. Its
+tensors go only through torch's state-dict API, which knows whole replicas and shards alike, so that every
+parallelism takes one path. What a snapshot must match to be trained on is here too.
 """
 
 from __future__ import annotations
@@ -29,32 +27,28 @@ SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias",
 class TrainState:
     step: int = 0  # optimizer steps taken
     samples_seen: int = 0  # the data cursor: examples consumed from the global stream (mingpt.data.sampler)
-    # (step, digest of its samples) of the last RECENT steps. They travel with the state through the memory
-    # tiers and healing, so that whoever resumes from it can log what the writer of the metrics may have died
-    # without logging: the steps it committed just before its death.
+    # (step, digest of its samples) of the last RECENT steps. They travel with the state, so that whoever resumes
+    # from it can log the steps the metrics' writer committed just before it died.
     ledger: list[tuple[int, str]] = field(default_factory=list)
 
     def advance(self, examples: int, digest: str) -> None:
-        """One step taken, over `examples` examples whose digest is `digest`."""
         self.step += 1
         self.samples_seen += examples
         self.ledger = [*self.ledger[1 - RECENT:], (self.step, digest)]
 
     def saved(self) -> dict:
-        """These fields, as a memory tier's description and a heal carry them."""
         return asdict(self)
 
     def restore(self, saved: dict) -> None:
-        """These fields as `saved` holds them: `saved()`'s, or a snapshot's manifest, which has no ledger (a
-        snapshot is committed after its steps are logged)."""
+        """From `saved()`'s, or a snapshot's manifest, which has no ledger (it is committed after its steps are
+        logged)."""
         self.step, self.samples_seen = saved["step"], saved["samples_seen"]
         self.ledger = [(int(step), str(digest)) for step, digest in saved.get("ledger", ())]
 
 
 @dataclass
 class Replica:
-    """What a snapshot saves and restores: the same in every process of a generation (each its shard
-    where the model is sharded)."""
+    """What a snapshot saves and restores, in every process (each its shard where the model is sharded)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -64,10 +58,9 @@ class Replica:
     _tensors: tuple[dict, dict] | None = field(default=None, init=False, repr=False)
 
     def state_dict(self) -> dict:
-        """{model, optimizer, scaler}: tensors keyed by parameter name, this process's shards where sharded.
-        The live tensors, not copies: made once (on the training thread: FSDP's state-dict hooks swap the
-        model's parameters), they stay current as training updates them in place, until `load` replaces
-        them. The scaler's numbers are read at each call."""
+        """{model, optimizer, scaler}, keyed by parameter name. The live tensors, not copies: made once (on the
+        training thread: FSDP's state-dict hooks swap the model's parameters), they stay current until `load`
+        replaces them."""
         if self._tensors is None:
             self._tensors = get_state_dict(self.model, self.optimizer)
         model, optimizer = self._tensors
@@ -75,12 +68,11 @@ class Replica:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load(self, state: dict, whole: bool, train: dict) -> list[str]:
-        """Restore from `state` (as `state_dict` gives it; `whole`: every tensor whole, which each process
-        cuts its shard from), and TrainState from `train` (TrainState.restore); returns the optimizer
-        settings that differed from this run's config, which win over the saved ones."""
+        """Restore from `state` (`whole`: every tensor whole, which each process cuts its shard from) and `train`;
+        returns the optimizer settings that differed from this run's config, which win over the saved ones."""
         configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
         options = StateDictOptions(full_state_dict=whole)
-        # Model and optimizer one at a time: torch's set_state_dict of both at once hung (broadcast_from_rank0).
+        # One at a time: torch's set_state_dict of both at once hangs (broadcast_from_rank0).
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         if self.scaler is not None and state.get("scaler") is not None:
@@ -90,8 +82,8 @@ class Replica:
         return _apply_configured(self.optimizer, configured)
 
     def read(self, snapshot: Snapshot) -> tuple[dict, bool]:
-        """The state that `snapshot` holds, for `load`: (state, whole). Shards are read where they are needed
-        (DCP plans it, in this process's layout); model.pt and optimizer.pt are read whole by every process."""
+        """(state, whole) for `load`. Shards are read as DCP plans it, in this process's layout; model.pt and
+        optimizer.pt are read whole by every process."""
         if snapshot.sharded:
             from mingpt.checkpoint.sharded import read_shards  # DCP: imported where it is used
 
@@ -108,7 +100,6 @@ class Replica:
 
 
 def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:
-    """SnapshotError unless this run's model and tokenizer can train on from `snapshot`."""
     try:
         saved_tokenizer = tokenizer_from_dict(parse_json(snapshot.read("tokenizer.json")))
         saved = GPTConfig(**snapshot.manifest.get("model_config")).to_dict()
@@ -182,8 +173,7 @@ def _keyed_by_index(saved: dict) -> bool:
 
 
 def _keyed_by_name(saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """An optimizer state dict keyed by parameter index (`Optimizer.state_dict`), keyed by parameter name
-    (as torch's state-dict API wants it): indices count the parameters of the groups in order."""
+    """An optimizer state dict keyed by parameter index, keyed by parameter name (as torch's state-dict API wants)."""
     names = {id(p): name for name, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     return {"state": {order[index]: state for index, state in saved["state"].items()},

@@ -1,14 +1,11 @@
-"""Slow processes. Every step waits for the slowest process at its collectives, so a slow one slows the
-whole job, and its own step time looks like everyone's. What differs is the time a process spends on its
-own: waiting for its data, computing until DDP hands its last bucket of gradients to the all-reduce
-(under fsdp, whose forward passes are collectives too, until the last micro-batch's backward pass), and
-the optimizer step. The rest of the step is synchronising: the gradients' exchange, where the others
-wait for the slowest, and the step's all-reduce.
+"""Slow processes. Every step waits for the slowest process at its collectives, so its own step time looks like
+everyone's. What differs is the time a process spends on its own: waiting for its data, computing until its
+gradients go to the exchange, and the optimizer step; the rest of the step is synchronising.
 
 Every WINDOW steps one all-gather brings each process's sums to every process; the leader writes them to
-metrics.jsonl (`process_times`, per host and pid) and names, once per episode, a process whose own time
-is at least SLOWER times the median of the others'. (On GPUs the host's clock sees kernel launches, not
-their end: there the split shows data waits; a slow device shows in everyone's synchronising time.)
+metrics.jsonl (`process_times`) and names, once per episode, a process whose own time is at least SLOWER times the
+others' median. (On GPUs the host's clock sees kernel launches, not their end: a slow device shows in everyone's
+synchronising time.)
 """
 
 from __future__ import annotations
@@ -32,8 +29,6 @@ CALM = 3  # windows at the others' speed that end an episode
 
 
 class StepTimes:
-    """This process's time per step, split, and the window's comparison across processes."""
-
     def __init__(self, world: World, metrics: Loggers):
         self.world, self.metrics = world, metrics
         self.names = distributed.all_gather_object(f"{socket.gethostname()} pid {os.getpid()}", world)
@@ -43,12 +38,10 @@ class StepTimes:
         self.suspects: dict[str, int] = {}  # slow in this many windows in a row, not named yet
 
     def add(self, data_s: float, compute_s: float, step_s: float) -> None:
-        """One step: its seconds waiting for data, computing, and in all (the rest is synchronising)."""
         for i, seconds in enumerate((data_s, compute_s, max(0.0, step_s - data_s - compute_s))):
             self.sums[i] += seconds
 
     def end_of_step(self, step: int) -> None:
-        """Every WINDOW steps (the same steps in every process): compare, report, start a new window."""
         self.steps += 1
         if self.steps < WINDOW:
             return

@@ -1,10 +1,9 @@
 """The elastic training loop.
 
-Every start, whether the first, a torchrun restart after a crash, or a restart after nodes
-left or joined, runs the same steps: prepare (or reuse) the data, join the process group,
-load the newest complete snapshot, and train from its step to `max_steps`. The state of a
-run is the replica's state alone (weights, optimizer, step, examples consumed), so any
-single process can snapshot it and any number of processes can resume it (see checkpointer).
+Every start (the first, a restart after a crash, or after nodes left or joined) runs the same steps: prepare (or
+reuse) the data, join the process group, load the newest complete snapshot, and train from its step to `max_steps`.
+The state of a run is the replica's state alone, so any single process can snapshot it and any number of processes
+can resume it (see checkpointer).
 """
 
 from __future__ import annotations
@@ -86,8 +85,8 @@ def train(cfg: Config) -> TrainResult:
     torch_internals.check(launcher=False)  # DCP's private names, which snapshots rely on
     _check_batch(cfg, job.world_size)
     distributed.check_store_sharing(job)
-    # SIGTERM (torchrun's at every membership change) before the training loop stops preparation at once,
-    # through its cleanups (worker processes, temporary folders, the lease); the loop has its own StopFlag.
+    # SIGTERM (torchrun's, at every membership change) stops preparation at once, through its cleanups; the loop has
+    # its own StopFlag.
     previous = signal.signal(signal.SIGTERM, raise_stopped)
     forget_stops()
     try:
@@ -103,11 +102,9 @@ def _train(cfg: Config, job: JobEnv) -> TrainResult:
     store.check_writable()
     check_memory_dir(cfg.snapshot)
     remove_ended_agents_folders()  # what this user's killed agents left in /tmp: the next job removes it, agent or not
-    # The leader of this generation claims the run before any data work: a second job started
-    # into the same snapshot.dir by mistake stops here, and a worker left from an older generation
-    # can no longer commit (see mingpt.checkpoint.lease).
-    # (Live mode: the writer's group claims it when it becomes the writer; every group refuses a run its job's id
-    # holds in the restart mode, whose nodes it never meets.)
+    # The leader claims the run before any data work: a second job started into the same snapshot.dir stops here, and
+    # a worker left from an older generation can no longer commit (see mingpt.checkpoint.lease). Live mode: the
+    # writer's group claims it when it becomes the writer; every group refuses a run held in the restart mode.
     leads, timeout = job.rank == 0, cfg.snapshot.lease_timeout_s
     if leads and job.live:
         store.refuse_the_other_mode(timeout, LIVE)
@@ -133,8 +130,8 @@ def _train(cfg: Config, job: JobEnv) -> TrainResult:
 
 @contextmanager
 def _a_lost_peer_ends_the_generation() -> Iterator[None]:
-    """A collective that fails because another process died, hung or was cut off ends this generation
-    (PeerLeft): it is no failure of this process, whose rescue snapshot is written by then."""
+    """A collective that fails because another process died, hung or was cut off ends this generation (PeerLeft):
+    it is no failure of this process, whose rescue snapshot is written by then."""
     try:
         yield
     except Exception as e:
@@ -158,8 +155,7 @@ def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None
 
 
 class Trainer:
-    """The replica (model, optimizer, TrainState), the loop that advances it, and its components: the
-    checkpointer (resume, snapshots, memory tiers), the step's agreement, the report."""
+    """The replica, the loop that advances it, and its components: checkpointer, agreement, report."""
 
     def __init__(self, cfg: Config, world: World, store: SnapshotStore, data: PreparedData, model_config: GPTConfig,
                  pretrained: Pretrained | None = None, hellaswag: HellaSwag | None = None):
@@ -245,9 +241,8 @@ class Trainer:
         return TrainResult(state.step, self.train_loss, self.val_loss)
 
     def step(self, order: WindowOrder, stop: StopFlag) -> tuple[Outcome, Share, str]:
-        """One optimizer step over the next global batch, and the agreement on it; with this process's share
-        and the digest of the batch's samples. A failed step (most often: a peer died mid-collective) is
-        rescued into a snapshot where it can be, then raised; a step the live mode did not commit changes
+        """One optimizer step over the next global batch, and the agreement on it. A failed step (most often: a peer
+        died mid-collective) is rescued into a snapshot where it can be, then raised; an uncommitted step changes
         nothing."""
         t, state = self.cfg.trainer, self.replica.state
         self.progress.mark(state.step, "starting")  # live mode: the quorum waits for the Lighthouse's timeouts
@@ -277,14 +272,12 @@ class Trainer:
         return outcome, share, state.ledger[-1][1]
 
     def _follow_the_writer(self) -> None:
-        """Live mode: the group the step's table names (the one longest in the job) writes the run's snapshots and
-        metrics; its leader holds the run's lease from the first step it writes."""
+        """Live mode: the group longest in the job writes the snapshots and metrics; its leader holds the lease."""
         writes = self.agreement.writes and self.world.is_leader
         self.report.speak(writes, self.replica.state)
         self.checkpointer.hold_the_run(writes)
 
     def _state_for_a_peer(self) -> dict:
-        """Live mode: what a group that heals from this one receives."""
         return {**self.replica.state_dict(), "train": self.replica.state.saved()}
 
     def _heal(self, received: dict) -> None:
@@ -296,7 +289,6 @@ class Trainer:
         self.report.log_again(self.replica.state.ledger)
 
     def _wrap_model(self) -> None:
-        """torch.compile where chosen, and DDP where the model is replicated."""
         self.compiled, self.compile_reason = choose_compile(self.cfg.trainer.compile, self.world.device)
         if self.compiled and self.cfg.trainer.compile_cache:  # the run's caches, before the first compile
             self.compile_cache = CompileCache(self.checkpointer.store.run, describe(
@@ -305,9 +297,8 @@ class Trainer:
             self.compile_cache.load()
         if self.compiled:
             self.progress.watch_compiles()  # a compile at any step is work, not a hang (training.watchdog)
-            # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor caches what it
-            # compiled (TORCHINDUCTOR_CACHE_DIR), so a restart on the same machine compiles in seconds; the
-            # run's compile caches, loaded above, do that on any machine.
+            # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor's cache and the run's
+            # compile caches, loaded above, make a restart compile in seconds.
             self.model.compile()
         # Live mode: gradients are averaged by the step's agreement, over the processes the quorum has.
         self.ddp = None if self.live else parallel.replicate(self.model, self.topology)
@@ -315,7 +306,6 @@ class Trainer:
             self.ddp.register_comm_hook(None, self._gradients_ready)
 
     def _describe(self) -> list[str]:
-        """The run in a few lines, for the log."""
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
         return [f"torch.compile {'on' if self.compiled else 'off'} ({self.compile_reason})",
                 f"training {cfg.model.name} ({self.model.num_params() / 1e6:.2f}M parameters) on "
@@ -336,16 +326,14 @@ class Trainer:
         return TrainResult(step, self.train_loss, self.val_loss, stopped_early=True, peer_stopped=not stop.requested)
 
     def _gradients(self, starts: np.ndarray, share: Share) -> float:
-        """Forward and backward over this process's share of the global batch, the windows at token offsets
-        `starts`; returns sum(loss * examples). No share (live mode: a step that cannot count), no gradients."""
+        """Forward and backward over this process's share of the windows at `starts`; returns sum(loss * examples)."""
         t, world = self.cfg.trainer, self.world
         self.replica.optimizer.zero_grad(set_to_none=True)
         if share.count == 0:
             return 0.0
         mine, batches = _my_micro_batches(len(starts), t.micro_batch_size, share, self.topology.sharded)
-        # DDP and FSDP (and the live mode's agreement) average gradients over processes; scaling each
-        # micro-batch's mean loss by (its examples * processes / global batch) makes the result the
-        # full-batch gradient, also when the batch does not split evenly.
+        # Gradients are averaged over processes; scaling each micro-batch's mean loss by (its examples * processes /
+        # global batch) makes the result the full-batch gradient, also when the batch does not split evenly.
         scale = share.count / t.global_batch_size
         loss_sum = torch.zeros((), device=world.device)
         started, waited = time.perf_counter(), 0.0
@@ -370,7 +358,6 @@ class Trainer:
         return loss_sum.item()
 
     def _update(self) -> None:
-        """Clip and step the optimizer on the gradients, which are everyone's now."""
         t, updating = self.cfg.trainer, time.perf_counter()
         self.checkpointer.before_update()  # the memory tier's copy of the last step must be complete
         if self.replica.scaler:
@@ -385,8 +372,7 @@ class Trainer:
         self._split = (self._split[0], self._split[1] + time.perf_counter() - updating)
 
     def _gradients_ready(self, group, bucket):  # no annotation: DDP checks it, and ours are strings
-        """DDP hands each bucket of gradients to this hook as soon as this process has computed them: the last
-        one ends this process's own work in the step (what comes after is waiting for the others)."""
+        """DDP hands each bucket to this hook once computed: the last ends this process's own work in the step."""
         self._own_end = time.perf_counter()
         return allreduce_hook(group, bucket)
 
@@ -427,10 +413,7 @@ class Trainer:
 @torch.no_grad()
 def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.Topology, autocast,
              tick=lambda: None) -> float:
-    """Mean loss over the first `eval_samples` validation blocks, shared among all processes; `tick()` after
-    each batch (progress, for the agent's watchdog).
-
-    Fixed blocks, whatever `data.windows` says: every evaluation measures the same text, so
+    """Mean loss over the first `eval_samples` validation blocks: fixed, whatever `data.windows` says, so that
     evaluations of one run, and of runs that sample windows differently, compare."""
     count = min(cfg.trainer.eval_samples, len(blocks))
     world = topology.world
@@ -450,9 +433,8 @@ def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.To
 
 
 def _my_micro_batches(total: int, micro_batch_size: int, share: Share, sharded: bool) -> tuple[slice, list]:
-    """This process's part of `total` examples, and its micro-batches (slices of the part). A sharded
-    model's forward is a collective, so there every process runs as many as the one with the largest
-    part: None pads the list, a micro-batch to run on any example and weigh zero."""
+    """This process's part of `total` examples, and its micro-batches. A sharded model's forward is a collective, so
+    there every process runs as many as the one with the largest part: None pads the list (run, weigh zero)."""
     mine = shard(total, share.count, share.index)
     batches = micro_batches(mine.stop - mine.start, micro_batch_size)
     if sharded:
