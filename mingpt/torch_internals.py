@@ -391,7 +391,7 @@ def watch_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Ca
 
 def shard_offsets(tensor: Any) -> tuple[list[int], list[int]] | None:
     """Where this process's shard of a DTensor lies in the whole, as DCP records it: (offsets, sizes); None for any
-    other tensor. (torch.distributed.tensor is slow to import, so not imported here: where it never was, none is.)"""
+    other tensor. (torch.distributed.tensor is slow to import: where nothing imported it, no tensor is a DTensor.)"""
     module = sys.modules.get(DTENSOR)
     if module is None or not isinstance(tensor, module.DTensor):
         return None
