@@ -201,11 +201,13 @@ print("who", json.dumps({"agent": agent, "servers": servers, "torch": "torch" in
 
 def test_mingpt_torchrun_forks_its_workers_from_a_copy_of_itself_which_ends_with_it(procs, tmp_path):
     """The server is a copy of the agent as it started (torch imported, no new Python run): a worker has the agent's
-    command line and torch before its script imports it, and is the agent's child. The server ends with the agent."""
+    command line and torch before its script imports it, and is the agent's child. The server ends with the agent.
+    mingpt-torchrun starts here as users start it, a new Python (not forked from the tests' warm one): the product's
+    own start-up path, its server's imports included."""
     script = tmp_path / "who.py"
     script.write_text(WHO)
     job = procs.start([str(BIN / "mingpt-torchrun"), "--standalone", "--nproc-per-node=1", "--max-restarts=0",
-                       str(script)], "job")
+                       str(script)], "job", environment=env())
     assert job.wait(timeout=120) == 0, output(job)
     [line] = [line for line in output(job).splitlines() if line.startswith("who ")]
     who = json.loads(line[4:])
