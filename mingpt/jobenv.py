@@ -128,8 +128,8 @@ def first_on_its_node(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def worker_name(environ: Mapping[str, str] | None = None) -> str | None:
-    """A worker's name for ps and top, `mingpt-worker0`: one forked from the agent's server has the agent's command
-    line in /proc. None for a process torchrun did not start."""
+    """A worker's process name (what `ps -e` and `top` show; its command line is the agent's where it was forked from
+    the agent's server), `mingpt-worker0` by its local rank. None for a process torchrun did not start."""
     env = os.environ if environ is None else environ
     local_rank = env.get("LOCAL_RANK", "")
     return f"mingpt-worker{local_rank}" if "TORCHELASTIC_RUN_ID" in env and local_rank.isdigit() else None

@@ -216,3 +216,15 @@ def test_every_file_and_name_the_architecture_cites_exists():
             if not (resolves(reference, names) or a_setting(reference)):
                 missing.append(token)
     assert missing == []
+
+
+def test_every_module_that_a_docstring_comment_or_page_names_exists():
+    """`mingpt.x.y` in the code's docstrings and comments, the docs and the README names a module of the package (or
+    a name in one): a module that moved or went leaves no reference behind."""
+    names = defined_names()
+    texts = {path: path.read_text() for path in [*PACKAGE.rglob("*.py"), *(REPO / "docs").glob("*.md"),
+                                                 REPO / "README.md"]}
+    missing = sorted({f"{path.relative_to(REPO)}: {reference}" for path, text in texts.items()
+                      for reference in re.findall(r"\bmingpt(?:\.[A-Za-z_]\w*)+", text)
+                      if not resolves(reference.removeprefix("mingpt."), names)})
+    assert missing == []

@@ -25,7 +25,7 @@ from mingpt.storage import redact
 
 @dataclass
 class ModelConfig:
-    name: str = "gpt-micro"  # a preset (see mingpt.model.PRESETS) giving the sizes not set below
+    name: str = "gpt-micro"  # a preset (see mingpt.shape.PRESETS) giving the sizes not set below
     n_layer: Optional[int] = None
     n_head: Optional[int] = None
     n_embd: Optional[int] = None
