@@ -368,25 +368,22 @@ def manifest_at(snap, step):
 
 
 class Reference:
-    """An uninterrupted run of two workers (HEAVIER, every snapshot kept, every 10 steps), which the tests
-    that disturb the same job compare with. One is shared by all the test processes of a session (under a
-    lock, so that pytest-xdist's workers wait for the one being trained instead of training their own); a
-    test that needs a step no reference has reached runs a new one, further."""
+    """A run of two workers (HEAVIER, every snapshot kept, every 10 steps), which the tests that disturb the same
+    job compare with. One is shared by all the test processes of a session, under a lock: a test that needs a step
+    it has not reached yet resumes it there (resuming at the same world size is bitwise, which tests of their own
+    check), so no step is trained twice."""
+
+    MARGIN = 20  # steps past the one asked for: the next test may need a few more, and each start costs seconds
 
     def __init__(self, root, procs):
         self.root, self.procs = root, procs
 
     def at(self, step: int):
-        """The snapshot folder of an uninterrupted run with a snapshot of `step`."""
+        """The snapshot folder of the reference run, with a snapshot of `step`."""
+        folder = self.root / "run"
         with open(self.root / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            for done in sorted(self.root.glob("reference-*/complete")):
-                if latest_step(done.parent) >= step:
-                    return done.parent
-            name = f"reference-{step}-{os.getpid()}"
-            args = standalone(2) + overrides(self.root, name, ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL])
-            # A margin for the next test: steps are cheap, a second reference's start is not.
-            run_until(self.procs, args, name, self.root / name, step + 100)
-            assert "resumed" not in output(self.procs.started[-1])
-            (self.root / name / "complete").touch()
-            return self.root / name
+            if latest_step(folder) < step:
+                args = standalone(2) + overrides(self.root, "run", ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL])
+                run_until(self.procs, args, f"run-to-{step}", folder, step + self.MARGIN)
+            return folder
