@@ -183,7 +183,7 @@ class Processes:
 
 
 def remove_memory_tiers(launchers: set[int]) -> None:
-    """Remove the memory tiers (/dev/shm/mingpt-<run>-<launcher pid>-<piece>) of jobs these processes
+    """Remove the memory tiers (/dev/shm/mingpt-<run>-<launcher pid>-<shard>) of jobs these processes
     launched: a killed job's tier stays until a job starts on this machine after its launcher ended."""
     for folder in Path("/dev/shm").glob("mingpt-*-*-*"):
         pid = folder.name.split("-")[2]

@@ -278,14 +278,14 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
 
 
 def tier_states(machine) -> dict[tuple[int, int], tuple[int, list[torch.Tensor]]]:
-    """(step, piece) -> (examples seen, every tensor) of the copies a node's memory tier holds."""
+    """(step, shard) -> (examples seen, every tensor) of the copies a node's memory tier holds."""
     found = {}
     for description in machine.glob("mingpt-*/own-*.json"):
         header = json.loads(description.read_text())
         buffer = torch.from_numpy(np.fromfile(description.with_suffix(".bin"), dtype=np.uint8))
         tensors: list[torch.Tensor] = []
         pack(MemoryTier.unpack(buffer, header), tensors)
-        found[(header["step"], header["piece"][0])] = (header["samples_seen"], tensors)
+        found[(header["step"], header["shard"][0])] = (header["samples_seen"], tensors)
     return found
 
 
@@ -325,12 +325,12 @@ def test_hsdp_nodes_shard_within_and_heal_shard_by_shard(tmp_path, procs, refere
 
     joiner, other = tier_states(tmp_path / "machine-c"), tier_states(tmp_path / "machine-b")
     both = joiner.keys() & other.keys()
-    step = max(step for step, piece in both if (step, 1 - piece) in both)  # a step of both pieces on both nodes
+    step = max(step for step, shard in both if (step, 1 - shard) in both)  # a step of both shards on both nodes
     assert step >= compared
-    for piece in (0, 1):
-        (seen, ours), (theirs_seen, theirs) = joiner[step, piece], other[step, piece]
+    for shard in (0, 1):
+        (seen, ours), (theirs_seen, theirs) = joiner[step, shard], other[step, shard]
         assert seen == theirs_seen and len(ours) == len(theirs)
-        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"piece {piece} of step {step} differs"
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"shard {shard} of step {step} differs"
     uninterrupted = reference.at(compared)
     seen, expected = ledger(snap), ledger(uninterrupted)
     assert [step for step in range(1, compared + 1) if seen.get(step) != expected[step]] == []

@@ -22,8 +22,8 @@ from mingpt.training.recovery import check_memory_dir
 
 
 def newest(tier: MemoryTier):
-    """The newest piece of `tier` whose buffer matches its sha256, as a restore finds it; None if none."""
-    return next((held for held in tier.pieces() if tier.read(held) is not None), None)
+    """The newest shard of `tier` whose buffer matches its sha256, as a restore finds it; None if none."""
+    return next((held for held in tier.shards() if tier.read(held) is not None), None)
 
 WRITER = textwrap.dedent("""
     import sys, time
@@ -112,7 +112,7 @@ def test_the_tier_of_a_job_whose_launcher_ended_is_removed_by_the_next_job_to_st
 
 
 def test_a_generation_of_another_world_size_leaves_no_folder_behind_once_this_one_has_copied(tmp_path):
-    tier = MemoryTier("run", "job-1", root=str(tmp_path), piece=(0, 2))
+    tier = MemoryTier("run", "job-1", root=str(tmp_path), shard=(0, 2))
     for layout in ("0of2", "1of2", "0of1", "3of12"):
         (tmp_path / f"{tier.launcher}-{layout}").mkdir(mode=0o700)
     tier.forget_other_layouts()
@@ -271,7 +271,7 @@ def test_a_fifo_a_damaged_description_or_changed_bytes_are_skipped_never_loaded(
     header = json.loads((tier.folder / "own-0.json").read_text())
     for damage in ({"step": "1"}, {"nbytes": -1}, {"tensors": [{**header["tensors"][0], "dtype": "garbage"}]},
                    {"tensors": [{**header["tensors"][0], "offset": 10**9}]}, {"tree": {"tensor": 5}},
-                   {"piece": [1, 1]}):
+                   {"shard": [1, 1]}):
         (tier.folder / "own-0.json").write_text(json.dumps({**header, **damage}))
         assert newest(tier) is None  # skipped: no exception, nothing loaded
         tier._skipped.clear()
@@ -315,7 +315,7 @@ def test_a_tier_with_no_room_left_turns_itself_off_instead_of_killing_the_proces
         tier.start()
         tier.save({"w": torch.ones(2**18)}, 1, {})  # 1 MiB
         tier.wait()
-        print("off" if tier.off else "on", next((h for h in tier.pieces() if tier.read(h) is not None), None))
+        print("off" if tier.off else "on", next((h for h in tier.shards() if tier.read(h) is not None), None))
     """)
     result = subprocess.run([sys.executable, "-c", code, str(full_memory)], capture_output=True, text=True, cwd=REPO,
                             timeout=60)

@@ -2,17 +2,18 @@
 worker processes, so that a restart resumes from it rather than from the last durable snapshot, and a
 failure costs at most the step in flight.
 
-    <snapshot.memory_dir>/mingpt-<hash of snapshot.dir>-<pid of the launcher>-<piece>of<pieces>/
+    <snapshot.memory_dir>/mingpt-<hash of snapshot.dir>-<pid of the launcher>-<shard>of<shards>/
                                   (the launcher: torchrun's agent, or the process itself without one)
-        own-0.bin, own-1.bin      this process's piece of the state, two buffers written in turn:
+        own-0.bin, own-1.bin      this process's shard of the state, two buffers written in turn:
                                   one always holds a complete copy
-        own-0.json, own-1.json    what a buffer holds (job, run, step, piece, where each tensor lies)
-        peer-0.*, peer-1.*        the piece of a process on another node, sent here (mingpt.training.recovery)
+        own-0.json, own-1.json    what a buffer holds (job, run, step, shard, where each tensor lies)
+        peer-0.*, peer-1.*        the shard of a process on another node, sent here (mingpt.training.recovery)
         reached                   the last step its writer finished, for steps_lost
 
-A piece is what one process holds of the state: all of it (ddp: piece 0 of 1), or its shard (fsdp, hsdp: where a
-tensor's shard lies in the whole is recorded with it, so that pieces written at one world size reassemble at any other).
-One process per launcher and piece writes a folder, the first to lock it. Writing a slot removes its description first
+A shard is what one process holds of the state: all of it under ddp (shard 0 of 1), its part under fsdp and hsdp
+(where each tensor's part lies in the whole is recorded with it, so that shards written at one world size reassemble
+at any other).
+One process per launcher and shard writes a folder, the first to lock it. Writing a slot removes its description first
 and writes it again only once the copy is complete, so a copy cut short (the process killed in the middle) is never
 read: the other slot still holds the step before. A tier belongs to one job (mingpt.checkpoint.lease.job_identity) and
 one snapshot.dir; one of another job, or whose launcher has ended, is removed when a job starts.
@@ -20,7 +21,7 @@ one snapshot.dir; one of another job, or whose launcher has ended, is removed wh
 /dev/shm is writable by every user of the machine, and these names can be worked out. So a folder is used only if it is
 a folder (not a link) of this user's alone (mode 0700); every file in it is checked to be a regular file of this user's
 before it is read or written, and opened without following links; a description is checked for its types and bounds, and
-a buffer against the sha256 (of it and of its description) recorded when it was written, which also covers a piece sent
+a buffer against the sha256 (of it and of its description) recorded when it was written, which also covers a shard sent
 from another node. Anything else is skipped with a warning, never loaded. A tier that cannot be written (no room, a
 folder another user made, the folder deleted under the job) turns itself off with one warning: the job goes on from its
 snapshots."""
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 _LOCAL = LocalFileSystem()
 
 FORMAT = "mingpt-memory"
-VERSION = 3
+VERSION = 4  # 4: "shard" names what a process holds of the state
 ALIGN = 64  # bytes: every tensor starts at a multiple, so any dtype can be viewed in place
 MAX_HEADER = 64 * 2**20  # bytes: a larger description is not ours
 DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
@@ -86,27 +87,27 @@ def unusable(root: str) -> str | None:
 
 @dataclass
 class Held:
-    """A complete piece in a slot: its description and the buffer's path."""
+    """A complete shard in a slot: its description and the buffer's path."""
 
     step: int
     header: dict
     path: Path
 
     @property
-    def piece(self) -> tuple[int, int]:
-        """(index, count): which of the state's pieces this is."""
-        return tuple(self.header["piece"])
+    def shard(self) -> tuple[int, int]:
+        """(index, count): which of the state's shards this is."""
+        return tuple(self.header["shard"])
 
 
 class MemoryTier:
-    """This node's memory tier for one run (`run`: where its snapshots are), one job, and one piece of the
-    state (`piece`: index, count)."""
+    """This node's memory tier for one run (`run`: where its snapshots are), one job, and one shard of the
+    state (`shard`: index, count)."""
 
-    def __init__(self, run: str, job: str, root: str = "/dev/shm", piece: tuple[int, int] = (0, 1)):
-        self.job, self.piece = job, piece
+    def __init__(self, run: str, job: str, root: str = "/dev/shm", shard: tuple[int, int] = (0, 1)):
+        self.job, self.shard = job, shard
         self.root, self.prefix = Path(root), f"mingpt-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
         self.launcher = f"{self.prefix}-{_launcher()}"
-        self.folder = self.root / f"{self.launcher}-{piece[0]}of{piece[1]}"  # what this process writes
+        self.folder = self.root / f"{self.launcher}-{shard[0]}of{shard[1]}"  # what this process writes
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._error: BaseException | None = None
@@ -137,8 +138,8 @@ class MemoryTier:
                                    "made it")
         return found
 
-    def pieces(self, newer_than: int = -1) -> list[Held]:
-        """Every described piece of this job and run on this machine after step `newer_than`, newest first
+    def shards(self, newer_than: int = -1) -> list[Held]:
+        """Every described shard of this job and run on this machine after step `newer_than`, newest first
         (their buffers are checked when read)."""
         found = [self._read_slot(folder, slot) for folder in self.folders() for slot in SLOTS]
         return sorted((h for h in found if h is not None and h.step > newer_than), key=lambda h: -h.step)
@@ -242,7 +243,7 @@ class MemoryTier:
 
     def save(self, state: Any, step: int, info: dict,
              then: Callable[[dict | None, torch.Tensor | None], None] | None = None) -> None:
-        """Copy `state` (this process's piece of the state after `step`) into the older slot, in a background
+        """Copy `state` (this process's shard of the state after `step`) into the older slot, in a background
         thread; `wait_copied` before the state changes again (the next optimizer step). `then` runs in that
         thread after the copy, with its description and buffer (None, None where nothing was copied)."""
         self.wait()
@@ -290,7 +291,7 @@ class MemoryTier:
                 for entry, tensor in zip(entries, tensors):
                     _view(buffer, entry).copy_(tensor.detach())
             header = {"format": FORMAT, "version": VERSION, "job": self.job, "run": self.prefix,
-                      "piece": list(self.piece), "step": step, "nbytes": nbytes, "tensors": entries, "tree": tree,
+                      "shard": list(self.shard), "step": step, "nbytes": nbytes, "tensors": entries, "tree": tree,
                       "host": socket.gethostname(), "written": time.time(), **info}
             header = json.loads(json.dumps(header))  # as a reader will see it
             header["sha256"] = _digest(buffer, header)
@@ -304,7 +305,7 @@ class MemoryTier:
             self.copies += 1
 
     def receive(self, nbytes: int) -> tuple[str | None, torch.Tensor]:
-        """A buffer of `nbytes` for a piece sent from another node: its older peer slot, emptied of its
+        """A buffer of `nbytes` for a shard sent from another node: its older peer slot, emptied of its
         description (publish it with `publish`), or (slot None) scratch memory where the tier cannot keep it."""
         if not self.off:
             try:
@@ -341,10 +342,10 @@ class MemoryTier:
         self._newest[slot.split("-")[0]] = slot
 
     def forget_other_layouts(self) -> None:
-        """Remove this launcher's folders of another layout (another number of pieces): a generation of
+        """Remove this launcher's folders of another layout (another number of shards): a generation of
         another world size wrote them, and this one has copies of its own by now."""
         for other in self.root.glob(f"{self.launcher}-*"):
-            if other.name.rsplit("of", 1)[-1] != str(self.piece[1]) and private_folder(other):
+            if other.name.rsplit("of", 1)[-1] != str(self.shard[1]) and private_folder(other):
                 shutil.rmtree(other, ignore_errors=True)
 
     @property
@@ -391,10 +392,10 @@ def _digest(buffer: torch.Tensor, header: dict) -> str:
 def _well_described(header: dict) -> bool:
     """Whether a description's fields have the types and bounds the tier reads them with."""
     try:
-        piece = header["piece"]
+        shard = header["shard"]
         if not (_whole(header["step"]) and _whole(header["nbytes"]) and isinstance(header["sha256"], str)
-                and isinstance(header["tensors"], list) and isinstance(piece, list) and len(piece) == 2
-                and all(map(_whole, piece)) and piece[0] < piece[1]):
+                and isinstance(header["tensors"], list) and isinstance(shard, list) and len(shard) == 2
+                and all(map(_whole, shard)) and shard[0] < shard[1]):
             return False
         for entry in header["tensors"]:
             dtype, shape, offset, nbytes = entry["dtype"], entry["shape"], entry["offset"], entry["nbytes"]
@@ -430,7 +431,7 @@ def remove_ended_tiers(root: str | Path) -> None:
 
 
 def _launcher_gone(folder: Path) -> bool:
-    parts = folder.name.split("-")  # mingpt, hash, pid, piece (none in a folder of an earlier version)
+    parts = folder.name.split("-")  # mingpt, hash, pid, shard (none in a folder of an earlier version)
     return len(parts) in (3, 4) and parts[2].isdigit() and not process_alive(int(parts[2]))
 
 

@@ -1,7 +1,7 @@
 """A state (nested dicts, lists and tuples of tensors and plain values) as a JSON tree and a list of tensors, and back:
 how the memory tier (mingpt.checkpoint.memory) and the live mode's healing (mingpt.training.healing) lay out a state,
 where a pickle would run whatever its bytes say. Dict keys keep their type (an optimizer's are ints), and a sharded
-tensor is its shard with where it lies in the whole, so that the pieces of every shard reassemble (`assemble`)."""
+tensor is its shard with where it lies in the whole, so that the shards of every process reassemble (`assemble`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mingpt.torch_internals import shard_offsets
 
 @dataclass
 class Chunk:
-    """What a piece holds of a sharded tensor: `local`, at `offsets` in a whole of `shape`."""
+    """What a shard holds of a sharded tensor: `local`, at `offsets` in a whole of `shape`."""
 
     shape: list[int]
     offsets: list[int]
@@ -56,13 +56,13 @@ def unpack(tree: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def assemble(trees: list[Any]) -> Any:
-    """One state from the unpacked pieces of every shard: each sharded tensor whole, from its Chunks;
-    anything else as the first piece has it (the same in every piece)."""
+    """One state from the unpacked shards of every process: each sharded tensor whole, from its Chunks;
+    anything else as the first shard has it (the same in every shard)."""
     first = trees[0]
     if isinstance(first, Chunk):
         whole = torch.empty(first.shape, dtype=first.local.dtype)
         if sum(chunk.local.numel() for chunk in trees) != whole.numel():
-            raise ValueError(f"the pieces of a tensor of shape {first.shape} do not fill it")
+            raise ValueError(f"the shards of a tensor of shape {first.shape} do not fill it")
         for chunk in trees:
             whole[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.local.shape))] = chunk.local
         return whole
@@ -75,8 +75,8 @@ def assemble(trees: list[Any]) -> Any:
 
 def placed_like(tree: Any, template: Any) -> Any:
     """The unpacked state `tree`, each Chunk made the DTensor that `template` (a state of this process's)
-    holds at its place: a state sent by a process that holds the same pieces as this one (hsdp: the process
-    of this one's place on another node). ValueError where a piece is not the one this process holds."""
+    holds at its place: a state sent by a process that holds the same shards as this one (hsdp: the process
+    of this one's place on another node). ValueError where a shard is not the one this process holds."""
     mine = shard_offsets(template)
     if isinstance(tree, Chunk):
         if mine is None or tree.shape != list(template.shape) or tree.offsets != mine[0] or \

@@ -45,8 +45,8 @@ class Topology:
         return self.world.per_node
 
     @property
-    def piece(self) -> tuple[int, int]:
-        """(index, count) of this process's piece of the state; (0, 1) where it holds all of it."""
+    def shard(self) -> tuple[int, int]:
+        """(index, count) of this process's shard of the state; (0, 1) where it holds all of it."""
         if self.mode == "fsdp":
             return self.world.rank, self.world.world_size
         if self.mode == "hsdp":

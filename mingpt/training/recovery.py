@@ -1,10 +1,10 @@
 """The memory tiers of every node, used together: a copy of the run state after every step (or every few), so that
 a failure costs at most the step in flight, under every parallelism.
 
-Each process keeps its piece of the state (mingpt.checkpoint.memory): the whole replica under ddp, one process per
-node; its shard under fsdp and hsdp. Where a piece exists on no other node (fsdp across nodes), each process also
+Each process keeps its shard of the state (mingpt.checkpoint.memory): the whole replica under ddp, one process per
+node; its shard under fsdp and hsdp. Where a shard exists on no other node (fsdp across nodes), each process also
 sends it to the process of its local index on the next node, so that the state outlives any one machine. After a
-restart the processes agree on the newest step whose pieces the surviving tiers all hold, and load it, cut to the
+restart the processes agree on the newest step whose shards the surviving tiers all hold, and load it, cut to the
 new world size.
 """
 
@@ -49,13 +49,13 @@ class MemoryCopies:
 
     def __init__(self, cfg: SnapshotConfig, topology: Topology, run: str, replica: Replica):
         self.world, self.replica = topology.world, replica
-        self.tier = MemoryTier(run, job_identity(), cfg.memory_dir, topology.piece)
+        self.tier = MemoryTier(run, job_identity(), cfg.memory_dir, topology.shard)
         problem = unusable(cfg.memory_dir)  # (snapshot.memory=on was refused for it before any work: check_memory_dir)
         if problem:
             self.tier.turn_off(f"snapshot.memory_dir={cfg.memory_dir}: {problem}")
         # fsdp across nodes: no other node holds this process's shard. Send it to the next node.
         self.peers = topology.neighbours
-        self.group = dist.new_group(backend="gloo") if topology.piece[1] > topology.per_node else None
+        self.group = dist.new_group(backend="gloo") if topology.shard[1] > topology.per_node else None
         self.every = cfg.memory_every
         self.generation: int | None = None  # of the run's lease, known to every process
         self.reached = 0  # the furthest step any node recorded before this start (0: unknown)
@@ -68,22 +68,22 @@ class MemoryCopies:
     # -- restoring -------------------------------------------------------------------------------
 
     def restore(self, durable_step: int, durable_generation: int | None) -> dict | None:
-        """Restore the replica from the newest step whose pieces the nodes' tiers hold, when it is newer than
+        """Restore the replica from the newest step whose shards the nodes' tiers hold, when it is newer than
         `durable_step` and written by its generation or a later one (a tier left by a generation that another
-        followed is never used); the description of one of its pieces, or None. Every process calls it."""
+        followed is never used); the description of one of its shards, or None. Every process calls it."""
         usable = lambda held: (held.header.get("generation") or 0) >= (durable_generation or 0)
-        held = [h for h in self.tier.pieces(newer_than=durable_step) if usable(h)]
+        held = [h for h in self.tier.shards(newer_than=durable_step) if usable(h)]
         everyone = distributed.all_gather_object(([_key(h) for h in held], self.tier.reached()), self.world)
         self.reached = max(reached for _, reached in everyone)
         offers = {(process, *offer) for process, (offered, _) in enumerate(everyone) for offer in offered}
         header = None
         while header is None and (choice := _newest_complete(offers)):
             header = self._load(choice, held, offers)
-        self.tier.start()  # read by all: stale tiers may go, and one process per launcher and piece writes
+        self.tier.start()  # read by all: stale tiers may go, and one process per launcher and shard writes
         return header
 
     def _load(self, choice: list[tuple], held: list[Held], offers: set) -> dict | None:
-        """Load the pieces `choice` names, each from its holder; None where a holder found its piece damaged."""
+        """Load the shards `choice` names, each from its holder; None where a holder found its shard damaged."""
         trees, header, hosts = [], None, set()
         for offer in choice:
             process = offer[0]
@@ -106,7 +106,7 @@ class MemoryCopies:
     # -- copying ---------------------------------------------------------------------------------
 
     def after_step(self) -> None:
-        """Copy this process's piece to its tier in the background, and send it to the next node where it must."""
+        """Copy this process's shard to its tier in the background, and send it to the next node where it must."""
         step, now = self.replica.state.step, time.monotonic()
         if self._last_step_at is not None:
             self._step_seconds = now - self._last_step_at
@@ -136,7 +136,7 @@ class MemoryCopies:
 
     def _every(self) -> int:
         """snapshot.memory_every, or (0) the fewest steps between copies that keep the training thread's wait for them
-        within OVERHEAD of the step time. Every process chooses at the same step, together: where pieces are sent
+        within OVERHEAD of the step time. Every process chooses at the same step, together: where shards are sent
         between nodes, all copy alike."""
         if self.every or self._steps < MEASURED_AT:
             return self.every or 1
@@ -149,8 +149,8 @@ class MemoryCopies:
         return self.every
 
     def _send(self, header: dict | None, buffer: torch.Tensor | None) -> None:
-        """In the copy's thread: send this piece to the next node and keep the previous node's. Every process takes
-        part, with an empty piece where it copied nothing."""
+        """In the copy's thread: send this shard to the next node and keep the previous node's. Every process takes
+        part, with an empty shard where it copied nothing."""
         to, source = self.peers
         try:
             description = json.dumps(header).encode() if header else b""
@@ -182,13 +182,13 @@ class MemoryCopies:
 
 
 def _key(held: Held) -> tuple:
-    """Pieces of one step fit together only where one generation wrote them all, with one layout."""
-    return held.step, held.header.get("generation") or 0, *held.piece
+    """Shards of one step fit together only where one generation wrote them all, with one layout."""
+    return held.step, held.header.get("generation") or 0, *held.shard
 
 
 def _newest_complete(offers: set) -> list[tuple] | None:
-    """Of offers (process, step, generation, index, count), one per piece of the newest step (and generation) whose
-    pieces are all offered; None if no step is complete."""
+    """Of offers (process, step, generation, index, count), one per shard of the newest step (and generation) whose
+    shards are all offered; None if no step is complete."""
     for written in sorted({(step, gen, count) for _, step, gen, _, count in offers}, reverse=True):
         holders = {}
         for offer in sorted(o for o in offers if (o[1], o[2], o[4]) == written):
