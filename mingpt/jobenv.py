@@ -53,6 +53,9 @@ class LiveEndpoints:
 
 @dataclass(frozen=True)
 class JobEnv:
+    """What the launcher (torchrun and mingpt-torchrun's agent, or a hand-made environment) says about this process
+    and its job."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -75,13 +78,14 @@ class JobEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnv:
-        """Inconsistent values are a ConfigError: a wrong value would otherwise surface much later, as a hang or a
-        misleading error."""
+        """The job that `environ` (os.environ) describes. Inconsistent values are a ConfigError, in one line each: a
+        wrong value would otherwise surface much later, as a hang or a misleading error."""
         env = os.environ if environ is None else environ
         world_size, rank = _int(env, "WORLD_SIZE", 1, 1), _int(env, "RANK", 0, 0)
         if rank >= world_size:
             raise ConfigError(f"RANK={rank} with WORLD_SIZE={world_size}: a rank must be below the world size. Let "
-                              "torchrun set both (or set WORLD_SIZE to the number of processes, RANK to 0 .. WORLD_SIZE-1)")
+                              "torchrun set both (or set WORLD_SIZE to the number of processes, RANK to 0 .. "
+                              "WORLD_SIZE-1)")
         local_rank = _int(env, "LOCAL_RANK", 0, 0)
         local_world_size = _int(env, "LOCAL_WORLD_SIZE", local_rank + 1, 1)  # torchrun sets it; by hand, often not
         if local_rank >= local_world_size:
@@ -91,11 +95,13 @@ class JobEnv:
                    master=_master(env, world_size), run_id=env.get("TORCHELASTIC_RUN_ID"),
                    restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0, 0),
                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                   nodes=_int(env, "GROUP_WORLD_SIZE", 1, 1), max_nodes=_max_nodes(env), progress_dir=env.get(PROGRESS_DIR) or None,
+                   nodes=_int(env, "GROUP_WORLD_SIZE", 1, 1), max_nodes=_max_nodes(env),
+                   progress_dir=env.get(PROGRESS_DIR) or None,
                    membership=_membership(env.get(MEMBERSHIP, "")), hellaswag_fetched=env.get(HELLASWAG_FETCHED),
                    live=_live(env))
 
     def to_environ(self) -> dict[str, str]:
+        """The variables that describe this job, as from_environ reads them."""
         env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_WORLD_SIZE": str(self.nodes),
                "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
@@ -145,7 +151,8 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
         raise ConfigError(f"{name}={text!r} is not an integer: it is set by torchrun; unset it or fix the launch") \
             from None
     if value < minimum:
-        raise ConfigError(f"{name}={value} must be at least {minimum}: it is set by torchrun; unset it or fix the launch")
+        raise ConfigError(f"{name}={value} must be at least {minimum}: it is set by torchrun; unset it or fix the "
+                          "launch")
     return value
 
 

@@ -46,13 +46,12 @@ def main(argv: list[str] | None = None, server: forkserver.Server | None = None)
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
     configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
     logging.getLogger("mingpt").setLevel(logging.INFO)  # this node's own progress and membership, on its own log
+    options = argv[:_script_at(argv)]  # torchrun's own, before the training script
     status = run_command(lambda: torch_internals.check(sharded=False)) or \
-        run_command(lambda: check_launch(args, argv[:_script_at(argv)], live_mode)) or run_command(lambda: prepare_before_joining(args))
+        run_command(lambda: check_launch(args, options, live_mode)) or run_command(lambda: prepare_before_joining(args))
     if not status and live_mode:
         status = run_command(lambda: join_live(args))
-    if status:
-        return status
-    return launch(args, server)
+    return status or launch(args, server)
 
 
 def _script_at(argv: list[str]) -> int:
