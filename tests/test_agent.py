@@ -17,32 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from launch import (
-    BIN,
-    ENDLESS_STEPS,
-    env,
-    kill_node,
-    latest_step,
-    output,
-    overrides,
-    standalone,
-    train_here,
-    wait_for,
-    worker,
-)
-from torch.distributed.elastic.agent.server.api import (
-    RunResult,
-    WorkerSpec,
-    WorkerState,
-)
+from launch import (BIN, ENDLESS_STEPS, env, kill_node, latest_step, output, overrides, standalone, train_here,
+                    wait_for, worker)
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-    C10dRendezvousBackend,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from mingpt.claim import start_time
 from mingpt.jobenv import PEER_LOST, PEER_STOPPED

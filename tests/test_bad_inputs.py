@@ -23,12 +23,7 @@ from mingpt.interop.pretrained import open_pretrained
 from mingpt.launch import checks
 from mingpt.launch import node as launch_node
 from mingpt.model import GPT, GPTConfig
-from mingpt.tokenizers import (
-    BPETokenizer,
-    CharTokenizer,
-    huggingface,
-    load_tokenizer_folder,
-)
+from mingpt.tokenizers import BPETokenizer, CharTokenizer, huggingface, load_tokenizer_folder
 
 MARKER = "UNPICKLED-AND-RAN-CODE"
 

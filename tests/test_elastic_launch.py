@@ -13,24 +13,8 @@ import signal
 import socket
 
 import pytest
-from launch import (
-    BIN,
-    HEAVIER,
-    RDZV_CONF,
-    REPO,
-    SMALL,
-    free_port,
-    latest_step,
-    manifests,
-    output,
-    plain_torchrun,
-    port_listens,
-    rendezvous,
-    run,
-    slow_corpus,
-    torchrun,
-    wait_for,
-)
+from launch import (BIN, HEAVIER, RDZV_CONF, REPO, SMALL, free_port, latest_step, manifests, output, plain_torchrun,
+                    port_listens, rendezvous, run, slow_corpus, torchrun, wait_for)
 
 from mingpt import jobenv
 from mingpt.data.prepare import PrepareConfig, prepare

@@ -13,27 +13,8 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
-from launch import (
-    BIN,
-    ENDLESS_STEPS,
-    HEAVIER,
-    KEEP_ALL,
-    MAIN,
-    assert_equal_weights,
-    env,
-    free_port,
-    kill_node,
-    latest_step,
-    ledger,
-    output,
-    overrides,
-    rendezvous,
-    stop,
-    torchrun,
-    wait_for,
-    weights,
-    worker,
-)
+from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, assert_equal_weights, env, free_port, kill_node,
+                    latest_step, ledger, output, overrides, rendezvous, stop, torchrun, wait_for, weights, worker)
 
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.packing import pack
@@ -42,15 +23,7 @@ from mingpt.jobenv import PEER_LOST, JobEnv, LiveEndpoints
 from mingpt.training.distributed import World
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
 from mingpt.training.parallel import Topology
-from mingpt.training.live import (
-    COLLECTIVE_TIMEOUT_S,
-    NEVER,
-    SINCE,
-    LiveAgreement,
-    credentials,
-    eldest,
-    misfit,
-)
+from mingpt.training.live import COLLECTIVE_TIMEOUT_S, NEVER, SINCE, LiveAgreement, credentials, eldest, misfit
 
 
 def test_a_group_is_of_the_job_where_its_job_data_and_layout_are_those_of_the_group_longest_in_it():

@@ -33,16 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mingpt.claim import (
-    Claim,
-    Files,
-    GenerationalClaim,
-    ended_here,
-    pids,
-    same_machine,
-    start_time,
-    stood_still,
-)
+from mingpt.claim import Claim, Files, GenerationalClaim, ended_here, pids, same_machine, start_time, stood_still
 from mingpt.errors import MinGPTError
 from mingpt.jobenv import JobEnv
 from mingpt.rundir import RunDir

@@ -49,14 +49,8 @@ from mingpt.checkpoint.packing import pack, unpack
 from mingpt.checkpoint.shm import allocate
 from mingpt.claim import MachineLock, process_alive
 from mingpt.jobenv import JobEnv
-from mingpt.storage import (
-    others_may_replace_in,
-    own_file,
-    parse_json,
-    private_folder,
-    read_own_file,
-    replace_atomically,
-)
+from mingpt.storage import (others_may_replace_in, own_file, parse_json, private_folder, read_own_file,
+                            replace_atomically)
 
 log = logging.getLogger(__name__)
 

@@ -32,20 +32,10 @@ import time
 from datetime import timedelta
 
 from torch.distributed import DistError
-from torch.distributed.elastic.agent.server.api import (
-    DEFAULT_ROLE,
-    RunResult,
-    WorkerGroup,
-    WorkerSpec,
-    WorkerState,
-)
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import (
-    RendezvousClosedError,
-    RendezvousError,
-    RendezvousHandler,
-    RendezvousTimeoutError,
-)
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError, RendezvousHandler,
+                                                  RendezvousTimeoutError)
 
 from mingpt import torch_internals
 from mingpt.errors import one_line

@@ -49,12 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 from mingpt.jobenv import WARM_WORKERS
-from mingpt.processes import (
-    PR_SET_CHILD_SUBREAPER,
-    PR_SET_NAME,
-    prctl,
-    signal_when_parent_dies,
-)
+from mingpt.processes import PR_SET_CHILD_SUBREAPER, PR_SET_NAME, prctl, signal_when_parent_dies
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,7 @@ from torch.distributed import DistError, TCPStore, run
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mingpt.errors import ConfigError, one_line
-from mingpt.jobenv import (
-    LIGHTHOUSE_KEY,
-    LIVE_HOST,
-    LIVE_LIGHTHOUSE,
-    LIVE_MIN_NODES,
-    LIVE_RENDEZVOUS,
-)
+from mingpt.jobenv import LIGHTHOUSE_KEY, LIVE_HOST, LIVE_LIGHTHOUSE, LIVE_MIN_NODES, LIVE_RENDEZVOUS
 from mingpt.launch.checks import C10D_PORT, CHECK, STORE_ANSWER_S
 from mingpt.launch.node import merge_rendezvous_conf
 

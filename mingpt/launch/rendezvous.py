@@ -9,12 +9,7 @@ import signal
 import socket
 import sys
 
-from mingpt.jobenv import (
-    HEARTBEAT_TIMEOUT_MS,
-    JOIN_TIMEOUT_MS,
-    LIGHTHOUSE_KEY,
-    QUORUM_TICK_MS,
-)
+from mingpt.jobenv import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS, LIGHTHOUSE_KEY, QUORUM_TICK_MS
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,7 @@ import mingpt
 from mingpt.checkpoint.lease import LIVE, LeaseLostError, RunLease
 from mingpt.checkpoint.memory import remove_ended_tiers
 from mingpt.checkpoint.sharded import write_shards
-from mingpt.checkpoint.store import (
-    Snapshot,
-    SnapshotError,
-    SnapshotStore,
-    snapshot_name,
-)
+from mingpt.checkpoint.store import Snapshot, SnapshotError, SnapshotStore, snapshot_name
 from mingpt.checkpoint.writer import SnapshotWriter
 from mingpt.storage import explain_storage_error
 from mingpt.tokenizers import Tokenizer

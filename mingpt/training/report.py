@@ -18,13 +18,7 @@ from mingpt.model import GPT
 from mingpt.rundir import RunDir
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
-from mingpt.training.performance import (
-    Throughput,
-    flops_per_token,
-    mfu,
-    peak_flops,
-    peak_memory_bytes,
-)
+from mingpt.training.performance import Throughput, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from mingpt.training.resume import Resumed
 from mingpt.training.state import TrainState
 from mingpt.training.stragglers import StepTimes

@@ -30,13 +30,7 @@ from mingpt.checkpoint.shm import remove_ended_agents_folders
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import WindowOrder, micro_batches, shard, window_order
-from mingpt.errors import (
-    ConfigError,
-    PeerLeft,
-    TrainingError,
-    forget_stops,
-    raise_stopped,
-)
+from mingpt.errors import ConfigError, PeerLeft, TrainingError, forget_stops, raise_stopped
 from mingpt.interop.pretrained import Pretrained, open_pretrained
 from mingpt.jobenv import PEER_STOPPED, JobEnv, first_on_its_node, leads_this_generation
 from mingpt.model import GPT, GPTConfig
@@ -49,13 +43,7 @@ from mingpt.training.checkpointer import Checkpointer
 from mingpt.training.compile_cache import CompileCache, describe
 from mingpt.training.config import Config
 from mingpt.training.distributed import World
-from mingpt.training.precision import (
-    autocast_for,
-    choose_compile,
-    choose_precision,
-    compute_dtype,
-    dtype_name,
-)
+from mingpt.training.precision import autocast_for, choose_compile, choose_precision, compute_dtype, dtype_name
 from mingpt.training.preparation import prepare_data
 from mingpt.training.progress import Progress
 from mingpt.training.recovery import check_memory_dir
