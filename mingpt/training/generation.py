@@ -35,13 +35,13 @@ class Meeting:
 
     def open(self) -> Meeting:
         """Connect to the store (hosting it on rank 0 where the agent does not), and say this process joined."""
-        host, port = self.job.master
-        agent_store, self.opened = self.job.agent_store, time.monotonic()
+        (host, port), shared = self.job.master, self.job.agent_store
+        self.opened = time.monotonic()
         try:
             with sigterm_ends_at_once():  # connecting waits in torch's C++ for a store that may never come
-                self.store = dist.TCPStore(host, port, self.job.world_size, is_master=self.job.rank == 0 and not
-                                           agent_store, timeout=timedelta(seconds=self.timeout_s),
-                                           multi_tenant=not agent_store, wait_for_workers=False)
+                self.store = dist.TCPStore(host, port, self.job.world_size, is_master=self.job.rank == 0 and not shared,
+                                           timeout=timedelta(seconds=self.timeout_s), multi_tenant=not shared,
+                                           wait_for_workers=False)
         except dist.DistError as e:
             raise self._error(e) from None
         self.store.set(self._key("joined", self.job.rank), socket.gethostname())
