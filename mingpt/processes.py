@@ -13,6 +13,7 @@ PR_SET_PTRACER = 0x59616D61
 
 
 def prctl(option: int, arg: int | bytes) -> bool:
+    """Ask prctl(option, arg); False where this system has no prctl."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
     except (OSError, AttributeError):

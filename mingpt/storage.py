@@ -292,6 +292,7 @@ def others_may_replace_in(folder: Path | str) -> str | None:
 
 
 def own_file(path: Path) -> os.stat_result:
+    """lstat of `path`; OSError unless it is a regular file of this user's."""
     found = os.lstat(path)
     if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
         raise OSError(f"not a regular file of this user's (mode {stat.filemode(found.st_mode)}, owner {found.st_uid})")

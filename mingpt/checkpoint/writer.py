@@ -43,6 +43,7 @@ class SnapshotWriter:
             self._save(step, save)
 
     def wait(self) -> None:
+        """Block until no save is in flight."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -120,4 +120,5 @@ def shard(count: int, parts: int, index: int) -> slice:
 
 
 def micro_batches(count: int, micro_batch_size: int) -> list[slice]:
+    """Consecutive slices of range(count) of at most `micro_batch_size` each."""
     return [slice(i, min(i + micro_batch_size, count)) for i in range(0, count, micro_batch_size)]

@@ -34,6 +34,7 @@ def _documents(piece: Piece) -> Iterator[tuple[int, str]]:
 
 
 def chars(piece: Piece) -> set[str]:
+    """The characters of the piece's documents."""
     found: set[str] = set()
     for _, text in _documents(piece):
         found.update(text)
@@ -41,6 +42,7 @@ def chars(piece: Piece) -> set[str]:
 
 
 def texts(piece: Piece) -> list[str]:
+    """The texts of the piece's documents."""
     return [text for _, text in _documents(piece)]
 
 

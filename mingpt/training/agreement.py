@@ -15,6 +15,7 @@ from mingpt.training.distributed import World
 
 @dataclass(frozen=True)
 class Share:
+    """This process's place among the processes of a step, which split its global batch."""
     index: int
     count: int
 
@@ -60,12 +61,14 @@ class StepAgreement:
         return Share(self.world.rank, self.world.world_size)
 
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
+        """The collective, once this process's gradients are in; `loss_sum` is its sum(loss * examples)."""
         saves_failing, run_lost = self.checkpointer.problems()
         loss, stops, failing, lost = distributed.all_reduce_sum(
             [loss_sum, float(stop_requested), float(saves_failing), float(run_lost)], self.world)
         return Outcome(loss / self.global_batch_size, int(stops), bool(failing), bool(lost))
 
     def enforce(self, outcome: Outcome) -> None:
+        """Stop every process together where the leader lost the run or cannot write snapshots."""
         self.checkpointer.stop_on(outcome.saves_failing, outcome.run_lost)
 
     def resumed_at(self, step: int, samples_seen: int) -> None:

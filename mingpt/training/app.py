@@ -59,6 +59,7 @@ class Command:
 
 
 def read_command(conf_dir: Path, args: list[str]) -> Command:
+    """`args` split into Hydra's flags (those about configs kept) and the overrides."""
     command = Command(Path(conf_dir))
     args = list(args)
     while args:

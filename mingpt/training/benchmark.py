@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HellaSwag:
+    """The examples this job scores, in tokens, and how many go in one forward pass."""
     examples: list[Encoded]
     batch_examples: int
 
@@ -71,6 +72,8 @@ def read_hellaswag(t: TrainerConfig, job: JobEnv) -> list[Example] | None:
 
 def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: Tokenizer,
                    block_size: int) -> HellaSwag | None:
+    """`examples` (read_hellaswag's) in tokens, with the number scored in one forward pass; None where none can
+    be scored."""
     if not examples:
         return None
     encoded, skipped = encode_all(examples, tokenizer, block_size)

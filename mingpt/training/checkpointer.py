@@ -86,6 +86,7 @@ class Checkpointer:
         check_compatible(snapshot, replica.model.config, self.tokenizer)
 
     def load(self, snapshot: Snapshot, replica: Replica) -> None:
+        """Restore `replica` from `snapshot` (which fits it: check_fits)."""
         manifest = snapshot.manifest
         state, whole = replica.read(snapshot)
         changed = replica.load(state, whole, manifest)
@@ -200,6 +201,7 @@ class Checkpointer:
             self.memory.after_step()
 
     def lease_generation(self) -> int | None:
+        """The generation of the run's lease that this process holds (None: it holds none)."""
         return self.store.lease.generation if self.store.lease is not None else None
 
     def hold_the_run(self, writes: bool) -> None:

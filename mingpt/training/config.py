@@ -169,6 +169,7 @@ def unknown_keys(data: dict, schema: type, prefix: str = "") -> list[tuple[str, 
 
 
 def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first key whose value is out of range."""
     t, d, m, s = cfg.trainer, cfg.data, cfg.model, cfg.snapshot
     for key in FLOAT_KEYS:
         if not math.isfinite(_lookup(cfg, key)):

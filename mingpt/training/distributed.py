@@ -88,6 +88,7 @@ def lost_a_peer(error: BaseException) -> bool:
 
 
 def peer_lost(error: BaseException) -> PeerLeft:
+    """The end of this generation because of `error`, another process's loss (see `lost_a_peer`)."""
     return PeerLeft(f"another process was lost ({one_line(error)}); this process goes on in the next round of the "
                     "job", PEER_LOST)
 
@@ -106,6 +107,7 @@ def stop() -> None:
 
 
 def all_reduce_sum(values: list[float], world: World) -> list[float]:
+    """Sum a few floats over all processes (identity when alone)."""
     if not world.distributed:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=world.device)
@@ -114,6 +116,7 @@ def all_reduce_sum(values: list[float], world: World) -> list[float]:
 
 
 def all_gather(values: list[float], world: World) -> list[list[float]]:
+    """Each process's few floats, by rank, on every process."""
     if not world.distributed:
         return [list(values)]
     mine = torch.tensor(values, dtype=torch.float64, device=world.device)
@@ -132,6 +135,7 @@ def all_gather_object(obj, world: World) -> list:
 
 
 def broadcast_object(obj, world: World, src: int = 0):
+    """`obj` as process `src` (by default the leader) has it, on every process."""
     if not world.distributed:
         return obj
     box = [obj]

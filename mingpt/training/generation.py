@@ -48,6 +48,7 @@ class Meeting:
         return self
 
     def ready(self) -> None:
+        """Say that this process has prepared its data; wait until every process has."""
         self.store.set(self._key("ready", self.job.rank), socket.gethostname())
         said = time.monotonic() - WAIT_LOG_S + 1  # the first report after a second, then every WAIT_LOG_S
         while True:
@@ -88,6 +89,7 @@ WAIT_LOG_S = 30.0  # how often the leader says whom it waits for
 
 
 def meet(job: JobEnv, timeout_s: float) -> Meeting | None:
+    """The generation's meeting point (None when this process is alone)."""
     return Meeting(job, timeout_s).open() if job.world_size > 1 else None
 
 

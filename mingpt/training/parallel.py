@@ -131,6 +131,7 @@ def _return_large_frees_to_the_system() -> None:
 
 
 def replicate(model: GPT, topology: Topology) -> DDP | None:
+    """The DDP wrapper to train an unsharded `model` through, where there are several processes."""
     world = topology.world
     if not world.distributed or topology.sharded:
         return None

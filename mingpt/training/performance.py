@@ -31,18 +31,22 @@ GPU_PEAK_TFLOPS = [
 
 
 def flops_per_token(config: GPTConfig, params: int) -> int:
+    """Training FLOPs per token of a model with `params` parameters (see the module docstring)."""
     return 6 * params + 12 * config.n_layer * config.n_embd * config.block_size
 
 
 def mfu(flops_per_token: int, tokens_per_s: float, peak_flops: float) -> float:
+    """The share of `peak_flops` that `tokens_per_s` puts to model use."""
     return flops_per_token * tokens_per_s / peak_flops
 
 
 def cpu_flags() -> set[str]:
+    """The feature flags of this CPU (empty where unknown)."""
     return set(cpuinfo("flags").split())
 
 
 def cpuinfo(field: str) -> str:
+    """The first value of `field` in Linux's /proc/cpuinfo ("" elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.split(":", 1)[0].strip() == field:
@@ -119,6 +123,7 @@ def _remember(cache: Path, entries: dict) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has used: allocated CUDA memory on a GPU, resident memory on a CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

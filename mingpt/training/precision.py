@@ -54,6 +54,7 @@ def autocast_for(precision: str, device: torch.device):
 
 
 def compute_dtype(autocast) -> torch.dtype:
+    """The dtype matmuls run in under `autocast` (an autocast context, or a null one for fp32)."""
     return autocast.fast_dtype if isinstance(autocast, torch.autocast) else torch.float32
 
 

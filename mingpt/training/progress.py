@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class Progress:
+    """Marks of this process's progress, where an agent watches them."""
     def __init__(self, folder: str | None, hang_timeout_s: float, warmup_s: float):
         self.hang_timeout_s, self.warmup_s = hang_timeout_s, warmup_s
         self.fd = _open_mark_file(Path(folder)) if folder else None

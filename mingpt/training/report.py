@@ -43,6 +43,7 @@ class Report:
         self.step_times: StepTimes | None = None
 
     def start(self, step: int, resumed: Resumed, description: list[str]) -> None:
+        """Training begins at `step`: what the start found, the run described, the reference for MFU."""
         self.metrics.start(step)
         for kind, text in resumed.events:
             self.metrics.mark(step, kind, text)
@@ -105,6 +106,7 @@ class Report:
         return self.throughput.excluding()
 
     def say(self, message: str, *args) -> None:
+        """Log a line from the process that speaks for the job."""
         if self.speaks:
             log.info(message, *args)
 

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Resumed:
+    """What a start found, for the report."""
     events: list[tuple[str, str]] = field(default_factory=list)  # (kind, text), marked on the dashboards
     steps_lost: int | None = None  # steps reached before this start and not in the state loaded (None: unknown)
 

@@ -32,11 +32,13 @@ class TrainState:
     ledger: list[tuple[int, str]] = field(default_factory=list)
 
     def advance(self, examples: int, digest: str) -> None:
+        """One step taken, over `examples` examples whose digest is `digest`."""
         self.step += 1
         self.samples_seen += examples
         self.ledger = [*self.ledger[1 - RECENT:], (self.step, digest)]
 
     def saved(self) -> dict:
+        """These fields, as a memory tier's description and a heal carry them."""
         return asdict(self)
 
     def restore(self, saved: dict) -> None:
@@ -100,6 +102,7 @@ class Replica:
 
 
 def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:
+    """SnapshotError unless this run's model and tokenizer can train on from `snapshot`."""
     try:
         saved_tokenizer = tokenizer_from_dict(parse_json(snapshot.read("tokenizer.json")))
         saved = GPTConfig(**snapshot.manifest.get("model_config")).to_dict()

@@ -29,6 +29,7 @@ CALM = 3  # windows at the others' speed that end an episode
 
 
 class StepTimes:
+    """This process's time per step, split, and the window's comparison across processes."""
     def __init__(self, world: World, metrics: Loggers):
         self.world, self.metrics = world, metrics
         self.names = distributed.all_gather_object(f"{socket.gethostname()} pid {os.getpid()}", world)
@@ -38,10 +39,12 @@ class StepTimes:
         self.suspects: dict[str, int] = {}  # slow in this many windows in a row, not named yet
 
     def add(self, data_s: float, compute_s: float, step_s: float) -> None:
+        """One step: its seconds waiting for data, computing, and in all (the rest is synchronising)."""
         for i, seconds in enumerate((data_s, compute_s, max(0.0, step_s - data_s - compute_s))):
             self.sums[i] += seconds
 
     def end_of_step(self, step: int) -> None:
+        """Every WINDOW steps (the same steps in every process): compare, report, start a new window."""
         self.steps += 1
         if self.steps < WINDOW:
             return
