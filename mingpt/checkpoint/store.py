@@ -26,8 +26,9 @@ from typing import Any, Callable, Sequence
 from mingpt.errors import MinGPTError
 from mingpt.checkpoint.lease import RESTART, Commit, RunLease
 from mingpt.checkpoint.manifest import (
-                                        FORMAT, FORMAT_VERSION, MANIFEST, HashingWriter, Untrusted, check_recorded, is_snapshot_name, manifest_problem,
-                                        read_manifest, read_recorded, snapshot_name, step_of)
+    FORMAT, FORMAT_VERSION, MANIFEST, HashingWriter, Untrusted, check_recorded, is_snapshot_name, manifest_problem,
+    read_manifest, read_recorded, snapshot_name, step_of,
+)
 from mingpt.rundir import RunDir
 from mingpt.storage import create_exclusive, explain_storage_error, open_exclusive, sync_folder
 

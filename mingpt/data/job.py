@@ -24,7 +24,8 @@ from mingpt.data.corpus import Source
 from mingpt.data.pieces import Piece, read_pieces
 from mingpt.data.pool import WorkerPool
 from mingpt.data.prepared import (
-                                  FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, file_sha256, fingerprint, token_dtype)
+    FORMAT, FORMAT_VERSION, META_FILE, TOKEN_FILES, TOKENIZER_FILE, file_sha256, fingerprint, token_dtype,
+)
 from mingpt.data.progress import Progress
 from mingpt.data.resume import PROGRESS_FILE, CorpusChanged, Tokenized
 from mingpt.data.scratch import publish, scratch
