@@ -1,7 +1,9 @@
 """The GPT language model: a decoder-only Transformer with a key/value cache for generation.
 
-Pre-LayerNorm blocks, causal self-attention through `F.scaled_dot_product_attention`, a GELU MLP, learned position
-embeddings and (by default) input/output weight tying, initialised as GPT-2 was."""
+Pre-norm blocks and causal self-attention through `F.scaled_dot_product_attention`, in one of two architectures
+(mingpt.shape.ARCHS) or any mix of their parts: GPT-2's (LayerNorm, a GELU MLP, learned position embeddings, a head
+tied to the token embedding, initialised as GPT-2 was) or a modern one (RMSNorm, QK-norm, a ReLU-squared MLP, rotary
+positions, zero-initialised output projections and an untied head)."""
 
 from __future__ import annotations
 
@@ -35,13 +37,30 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+def norm(config: GPTConfig, width: int) -> nn.Module:
+    return nn.RMSNorm(width) if config.norm == "rmsnorm" else nn.LayerNorm(width, bias=config.bias)
+
+
+def rotate(x: torch.Tensor, start: int) -> torch.Tensor:
+    """Rotary position embedding of `x` (B, n_head, T, head_dim) at positions start .. start+T-1: each pair of
+    dimensions (i, i + head_dim/2) turned by an angle that grows with the position, at a frequency of its own."""
+    half = x.size(-1) // 2
+    frequencies = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = torch.arange(start, start + x.size(-2), device=x.device, dtype=torch.float32)[:, None] * frequencies
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.rotary = config.n_head, config.rotary
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
+        head = config.n_embd // config.n_head
+        self.q_norm, self.k_norm = (nn.RMSNorm(head), nn.RMSNorm(head)) if config.qk_norm else (None, None)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
@@ -51,6 +70,11 @@ class CausalSelfAttention(nn.Module):
         # several positions arrive at once (training, or the prompt) is a causal mask needed.
         # Generation feeds the prompt into an empty cache, so the two cases never mix.
         is_causal = T > 1
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:  # at the positions after those cached
+            start = cache.length if cache is not None else 0
+            q, k = rotate(q, start), rotate(k, start)
         if cache is not None:
             assert cache.length == 0 or T == 1, "feed several positions only into an empty cache"
             k, v = cache.append(k, v)
@@ -75,20 +99,21 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = config.dropout
+        self.dropout, self.relu2 = config.dropout, config.mlp == "relu2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)
         # GPT-2's tanh form of GELU; on CPU it is also several times faster than the exact erf form.
-        y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-        return F.dropout(y, self.dropout, self.training)
+        h = F.relu(h).square() if self.relu2 else F.gelu(h, approximate="tanh")
+        return F.dropout(self.c_proj(h), self.dropout, self.training)
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = norm(config, config.n_embd)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -101,17 +126,21 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wpe = None if config.rotary else nn.Embedding(config.block_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = norm(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         # GPT-2: residual-stream projections scaled by 1/sqrt(their number), so the variance does not grow with depth.
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith("c_proj.weight") and config.zero_init:  # each block starts as the identity
+                nn.init.zeros_(p)
+            elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.zero_init and not config.tie_weights:  # the first predictions are uniform
+            nn.init.zeros_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -121,17 +150,23 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; by default without the position embedding (the token one is tied)."""
+        """Parameter count; by default without the embeddings' lookup tables (a tied token embedding counts, as the
+        head)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            n -= self.wpe.weight.numel() if self.wpe is not None else 0
+            n -= 0 if self.config.tie_weights else self.wte.weight.numel()
+        return n
 
     def _hidden(self, idx: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         T = idx.size(1)
         start = caches[0].length if caches else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)
-        x = F.dropout(self.wte(idx) + self.wpe(pos), self.config.dropout, self.training)
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+        x = F.dropout(x, self.config.dropout, self.training)
         for i, block in enumerate(self.blocks):
             x = block(x, caches[i] if caches else None)
         return self.ln_f(x)

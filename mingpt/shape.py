@@ -7,6 +7,18 @@ from dataclasses import asdict, dataclass
 
 from mingpt.errors import ConfigError
 
+# The architectures by name, each part a field of GPTConfig of its own. gpt2: learned positions, LayerNorm, a GELU
+# MLP, GPT-2's initialisation and a head tied to the token embedding. modern: what the modded-nanogpt speedrun's
+# records showed to pay: rotary positions (no position table), RMSNorm, QK-norm, a ReLU-squared MLP, output
+# projections and head that start at zero, and a head of its own.
+ARCHS: dict[str, dict[str, object]] = {
+    "gpt2": {"rotary": False, "norm": "layernorm", "qk_norm": False, "mlp": "gelu", "zero_init": False,
+             "tie_weights": True},
+    "modern": {"rotary": True, "norm": "rmsnorm", "qk_norm": True, "mlp": "relu2", "zero_init": True,
+               "tie_weights": False},
+}
+NORMS, MLPS = ("layernorm", "rmsnorm"), ("gelu", "relu2")
+
 # Layer, head and width of the named model sizes (minGPT's table).
 PRESETS: dict[str, tuple[int, int, int]] = {
     "gpt-nano": (3, 3, 48),
@@ -33,6 +45,11 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False  # biases in Linear and LayerNorm; without them is a little faster and no worse
     tie_weights: bool = True  # share the token embedding with the output projection
+    rotary: bool = False  # rotary position embeddings on queries and keys, instead of a learned position table
+    norm: str = "layernorm"  # layernorm or rmsnorm
+    qk_norm: bool = False  # queries and keys normalised (RMSNorm per head) before attention
+    mlp: str = "gelu"  # gelu (GPT-2's tanh form) or relu2 (ReLU squared)
+    zero_init: bool = False  # the residual projections (and an untied head) start at zero, not GPT-2's scaled normal
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -46,6 +63,18 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.norm not in NORMS or self.mlp not in MLPS:
+            raise ConfigError(f"model.norm must be one of {', '.join(NORMS)} and model.mlp one of {', '.join(MLPS)}; "
+                              f"got norm={self.norm!r}, mlp={self.mlp!r}")
+        if self.rotary and (self.n_embd // self.n_head) % 2:
+            raise ConfigError(f"model.rotary needs an even head size; n_embd={self.n_embd} / n_head={self.n_head} is "
+                              f"{self.n_embd // self.n_head}: choose n_embd as a multiple of 2 * n_head")
+
+    @property
+    def arch(self) -> str:
+        """The name of this architecture (ARCHS), or "custom" where its parts are no named one's."""
+        parts = {name: getattr(self, name) for name in ARCHS["gpt2"]}
+        return next((name for name, named in ARCHS.items() if named == parts), "custom")
 
     def least_parameters(self) -> int:
         """A lower bound of the parameter count, from the shape alone (nothing is allocated): the token

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hydra.errors import HydraException
 
 from launch import MAIN, SMALL, config, env, latest_step, manifests, output, train_here, wait_for
@@ -294,3 +295,33 @@ def test_second_ctrl_c_ends_at_once_with_one_line(tmp_path, procs, s3):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     # One line says so (the held upload, released, may still log from its thread while the process exits).
     assert sum(line.startswith("interrupted (SIGINT): ") for line in text.splitlines()) == 1, text
+
+
+def test_the_modern_architecture_trains_resumes_bitwise_and_is_refused_where_its_weights_cannot_go(tmp_path):
+    """model.arch=modern trains, and a run stopped at step 5 goes on to step 10 exactly as one that never stopped.
+    A run of it resumed as model.arch=gpt2 is refused as a model of another size is, nothing overwritten; and GPT-2's
+    architecture cannot start from its weights (model.init_from), nor export to Hugging Face."""
+    from mingpt.checkpoint.load import open_model
+    from mingpt.interop import hf
+
+    modern = ["model.arch=modern", "trainer.max_steps=10"]
+    train_here(tmp_path / "whole", *modern)
+    train_here(tmp_path / "stopped", "model.arch=modern", "trainer.max_steps=5")
+    train_here(tmp_path / "stopped", *modern)
+    weights = lambda run: torch.load(run / "snap" / "step-000000010" / "model.pt", weights_only=True)
+    whole, resumed = weights(tmp_path / "whole"), weights(tmp_path / "stopped")
+    assert "wpe.weight" not in whole and all(torch.equal(whole[key], resumed[key]) for key in whole)
+    assert manifests(tmp_path / "whole" / "snap")[-1]["model_config"]["rotary"] is True  # the snapshot records it
+
+    with pytest.raises(SnapshotError) as refused:
+        train_here(tmp_path / "whole", "trainer.max_steps=12")
+    assert "different model" in one_line(refused.value) and "rotary=True (config asks for False)" in str(refused.value)
+    assert latest_step(tmp_path / "whole" / "snap") == 10
+    train_here(tmp_path / "gpt2", "trainer.max_steps=2")
+    with pytest.raises(ConfigError) as refused:
+        train_here(tmp_path / "new", f"model.init_from={tmp_path / 'gpt2' / 'snap'}", "model.arch=modern")
+    assert "has the gpt2 architecture, and model.rotary=True" in str(refused.value)
+    assert not (tmp_path / "new" / "prepared").exists()  # refused before the data work
+    _, model, _ = open_model(str(tmp_path / "whole" / "snap"), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="rotary positions, rmsnorm, QK-norm, a relu2 MLP, which Hugging Face"):
+        hf.hf_files(model, None)

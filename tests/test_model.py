@@ -179,3 +179,67 @@ def test_attention_on_a_cpu_computes_bf16_inputs_in_fp32():
         y = attention(q, k, v, is_causal=True, dropout_p=0.0)
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert y.dtype == torch.bfloat16 and torch.equal(y, expected.to(torch.bfloat16))
+
+
+# -- the architectures --------------------------------------------------------------------------------------------
+
+def trained_like(model: GPT) -> GPT:
+    """`model` with every weight moved off its initial value (a zero-initialised one predicts uniformly)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    return model
+
+
+def test_the_modern_architecture_has_each_of_its_parts():
+    from mingpt.model import rotate
+    from mingpt.shape import ARCHS
+
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, **ARCHS["modern"])
+    assert config.arch == "modern" and GPTConfig(50, 16).arch == "gpt2"
+    torch.manual_seed(0)
+    model = GPT(config)
+    assert model.wpe is None and "wpe.weight" not in model.state_dict()  # rotary positions: no table
+    assert isinstance(model.ln_f, torch.nn.RMSNorm) and isinstance(model.blocks[0].attn.q_norm, torch.nn.RMSNorm)
+    assert model.lm_head.weight is not model.wte.weight  # a head of its own
+    assert all(not block.attn.c_proj.weight.any() and not block.mlp.c_proj.weight.any() for block in model.blocks)
+    x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert model(x, x)[1].item() == pytest.approx(math.log(50), abs=1e-6)  # zero head: uniform at first
+    mlp = model.blocks[0].mlp
+    h = torch.randn(3, 32)
+    assert torch.allclose(mlp(h), mlp.c_proj(F.relu(mlp.c_fc(h)) ** 2))
+    # Rotary: a query and a key moved by the same number of positions score alike (relative positions only).
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    score = lambda i, j: (rotate(q, i) * rotate(k, j)).sum()
+    assert score(3, 1) == pytest.approx(score(9, 7).item(), rel=1e-5) and rotate(q, 0).equal(q)
+
+
+@pytest.mark.parametrize("part", [dict(rotary=True), dict(norm="rmsnorm"), dict(qk_norm=True), dict(mlp="relu2"),
+                                  dict(zero_init=True, tie_weights=False)])
+def test_each_part_works_on_its_own_causal_and_cached_alike(part):
+    model = trained_like(tiny(**part)).eval()
+    idx = torch.randint(0, 17, (2, 16), generator=torch.Generator().manual_seed(1))
+    changed = idx.clone()
+    changed[:, 9:] = (changed[:, 9:] + 5) % 17
+    assert torch.equal(model(idx)[0][:, :9], model(changed)[0][:, :9])  # causal
+    prompt = idx[:, :5]
+    cached, uncached = (model.generate(prompt, 30, temperature=0, use_cache=c) for c in (True, False))
+    assert torch.equal(cached, uncached)  # the cache continues rotary positions past the prompt, and past a slide
+
+
+def test_a_model_arch_sets_the_parts_and_each_part_may_be_set_on_its_own():
+    from mingpt.training.config import ModelConfig
+
+    modern = ModelConfig(name="gpt-nano", arch="modern").build(65, 32)
+    assert modern.arch == "modern" and modern.rotary and modern.mlp == "relu2" and not modern.tie_weights
+    ablated = ModelConfig(name="gpt-nano", arch="modern", qk_norm=False, tie_head=True).build(65, 32)
+    assert ablated.arch == "custom" and not ablated.qk_norm and ablated.tie_weights and ablated.rotary
+    assert ModelConfig(name="gpt-nano").build(65, 32).arch == "gpt2"  # the presets' default
+
+
+@pytest.mark.parametrize("kwargs, words", [(dict(norm="batchnorm"), "model.norm must be one of layernorm, rmsnorm"),
+                                           (dict(mlp="swiglu"), "model.mlp one of gelu, relu2"),
+                                           (dict(n_head=3, n_embd=9, rotary=True), "model.rotary needs an even head")])
+def test_unknown_parts_and_a_rotary_odd_head_are_refused(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        GPTConfig(**{"vocab_size": 17, "block_size": 16, **kwargs})

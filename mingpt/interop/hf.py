@@ -110,12 +110,22 @@ def _weights_only(data: bytes) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def beyond_gpt2(config: GPTConfig) -> str:
+    """The parts of `config` that GPT-2's layers cannot hold, in words ("" where none)."""
+    parts = [(config.rotary, "rotary positions"), (config.norm != "layernorm", f"{config.norm}"),
+             (config.qk_norm, "QK-norm"), (config.mlp != "gelu", f"a {config.mlp} MLP")]
+    return ", ".join(words for differs, words in parts if differs)
+
+
 def hf_files(model: GPT, eot_id: int | None) -> dict[str, bytes]:
     """config.json and model.safetensors of `model` as a transformers GPT2LMHeadModel; `generate` stops at
     the end-of-text token `eot_id`, as mingpt-sample does."""
     from safetensors.torch import save
 
     c = model.config
+    if (unheld := beyond_gpt2(c)):
+        raise ConfigError(f"this model's architecture has {unheld}, which Hugging Face's GPT-2 cannot hold: only a "
+                          "model of model.arch=gpt2's layers exports (its head may be tied or not)")
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
               "n_positions": c.block_size, "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
               "n_head": c.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.0,

@@ -19,7 +19,7 @@ from mingpt.data.settings import MIN_BPE_SAMPLE
 from mingpt.errors import ConfigError
 from mingpt.metrics.hellaswag import PUBLIC_URL
 from mingpt.metrics.loggers import check_loggers
-from mingpt.shape import PRESETS, GPTConfig
+from mingpt.shape import ARCHS, MLPS, NORMS, PRESETS, GPTConfig
 from mingpt.storage import redact
 
 
@@ -31,6 +31,15 @@ class ModelConfig:
     n_embd: Optional[int] = None
     dropout: float = 0.0
     bias: bool = False
+    # The architecture (mingpt.shape.ARCHS): gpt2 (the presets' default, the one Hugging Face's GPT-2 holds) or modern.
+    # Each part of it may be set on its own (null: as model.arch has it), e.g. model.arch=modern model.qk_norm=false.
+    arch: str = "gpt2"
+    rotary: Optional[bool] = None  # rotary positions instead of a learned position table
+    norm: Optional[str] = None  # layernorm or rmsnorm
+    qk_norm: Optional[bool] = None  # queries and keys normalised before attention
+    mlp: Optional[str] = None  # gelu or relu2 (ReLU squared)
+    zero_init: Optional[bool] = None  # residual projections (and an untied head) start at zero
+    tie_head: Optional[bool] = None  # the output head shares the token embedding's weights
     # Start a new run from these weights: a Hugging Face GPT-2 folder or a mingpt snapshot (local or a URL).
     # Its shape replaces the preset's; a run that has snapshots of its own resumes from them instead.
     init_from: Optional[str] = None
@@ -38,9 +47,18 @@ class ModelConfig:
     def build(self, vocab_size: int, block_size: int) -> GPTConfig:
         sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd))
                  if v is not None}  # GPTConfig checks them
-        return GPTConfig.from_preset(
-            self.name, vocab_size, block_size, dropout=self.dropout, bias=self.bias, **sizes
-        )
+        return GPTConfig.from_preset(self.name, vocab_size, block_size, dropout=self.dropout, bias=self.bias,
+                                     **sizes, **self.parts())
+
+    def parts(self) -> dict:
+        """The architecture's parts, as GPTConfig names them: model.arch's, with those set on their own."""
+        chosen = {"rotary": self.rotary, "norm": self.norm, "qk_norm": self.qk_norm, "mlp": self.mlp,
+                  "zero_init": self.zero_init, "tie_weights": self.tie_head}
+        return {**ARCHS[self.arch], **{name: value for name, value in chosen.items() if value is not None}}
+
+    def sets_parts(self) -> bool:
+        """Whether model.arch or a part of it was set other than the default's."""
+        return self.parts() != ARCHS[type(self)().arch]
 
 
 @dataclass
@@ -177,6 +195,9 @@ def validate(cfg: Config) -> None:
     checks = [
         ("seed", 0 <= cfg.seed <= MAX_SEED, f"an integer in [0, {MAX_SEED}] (2**63 - 1)"),
         ("model.name", m.name in PRESETS, f"one of {', '.join(PRESETS)}"),
+        ("model.arch", m.arch in ARCHS, f"one of {', '.join(ARCHS)}"),
+        ("model.norm", m.norm in (None, *NORMS), f"one of {', '.join(NORMS)} (or null: as model.arch has it)"),
+        ("model.mlp", m.mlp in (None, *MLPS), f"one of {', '.join(MLPS)} (or null: as model.arch has it)"),
         ("data.tokenizer", bool(d.tokenizer), "char, bpe or a tiktoken encoding name"),
         ("data.vocab_size", d.tokenizer != "bpe" or (d.vocab_size or 0) > 256,
          "an integer above 256 when data.tokenizer=bpe (e.g. 4096)"),

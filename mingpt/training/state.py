@@ -20,7 +20,8 @@ from mingpt.storage import parse_json
 RECENT = 64  # steps whose samples' digests the state carries (TrainState.ledger)
 
 # The parts of GPTConfig that decide the shape of the weights.
-SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights")
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights", "rotary", "norm",
+              "qk_norm", "mlp")
 
 
 @dataclass

@@ -99,6 +99,7 @@ def _train(cfg: Config, job: JobEnv) -> TrainResult:
     with store.claim(timeout) if leads and not job.live else nullcontext():
         examples = read_hellaswag(cfg.trainer, job)  # before the data work: a file that is not HellaSwag's stops it
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
+        _check_architecture(cfg, pretrained)
         data = PreparedData(prepare_data(cfg, pretrained))
         model_config = _model_config(cfg, data, pretrained)
         hellaswag = load_hellaswag(cfg.trainer, examples, data.tokenizer, model_config.block_size)
@@ -126,6 +127,20 @@ def _a_lost_peer_ends_the_generation() -> Iterator[None]:
         if distributed.lost_a_peer(e):
             raise distributed.peer_lost(e) from e
         raise
+
+
+def _check_architecture(cfg: Config, pretrained: Pretrained | None) -> None:
+    """model.init_from's weights come with their architecture: a model.arch (or a part of it) set to another one is
+    refused, before any data work, rather than ignored."""
+    if pretrained is None or not cfg.model.sets_parts():
+        return
+    theirs = {name: getattr(pretrained.config, name) for name in cfg.model.parts()}
+    if theirs != cfg.model.parts():
+        differ = ", ".join(f"model.{'tie_head' if k == 'tie_weights' else k}={v}" for k, v in cfg.model.parts().items()
+                           if theirs[k] != v)
+        raise ConfigError(f"model.init_from={redact(pretrained.url)} has the {pretrained.config.arch} architecture, "
+                          f"and {differ} asks for another: its weights cannot be loaded into it; leave model.arch and its "
+                          "parts unset to train on the weights' own, or start without model.init_from")
 
 
 def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None) -> GPTConfig:
