@@ -43,6 +43,8 @@ def one_line(error: BaseException) -> str:
         ("trainer.precision=fp8", ["trainer.precision must be auto, fp32, bf16 or fp16"]),
         ("data.tokenizer=bpe", ["data.vocab_size must be an integer above 256"]),
         ("model.n_head=5", ["n_embd=48 is not divisible by n_head=5"]),
+        ("model.arch=llama", ["model.arch must be one of gpt2, modern; got 'llama'"]),
+        ("model.mlp=swiglu", ["model.mlp one of gelu, relu2", "mlp='swiglu'"]),
         ("trainer.no_such_key=1", ["no_such_key"]),
         ("model=gpt-huge", ["gpt-huge", "gpt-mini"]),
         ("trainer.lr=inf", ["trainer.lr must be a finite number"]),

@@ -19,7 +19,7 @@ from mingpt.data.settings import MIN_BPE_SAMPLE
 from mingpt.errors import ConfigError
 from mingpt.metrics.hellaswag import PUBLIC_URL
 from mingpt.metrics.loggers import check_loggers
-from mingpt.shape import ARCHS, MLPS, NORMS, PRESETS, GPTConfig
+from mingpt.shape import ARCHS, PRESETS, GPTConfig
 from mingpt.storage import redact
 
 
@@ -51,7 +51,10 @@ class ModelConfig:
                                      **sizes, **self.parts())
 
     def parts(self) -> dict:
-        """The architecture's parts, as GPTConfig names them: model.arch's, with those set on their own."""
+        """The architecture's parts, as GPTConfig names them: model.arch's, with those set on their own. (GPTConfig
+        checks their values.)"""
+        if self.arch not in ARCHS:
+            raise ConfigError(f"model.arch must be one of {', '.join(ARCHS)}; got {self.arch!r}")
         chosen = {"rotary": self.rotary, "norm": self.norm, "qk_norm": self.qk_norm, "mlp": self.mlp,
                   "zero_init": self.zero_init, "tie_weights": self.tie_head}
         return {**ARCHS[self.arch], **{name: value for name, value in chosen.items() if value is not None}}
@@ -195,9 +198,6 @@ def validate(cfg: Config) -> None:
     checks = [
         ("seed", 0 <= cfg.seed <= MAX_SEED, f"an integer in [0, {MAX_SEED}] (2**63 - 1)"),
         ("model.name", m.name in PRESETS, f"one of {', '.join(PRESETS)}"),
-        ("model.arch", m.arch in ARCHS, f"one of {', '.join(ARCHS)}"),
-        ("model.norm", m.norm in (None, *NORMS), f"one of {', '.join(NORMS)} (or null: as model.arch has it)"),
-        ("model.mlp", m.mlp in (None, *MLPS), f"one of {', '.join(MLPS)} (or null: as model.arch has it)"),
         ("data.tokenizer", bool(d.tokenizer), "char, bpe or a tiktoken encoding name"),
         ("data.vocab_size", d.tokenizer != "bpe" or (d.vocab_size or 0) > 256,
          "an integer above 256 when data.tokenizer=bpe (e.g. 4096)"),
