@@ -133,12 +133,11 @@ class GPT(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
-        # GPT-2: residual-stream projections scaled by 1/sqrt(their number), so the variance does not grow with depth.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight") and config.zero_init:  # each block starts as the identity
                 nn.init.zeros_(p)
-            elif name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            elif name.endswith("c_proj.weight"):  # GPT-2: scaled by 1/sqrt(their number), so the variance of the
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))  # residual stream holds
         if config.zero_init and not config.tie_weights:  # the first predictions are uniform
             nn.init.zeros_(self.lm_head.weight)
 
