@@ -68,19 +68,21 @@ def test_a_run_moves_between_ddp_and_fsdp_through_two_kills_of_its_leader_and_en
     one process to 40. Against a run that went from 5 to 40 untouched, sharded by hsdp (a mesh of 1 node
     x 2 processes, whose gradients go through the same reduce-scatter): at 30 the weights are equal bit
     for bit, and both runs end alike. 9 examples a step: the worker with 4 runs two micro-batches of 2 and
-    one that weighs nothing, as each forward of a sharded model is a collective of both."""
-    start = tmp_path / "start"
-    train_here(tmp_path, *overrides(tmp_path, "start", 5)[len(SMALL):])
+    one that weighs nothing, as each forward of a sharded model is a collective of both. The modern architecture
+    (model.arch=modern): its norms of queries and keys, its untied head and no position table go through the same."""
+    start, modern = tmp_path / "start", ["model.arch=modern"]
+    train_here(tmp_path, *overrides(tmp_path, "start", 5, extra=modern)[len(SMALL):])
     assert (start / "step-000000005" / "model.pt").exists()
     for name in ("reference", "run"):
         shutil.copytree(start, tmp_path / name)  # its owner/ says the run was released: taken over at once
     reference, snap, memory = tmp_path / "reference", tmp_path / "run", tmp_path / "memory"
     memory.mkdir()
-    uninterrupted = procs.start(standalone(2) + overrides(tmp_path, "reference", 40, every=10, extra=HSDP), "reference")
+    uninterrupted = procs.start(standalone(2) + overrides(tmp_path, "reference", 40, every=10, extra=[*HSDP, *modern]),
+                                "reference")
 
     in_memory = ["snapshot.memory=on", "snapshot.memory_every=1", f"snapshot.memory_dir={memory}"]
     job = procs.start(standalone(2, max_restarts=3) + overrides(tmp_path, "run", 30, every=100,
-                                                                extra=[*FSDP, *in_memory]), "run")
+                                                                extra=[*FSDP, *in_memory, *modern]), "run")
     tier = MemoryTier(str(snap), "", root=str(memory))  # to read the steps the job's tiers record
     for kill, at in enumerate((8, 18)):
         wait_for(lambda: tier.reached() >= at, 180, f"step {at}", [job])
@@ -102,7 +104,7 @@ def test_a_run_moves_between_ddp_and_fsdp_through_two_kills_of_its_leader_and_en
         assert torch.equal(ours[key], theirs[key]), key
     assert list(memory.iterdir()) == []  # released when the job ended
 
-    text = train_here(tmp_path, *overrides(tmp_path, "run", 40)[len(SMALL):])
+    text = train_here(tmp_path, *overrides(tmp_path, "run", 40, extra=modern)[len(SMALL):])
     assert "step 30, 270 examples seen, now 1 process(es)" in text
     assert (snap / "step-000000040" / "model.pt").exists()
     assert_same_end(snap, reference, 40)
