@@ -221,6 +221,8 @@ RECORD = struct.Struct("<qqddqd")
 
 
 class Mark(NamedTuple):
+    """A process's last mark, as its agent reads it."""
+
     step: int
     phase: str
     when: float

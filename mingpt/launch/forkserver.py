@@ -67,6 +67,7 @@ PER_WORKER_PREFIXES = ("TORCHELASTIC_", "MINGPT_")
 
 
 def per_worker(name: str) -> bool:
+    """Whether the environment variable `name` is one the launcher gives each worker (PER_WORKER)."""
     return name in PER_WORKER or name.startswith(PER_WORKER_PREFIXES)
 
 
@@ -266,6 +267,7 @@ def _wait_for_orders(channel: socket.socket) -> None:
 
 
 def close_inherited(keep: int) -> None:
+    """Close every descriptor above the standard streams but `keep`."""
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd > 2 and fd != keep:

@@ -46,6 +46,7 @@ FORMER_NAMES = {"TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE"}  # torch
 
 
 def watch_nccl(environ: dict) -> None:
+    """Add NCCL_WATCH's settings to `environ` (os.environ: the workers inherit it), but for those the user set."""
     for name, value in NCCL_WATCH.items():
         if name not in environ and FORMER_NAMES.get(name, name) not in environ:
             environ[name] = value
@@ -65,6 +66,7 @@ QUICK_RENDEZVOUS = {
 
 
 def merge_rendezvous_conf(user_conf: str, defaults: dict[str, str] = QUICK_RENDEZVOUS) -> str:
+    """torchrun's `--rdzv-conf` string ("k=v,k=v") with `defaults` for every key the user left out."""
     merged = dict(defaults)
     for item in filter(None, (part.strip() for part in user_conf.split(","))):
         key, _, value = item.partition("=")

@@ -54,6 +54,7 @@ def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
 
 
 def start_lighthouse(port: int):
+    """torchft's Lighthouse on `port` (every interface), with the live mode's timeouts."""
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(bind=f"0.0.0.0:{port}", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,

@@ -42,6 +42,8 @@ JUDGED = ("computing", "evaluating", "compiling")  # the phases judged (mingpt.t
 
 
 class Watchdog:
+    """One agent's watch over its workers' progress."""
+
     def __init__(self):
         self.folder = process_folder("progress")  # this user's alone; removed by the next job if this agent is killed
         self.host = socket.gethostname()
@@ -51,6 +53,7 @@ class Watchdog:
         self.finding: str | None = None  # what the last hang was: for the restart's cause
 
     def new_generation(self) -> None:
+        """The workers are (re)started: their progress files and step times start afresh."""
         for path in self.folder.iterdir():
             path.unlink(missing_ok=True)
         self._seen.clear()
@@ -91,6 +94,7 @@ class Watchdog:
         return hung
 
     def marks(self, pids: list[int]) -> dict[int, Mark]:
+        """The last marks of these workers (of this generation): those that made one."""
         return {pid: mark for pid in pids if (mark := read_mark(self.folder / str(pid))) is not None}
 
     def timeout(self, marks: dict) -> float | None:
