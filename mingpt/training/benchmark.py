@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mingpt.data.sampler import micro_batches, shard
-from mingpt.jobenv import JobEnv, leads_this_generation
+from mingpt.jobenv import JobEnv
 from mingpt.metrics.hellaswag import Example, HellaSwagUnavailable, load_examples
 from mingpt.metrics.scoring import Encoded, Tally, encode_all, score, skipped_note
 from mingpt.model import GPT
@@ -70,14 +70,14 @@ def read_hellaswag(t: TrainerConfig, job: JobEnv) -> list[Example] | None:
         return None
 
 
-def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: Tokenizer,
-                   block_size: int) -> HellaSwag | None:
+def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: Tokenizer, block_size: int,
+                   job: JobEnv) -> HellaSwag | None:
     """`examples` (read_hellaswag's) in tokens, with the number scored in one forward pass; None where none can
     be scored."""
     if not examples:
         return None
     encoded, skipped = encode_all(examples, tokenizer, block_size)
-    if skipped and leads_this_generation():
+    if skipped and job.rank == 0:  # before the process group exists: the future leader
         log.warning("HellaSwag, %s: %s", redact(t.hellaswag_data), skipped_note(skipped, len(examples), tokenizer))
     return HellaSwag(encoded, max(1, t.micro_batch_size // 4)) if encoded else None
 

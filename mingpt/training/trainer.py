@@ -32,7 +32,7 @@ from mingpt.data.prepared import PreparedData, TokenBlocks
 from mingpt.data.sampler import WindowOrder, micro_batches, shard, window_order
 from mingpt.errors import ConfigError, PeerLeft, TrainingError, forget_stops, raise_stopped
 from mingpt.interop.pretrained import Pretrained, open_pretrained
-from mingpt.jobenv import PEER_STOPPED, JobEnv, first_on_its_node, leads_this_generation
+from mingpt.jobenv import PEER_STOPPED, JobEnv
 from mingpt.model import GPT, GPTConfig
 from mingpt.processes import end_with_parent
 from mingpt.storage import redact
@@ -101,8 +101,8 @@ def _train(cfg: Config, job: JobEnv) -> TrainResult:
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         _check_architecture(cfg, pretrained)
         data = PreparedData(prepare_data(cfg, pretrained))
-        model_config = _model_config(cfg, data, pretrained)
-        hellaswag = load_hellaswag(cfg.trainer, examples, data.tokenizer, model_config.block_size)
+        model_config = _model_config(cfg, data, pretrained, job)
+        hellaswag = load_hellaswag(cfg.trainer, examples, data.tokenizer, model_config.block_size, job)
         world = generation.start(job, cfg.trainer.dist_timeout_s, meeting)
         try:
             with StopFlag() as stop, _a_lost_peer_ends_the_generation():
@@ -134,16 +134,17 @@ def _check_architecture(cfg: Config, pretrained: Pretrained | None) -> None:
     refused, before any data work, rather than ignored."""
     if pretrained is None or not cfg.model.sets_parts():
         return
-    theirs = {name: getattr(pretrained.config, name) for name in cfg.model.parts()}
-    if theirs != cfg.model.parts():
-        differ = ", ".join(f"model.{'tie_head' if k == 'tie_weights' else k}={v}" for k, v in cfg.model.parts().items()
-                           if theirs[k] != v)
+    ours = cfg.model.parts()
+    differ = [f"model.{'tie_head' if name == 'tie_weights' else name}={value}" for name, value in ours.items()
+              if getattr(pretrained.config, name) != value]
+    if differ:
         raise ConfigError(f"model.init_from={redact(pretrained.url)} has the {pretrained.config.arch} architecture, "
-                          f"and {differ} asks for another: its weights cannot be loaded into it; leave model.arch and its "
-                          "parts unset to train on the weights' own, or start without model.init_from")
+                          f"and {', '.join(differ)} asks for another: its weights cannot be loaded into it; leave "
+                          "model.arch and its parts unset to train on the weights' own, or start without "
+                          "model.init_from")
 
 
-def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None) -> GPTConfig:
+def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None, job: JobEnv) -> GPTConfig:
     if pretrained is None:
         return cfg.model.build(data.vocab_size, cfg.data.block_size)
     if pretrained.config.vocab_size != data.vocab_size:
@@ -151,7 +152,7 @@ def _model_config(cfg: Config, data: PreparedData, pretrained: Pretrained | None
             f"model.init_from={redact(pretrained.url)} has a vocabulary of {pretrained.config.vocab_size}, the data's "
             f"tokenizer ({data.tokenizer.describe()}) one of {data.vocab_size}; leave data.tokenizer at its default "
             "to use the tokenizer that came with the weights")
-    if leads_this_generation():  # before the process group exists: the future leader
+    if job.rank == 0:  # before the process group exists: the future leader
         log.info("model.init_from=%s: %s (instead of model=%s)", redact(pretrained.url), pretrained.describe(),
                  cfg.model.name)
     return replace(pretrained.config, dropout=cfg.model.dropout)
@@ -296,7 +297,7 @@ class Trainer:
         if self.compiled and self.cfg.trainer.compile_cache:  # the run's caches, before the first compile
             self.compile_cache = CompileCache(self.checkpointer.store.run, describe(
                 self.model.config, self.world.device, compute_dtype(self.autocast), self.topology.mode),
-                announce=first_on_its_node())  # each node: its machine may have other caches
+                announce=self.world.job.local_rank == 0)  # each node: its machine may have other caches
             self.compile_cache.load()
         if self.compiled:
             self.progress.watch_compiles()  # a compile at any step is work, not a hang (training.watchdog)
