@@ -76,6 +76,12 @@ class JobEnv:
         """Whether an agent started this process (its parent, which outlives it)."""
         return self.run_id is not None
 
+    @property
+    def launcher(self) -> int:
+        """The process this one's job lives with on this machine: torchrun's agent (the parent, which outlives its
+        workers), or this process where no agent started it."""
+        return os.getppid() if self.under_torchrun else os.getpid()
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnv:
         """The job that `environ` (os.environ) describes. Inconsistent values are a ConfigError, in one line each: a

@@ -116,6 +116,10 @@ def test_the_job_is_read_from_the_environment_by_mingpt_jobenv_alone():
     readers = sorted(module for module, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
                      if module != "mingpt.jobenv" and job.search(path.read_text()))
     assert readers == []
+    # Read once per worker, as it starts, and carried on its World from there.
+    once = sorted(module for module, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
+                  if "JobEnv.from_environ(" in path.read_text())
+    assert once == ["mingpt.training.trainer"]
 
 
 def test_only_cli_modules_define_a_command_main():

@@ -17,6 +17,7 @@ from mingpt import torch_internals
 from mingpt.checkpoint.compiled import MANIFEST, CompiledCaches
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
 from mingpt.checkpoint.store import SnapshotStore
+from mingpt.jobenv import JobEnv
 from mingpt.rundir import RunDir
 from mingpt.shape import GPTConfig
 from mingpt.training import compile_cache
@@ -32,7 +33,7 @@ KEY = key_of(describe(NANO, CPU, torch.float32, "ddp"))
 def run(tmp_path):
     """A run folder and the lease on it, as the writer of a job holds it."""
     store = SnapshotStore(str(tmp_path / "run"))
-    lease = store.claim(60.0)
+    lease = store.claim(60.0, JobEnv())
     yield store.run, lease
     lease.release()
 
@@ -42,7 +43,7 @@ def any_run(request, tmp_path):
     """A run folder on local disk or S3 (moto on 127.0.0.1), and the lease on it."""
     url = str(tmp_path / "run") if request.param == "local" else f"s3://{request.getfixturevalue('s3').bucket}/run"
     store = SnapshotStore(url)
-    lease = store.claim(60.0)
+    lease = store.claim(60.0, JobEnv())
     yield store.run, lease
     lease.release()
 

@@ -12,6 +12,7 @@ import torch
 from conftest import s3_keys
 from mingpt.tokenizers import CharTokenizer
 from mingpt.model import GPTConfig
+from mingpt.jobenv import JobEnv
 import mingpt.checkpoint.store as snapshot_module
 from mingpt.checkpoint.load import snapshot_store
 from mingpt.checkpoint.lease import LeaseLostError, RunLease
@@ -153,7 +154,7 @@ def test_the_store_asks_the_lease_whether_a_commit_it_finds_is_its_to_keep(store
     the run released. The lease decides; the store only asks."""
     save(SnapshotStore(store_url), 10)  # by a job before this one
     store = SnapshotStore(store_url)
-    with store.claim(timeout_s=60) as lease:
+    with store.claim(60, JobEnv()) as lease:
         assert save(store, 10).manifest.get("writer") is None  # kept as it was
         other = SnapshotStore(store_url)
         other.lease = RunLease(other.run, 60, job="someone-else")  # writing beside this job, without a claim

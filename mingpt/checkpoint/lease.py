@@ -60,16 +60,14 @@ class Commit:
     writer: Any
 
 
-def job_identity() -> str:
+def job_identity(job: JobEnv) -> str:
     """What stays the same across every generation of workers of this job, and differs between jobs: under torchrun the
     rendezvous id (`--rdzv-id`; a fresh uuid with `--standalone`); where torchrun says "none" (no `--rdzv-id`), the
     agent process, which is right for a one-node launch; else this process."""
-    run_id = JobEnv.from_environ().run_id
-    if run_id and run_id != "none":
-        return f"torchrun:{run_id}"
-    if run_id == "none":
-        agent = os.getppid()
-        return f"torchrun-agent:{socket.gethostname()}:{agent}:{start_time(agent)}"
+    if job.run_id and job.run_id != "none":
+        return f"torchrun:{job.run_id}"
+    if job.run_id == "none":
+        return f"torchrun-agent:{socket.gethostname()}:{job.launcher}:{start_time(job.launcher)}"
     return f"process:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
@@ -85,9 +83,11 @@ LastCommit = Callable[[], "Commit | None"]
 class RunLease:
     """The claim of one process (the leader of its generation) on the run under `path`."""
 
-    def __init__(self, run: RunDir, timeout_s: float, job: str | None = None, mode: str = RESTART):
+    def __init__(self, run: RunDir, timeout_s: float, job: str, mode: str = RESTART, launcher: int | None = None):
         self.run, self.url, self.timeout_s = run, run.url, timeout_s
-        self.job, self.mode = job or job_identity(), mode
+        self.job, self.mode = job, mode  # job: its job_identity
+        # The processes whose life is the claim's: this one, and the agent it lives with.
+        self.pids = list(dict.fromkeys([os.getpid(), launcher or os.getpid()]))
         files = Files(run.fs, run.local, create_exclusive, replace_atomically, redact)
         self.claims = GenerationalClaim(files, run.owner, run.url, valid=lambda r: isinstance(r.get("job"), str))
         self._resumed = -1  # the step of the newest commit when this process claimed the run
@@ -118,15 +118,11 @@ class RunLease:
         """Claim the run, or raise RunOwnedError naming the job that holds it and what to do. `last_commit` tells the
         newest commit: where the claim files are gone, its writer stands for the holder, and a holder that still commits
         is alive."""
-        job = JobEnv.from_environ()
-        if job.run_id == "none" and job.nodes > 1:
-            log.warning("torchrun was started without --rdzv-id: each node's agent then counts as a job of its "
-                        "own for run ownership. Give every node the same --rdzv-id=NAME")
         before = last_commit()  # a commit after this one, at a step this job saves, is checked, never trusted
         try:
             claim = self.claims.take(lambda holder: self._may_take(holder, last_commit),
                                      fields={"job": self.job, "mode": self.mode, "timeout_s": self.timeout_s},
-                                     pids=self._processes(),
+                                     pids=self.pids,
                                      newest=lambda: self._holder(last_commit))
         except FileExistsError:  # where owner/ should be
             raise RunOwnedError(f"{self.claims.folder} is not a folder: move it away, then run this again") from None
@@ -145,12 +141,6 @@ class RunLease:
 
     def _other_mode(self, holder: dict) -> bool:
         return holder.get("job") == self.job and holder.get("mode", self.mode) != self.mode
-
-    @staticmethod
-    def _processes() -> list[int]:
-        if JobEnv.from_environ().under_torchrun:
-            return [os.getpid(), os.getppid()]  # and the torchrun agent: the job lives while it does
-        return [os.getpid()]
 
     def _holder(self, last_commit: LastCommit) -> Claim | None:
         """The newest claim; or, where the claim files are gone, who stands for the holder (a take-over case,

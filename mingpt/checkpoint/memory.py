@@ -48,7 +48,6 @@ from fsspec.implementations.local import LocalFileSystem
 from mingpt.checkpoint.packing import pack, unpack
 from mingpt.checkpoint.shm import allocate
 from mingpt.claim import MachineLock, process_alive
-from mingpt.jobenv import JobEnv
 from mingpt.storage import (others_may_replace_in, own_file, parse_json, private_folder, read_own_file,
                             replace_atomically)
 
@@ -97,10 +96,13 @@ class MemoryTier:
     """This node's memory tier for one run (`run`: where its snapshots are), one job, and one shard of the
     state (`shard`: index, count)."""
 
-    def __init__(self, run: str, job: str, root: str = "/dev/shm", shard: tuple[int, int] = (0, 1)):
+    def __init__(self, run: str, job: str, root: str = "/dev/shm", shard: tuple[int, int] = (0, 1),
+                 launcher: int | None = None):
         self.job, self.shard = job, shard
         self.root, self.prefix = Path(root), f"mingpt-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
-        self.launcher = f"{self.prefix}-{_launcher()}"
+        # Named after the process it outlives workers with: torchrun's agent (restarted workers resume from it). A job
+        # without one is its own launcher, so that a SIGKILLed one's tier goes at the next job's start.
+        self.launcher = f"{self.prefix}-{launcher or os.getpid()}"
         self.folder = self.root / f"{self.launcher}-{shard[0]}of{shard[1]}"  # what this process writes
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
@@ -404,13 +406,6 @@ def _well_described(header: dict) -> bool:
 
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _launcher() -> int:
-    """The pid a tier is named after: torchrun's agent, which outlives its workers (the restarted ones resume from
-    the tier); a process started without one is its own launcher, so that once it dies (a SIGKILL) its tier goes
-    at the next job's start, rather than when the shell it was started from ends."""
-    return os.getppid() if JobEnv.from_environ().under_torchrun else os.getpid()
 
 
 def remove_ended_tiers(root: str | Path) -> None:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from mingpt.errors import MinGPTError
-from mingpt.checkpoint.lease import RESTART, Commit, RunLease
+from mingpt.jobenv import JobEnv
+from mingpt.checkpoint.lease import RESTART, Commit, RunLease, job_identity
 from mingpt.checkpoint.manifest import (
     FORMAT, FORMAT_VERSION, MANIFEST, HashingWriter, Untrusted, check_recorded, is_snapshot_name, manifest_problem,
     read_manifest, read_recorded, snapshot_name, step_of,
@@ -179,9 +180,12 @@ class SnapshotStore:
         except Exception as e:
             raise SnapshotError(f"cannot write snapshots to {self.url}: {explain_storage_error(e, self.local)}") from None
 
-    def claim(self, timeout_s: float, mode: str = RESTART) -> RunLease:
-        """Become the one writer of this run (see mingpt.checkpoint.lease), renewing the claim in the background."""
-        lease = RunLease(self.run, timeout_s, mode=mode)
+    def claim(self, timeout_s: float, job: JobEnv, mode: str = RESTART) -> RunLease:
+        """Become `job`'s one writer of this run (see mingpt.checkpoint.lease), renewing the claim in the background."""
+        if job.run_id == "none" and job.nodes > 1:
+            log.warning("torchrun was started without --rdzv-id: each node's agent then counts as a job of its "
+                        "own for run ownership. Give every node the same --rdzv-id=NAME")
+        lease = RunLease(self.run, timeout_s, job_identity(job), mode, job.launcher)
         try:
             lease.acquire(self._last_commit)
         except MinGPTError:
@@ -196,10 +200,10 @@ class SnapshotStore:
         self.lease = lease
         return lease
 
-    def refuse_the_other_mode(self, timeout_s: float, mode: str) -> None:
-        """RunOwnedError where this job's id holds the run, alive, in the mode that is not `mode`."""
+    def refuse_the_other_mode(self, timeout_s: float, job: JobEnv, mode: str) -> None:
+        """RunOwnedError where `job`'s id holds the run, alive, in the mode that is not `mode`."""
         try:
-            RunLease(self.run, timeout_s, mode=mode).refuse_the_other_mode(self._last_commit)
+            RunLease(self.run, timeout_s, job_identity(job), mode).refuse_the_other_mode(self._last_commit)
         except MinGPTError:
             raise
         except Exception as e:

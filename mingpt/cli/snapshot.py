@@ -36,7 +36,7 @@ def show(url: str, verify: bool) -> int:
             listing = Listing([s for s in listing.committed if s.name == only],
                               [entry for entry in listing.damaged if entry[0] == only],
                               [name for name in listing.debris if name == only])
-        holder = describe(RunLease(store.run, 0, job="-").current())
+        holder = describe(RunLease(store.run, 0, "-").current())
     except MinGPTError:
         raise
     except Exception as e:

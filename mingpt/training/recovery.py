@@ -49,7 +49,8 @@ class MemoryCopies:
 
     def __init__(self, cfg: SnapshotConfig, topology: Topology, run: str, replica: Replica):
         self.world, self.replica = topology.world, replica
-        self.tier = MemoryTier(run, job_identity(), cfg.memory_dir, topology.shard)
+        self.tier = MemoryTier(run, job_identity(self.world.job), cfg.memory_dir, topology.shard,
+                               self.world.job.launcher)
         problem = unusable(cfg.memory_dir)  # (snapshot.memory=on was refused for it before any work: check_memory_dir)
         if problem:
             self.tier.turn_off(f"snapshot.memory_dir={cfg.memory_dir}: {problem}")

@@ -95,8 +95,8 @@ def _train(cfg: Config, job: JobEnv) -> TrainResult:
     # writer's group claims it when it becomes the writer; every group refuses a run held in the restart mode.
     leads, timeout = job.rank == 0, cfg.snapshot.lease_timeout_s
     if leads and job.live:
-        store.refuse_the_other_mode(timeout, LIVE)
-    with store.claim(timeout) if leads and not job.live else nullcontext():
+        store.refuse_the_other_mode(timeout, job, LIVE)
+    with store.claim(timeout, job) if leads and not job.live else nullcontext():
         examples = read_hellaswag(cfg.trainer, job)  # before the data work: a file that is not HellaSwag's stops it
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size) if cfg.model.init_from else None
         _check_architecture(cfg, pretrained)
