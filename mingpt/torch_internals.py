@@ -1,24 +1,12 @@
 """Every private name of torch that mingpt uses, in one place, and `check()`, which confirms them.
 
-torch promises nothing about names that start with an underscore, and mingpt needs a few:
-- torchrun's elastic agent: the steps mingpt's agent changes (monitoring, restarting, the rendezvous,
-  assigning ranks), its count of restarts left and its worker processes (`ElasticAgent`);
-- the dynamic rendezvous: who is in the round, leaving it, and how long a waiting agent sleeps;
-- two helpers of torchrun's command line, so that mingpt-torchrun reads it as torch does;
-- how torchrun's launcher starts a worker process (`SubprocessHandler._popen`) and the agent class it starts
-  (`launcher.api.LocalElasticAgent`, a module global), which mingpt's forkserver and agent replace;
-- where a DTensor's shard lies in the whole (`DTensor.__create_chunk_list__`, DCP's), for the memory tier and
-  healing, which carry shards without DCP;
-- DCP's fsspec reader and writer, and the private classes that its index (a pickle) names;
-- Inductor's local cache folder, its C++ code caches, its CPU feature probes and its counters, which
-  carry compile caches between machines (mingpt.training.compile_cache);
-- Dynamo's callbacks at the start and end of each compile, which tell the agent's watchdog that a worker
-  compiles (mingpt.training.progress).
-
-`check()` looks each one up, on a real rendezvous handler and a real agent where they are fields, and fails in one line
-that names torch's version and what is missing. mingpt-torchrun checks the launcher's names before its agent starts
-(without importing DCP, slow and not needed there), a worker checks DCP's before any work, a compiling worker Dynamo's
-before its first compile (`watch_compiles`), and the tests check all: on another torch, nothing degrades in silence."""
+torch promises nothing about names that start with an underscore, and mingpt needs a few: torchrun's agent, dynamic
+rendezvous, command line and worker launch (which mingpt's agent and forkserver change), where a DTensor's shard lies
+(the memory tier and healing carry shards without DCP), DCP's fsspec classes and the private classes its pickled
+index names, Inductor's caches (mingpt.training.compile_cache) and Dynamo's compile callbacks
+(mingpt.training.progress). `check()` looks each up, on a real agent and rendezvous handler where they are fields,
+and fails in one line naming torch's version and what is missing: mingpt-torchrun checks the launcher's names (not
+DCP's: slow to import), a worker DCP's, a compiling worker Dynamo's, the tests all. Nothing degrades in silence."""
 
 from __future__ import annotations
 
@@ -103,9 +91,8 @@ def _find(module: str, name: str) -> Any:
 
 
 def check(launcher: bool = True, sharded: bool = True) -> None:
-    """Raise TorchInternalsError, in one line, where the torch that runs lacks a name that mingpt's launcher
-    (its agent and rendezvous) or its sharded runs (DCP) rely on. (The compile caches turn themselves off
-    where theirs are missing: `compiled_names_missing`.)"""
+    """Raise TorchInternalsError, in one line, where this torch lacks a name the launcher or sharded runs rely on.
+    (The compile caches turn themselves off instead: `compiled_names_missing`.)"""
     names = (LAUNCHER_NAMES if launcher else ()) + (SHARDED_NAMES if sharded else ())
     missing = [f"{module}.{name}" for module, name in names if _find(module, name) is None]
     missing += _check_objects() if launcher else []
@@ -217,9 +204,8 @@ def launch_with_agent(agent_class: type) -> None:
 
 
 def start_workers_with(start: Callable[[tuple, dict, Any, Any], Any]) -> None:
-    """torch's launcher starts each worker through `start(args, env, stdout, stderr)` (the command, its environment,
-    and its open log files or None), which returns what the launcher uses of a Popen (pid, poll, wait), or None
-    where torch is to start it as usual."""
+    """torch's launcher starts each worker through `start(args, env, stdout, stderr)` (its log files or None), which
+    returns what the launcher uses of a Popen, or None where torch is to start it as usual."""
     handler = _find(SUBPROCESS_HANDLER, "SubprocessHandler")
     usual = handler._popen
 
@@ -233,8 +219,7 @@ def start_workers_with(start: Callable[[tuple, dict, Any, Any], Any]) -> None:
 
 
 def round_members(handler) -> set[str]:
-    """The nodes of torch's dynamic rendezvous's current round ("host_pid_n"), as its store has them now;
-    the store's errors (RendezvousError, DistError) pass."""
+    """The nodes of the current round ("host_pid_n"), as the store has them now; its errors pass."""
     with handler._heartbeat_lock:
         handler._state_holder.sync()
         return {str(node) for node in handler._state_holder.state.participants}
@@ -286,8 +271,8 @@ def is_this_machine(host: str) -> bool:
 
 
 def dcp_fsspec_classes() -> tuple[type, type, type]:
-    """DCP's FileSystem, FsspecReader and FsspecWriter, which mingpt.checkpoint.sharded builds on; where
-    this torch lacks one, a stand-in that fails in check()'s words when used."""
+    """DCP's FileSystem, FsspecReader and FsspecWriter (mingpt.checkpoint.sharded builds on them); a missing one is a
+    stand-in that fails in check()'s words when used."""
     return tuple(_find(DCP_FSSPEC, name) or _absent(DCP_FSSPEC, name)
                  for name in ("FileSystem", "FsspecReader", "FsspecWriter"))
 
@@ -321,15 +306,13 @@ def inductor_cache_dir() -> str:
 
 
 def compiled_kernel_keys() -> set[str]:
-    """The keys of the C++ libraries that Inductor built or loaded in this process: each is the file
-    `<cache dir>/<key[1:3]>/<key>*.so`, named after a hash of its source and compiler command."""
+    """The keys of the C++ libraries Inductor built or loaded in this process (`<cache dir>/<key[1:3]>/<key>*.so`)."""
     return {key for cls in _with_subclasses(_find(INDUCTOR_CODECACHE, "CppCodeCache"))
             for key in cls.__dict__.get("cache", {})}  # each class keeps its own
 
 
 def cpu_probe_sources() -> set[str]:
-    """The C++ programs with which Inductor checks, once per cache folder, what the compiler and CPU can
-    do (VecISA's dry compiles, cached as libraries named after a hash of program, compiler and flags)."""
+    """The C++ programs of Inductor's CPU feature probes (VecISA's dry compiles, cached once per cache folder)."""
     return {value.strip() for cls in _with_subclasses(_find(INDUCTOR_VEC_ISA, "VecISA"))
             for name, value in vars(cls).items() if name.endswith("_code") and isinstance(value, str)}
 
@@ -343,9 +326,8 @@ def _with_subclasses(cls: type) -> list[type]:
 
 
 def load_cache_artifacts(data: bytes) -> dict[str, int]:
-    """`torch.compiler.load_cache_artifacts(data)`, every section of it: torch's own keeps the last section of
-    each kind only, and each `save_cache_artifacts` of a process appends a section of what it compiled since
-    the one before. The number of artifacts loaded, by kind."""
+    """`torch.compiler.load_cache_artifacts(data)` of every section (torch's keeps each kind's last only, and each
+    `save_cache_artifacts` appends one); the number of artifacts loaded, by kind."""
     cache = importlib.import_module(COMPILER_CACHE)
     manager = cache.CacheArtifactManager
     manager._ensure_cache_artifacts_registered()
@@ -369,9 +351,8 @@ def compile_counters() -> dict[str, int]:
 
 
 def watch_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Callable[[], None]:
-    """Call `started()` when torch begins to compile in this process and `ended()` when it is done, whatever compiles
-    (Dynamo tracing a frame, a backward compiled when first run, CUDA graphs recorded; a compile inside another counts
-    once); returns what stops the calls. TorchInternalsError where this torch has no such callbacks."""
+    """Call `started()` and `ended()` around every compile in this process (a nested one counts once); returns what
+    stops the calls. TorchInternalsError where this torch has no such callbacks."""
     handler = _find(DYNAMO_CALLBACK, "callback_handler")
     if handler is None:
         raise _missing_error([f"{DYNAMO_CALLBACK}.callback_handler"])

@@ -1,24 +1,17 @@
 """torch's elastic agent, kept going through churn: what `mingpt-torchrun` runs on every node.
 
-torchrun's LocalElasticAgent restarts its workers when they fail (using up --max-restarts) and when a node waits to
-join (free). This subclass of it, and a wrapper of its rendezvous handler, keep a job going while nodes die, leave
-and join:
-
-- Workers that ended because another process left or died (jobenv.PEER_STOPPED, PEER_LOST) restart without using
-  up --max-restarts; where they made no step, only if the next round's nodes differ, else the restart is used up
-  (with none left: RestartsUsedUp).
-- Rank assignment, where a node may die after its round closed, waits at most RANKS_WAIT_S, and a round that fails
-  sends the agent into the next one.
-- Only a finished job closes the rendezvous; a node that arrives after that exits 0 (JobFinished).
-- A peer node gone from the round restarts this node's workers at once, even when they are in no collective with it.
-- A rendezvous store that answers late, while the workers train, is waited for.
-- A hung worker is found from its progress marks (mingpt.launch.watchdog), named with its stack and ended; the
-  restart that follows is free, up to FREE_HANG_RESTARTS.
-- A waiting agent polls the round every POLL_S, so that the agents of a change find each other sooner.
-- A node waiting to join restarts a generation only once its workers took a step, or after ADMIT_AFTER_S, so that
-  nodes arriving one after another do not keep restarting workers that never take a step.
-
-Each agent also tells its new workers what changed (jobenv.MEMBERSHIP); the new leader logs it.
+This subclass of torchrun's LocalElasticAgent, and a wrapper of its rendezvous handler, keep a job going while nodes
+die, leave and join (see docs/launching.md, What happens on trouble):
+- workers that ended for a peer (jobenv.PEER_STOPPED, PEER_LOST) restart without using up --max-restarts, unless
+  they made no step and the next round's nodes are the same (else a script exiting 75 would restart for ever);
+- rank assignment waits at most RANKS_WAIT_S (a node may die after its round closed); a failed round goes to the next;
+- only a finished job closes the rendezvous; a node that arrives after that exits 0 (JobFinished);
+- a peer node gone from the round restarts this node's workers, even where they share no collective with it;
+- a rendezvous store that answers late, while the workers train, is waited for;
+- a hung worker (mingpt.launch.watchdog) is named and ended; up to FREE_HANG_RESTARTS such restarts are free;
+- a node waiting to join restarts a generation only once its workers took a step, or after ADMIT_AFTER_S, so that
+  nodes arriving one after another do not keep restarting workers that never step.
+Each agent tells its new workers what changed (jobenv.MEMBERSHIP); the new leader logs it.
 """
 
 from __future__ import annotations
@@ -220,9 +213,8 @@ class Agent(ElasticAgent):
                  worker_group.group_world_size)
 
     def assign_ranks(self, store, group_rank: int, group_world_size: int, spec: WorkerSpec):
-        # The first agent of the round waits for every agent's description, the others for its ranks: one dying
-        # would make the others wait the store's whole timeout, then exit. Wait in short slices while every node is
-        # alive, at most RANKS_WAIT_S; then the error sends this agent into the next round.
+        # One agent dying here would make the others wait the store's whole timeout, then exit: wait in short slices
+        # while every node is alive, at most RANKS_WAIT_S; then the error sends this agent into the next round.
         previous, deadline = store.timeout, time.monotonic() + RANKS_WAIT_S
         store.set_timeout(timedelta(seconds=RANKS_SLICE_S))
         try:
@@ -250,8 +242,7 @@ class Agent(ElasticAgent):
         return False
 
     def _charge_an_unproven_restart(self, before: set[str]) -> None:
-        """Workers that ended as for a membership change, after no step, into a round of the same nodes use up one of
-        --max-restarts (a script that exits 75 at once would otherwise restart for ever)."""
+        """A membership restart after no step, into a round of the same nodes, uses up one of --max-restarts."""
         status, self._unproven = self._unproven, None
         if status is None or self._members != before:
             return

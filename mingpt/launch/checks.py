@@ -30,7 +30,6 @@ C10D_PORT = 29400  # torch's c10d rendezvous port when --rdzv-endpoint names non
 CHECK = "check with `nc -zv {host} {port}` from this node (docs/launching.md: Multinode troubleshooting)"
 
 
-
 def check_launch(args: argparse.Namespace, options: list[str], live_mode: bool = False) -> None:
     """`options`: the arguments given before the training script (torchrun's own)."""
     check_temporary_folder()  # where the agent keeps its logs and its watchdog's marks
@@ -109,9 +108,8 @@ def check_nproc_per_node(value: str) -> None:
 
 
 def check_endpoint(endpoint: str, rdzv_conf: str) -> None:
-    """The c10d store at `endpoint` resolves, and unless this node hosts it, accepts a connection. A node may start
-    before the store's host: it is given as long as torch's own store client waits (`read_timeout`), so this check
-    never gives up sooner than torchrun would."""
+    """The c10d store at `endpoint` resolves, and unless this node hosts it, accepts a connection within torch's own
+    `read_timeout` (a node may start before the store's host: this never gives up sooner than torchrun would)."""
     try:
         host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_PORT)
         conf = torch_internals.parse_rendezvous_config(rdzv_conf)
@@ -150,9 +148,8 @@ STORE_ANSWER_S = 6.0  # how long a rendezvous store may take to answer its first
 
 
 def check_port_to_host(host: str, port: int, endpoint: str, told: bool) -> None:
-    """Where the port is taken, torch's agent told to host fails with a traceback; deciding for itself, it joins
-    whatever listens there as a store's client, which waits for good on another kind of server. A store already
-    there (another agent of this machine hosts it) is joined."""
+    """Where the port is taken, torch's agent told to host fails with a traceback, and one deciding for itself joins
+    whatever listens there, waiting for good on another kind of server. A store already there is joined."""
     if port == 0 or _port_is_free(port):
         return
     if not told:
@@ -203,9 +200,8 @@ def _greeting(peer: socket.socket) -> bytes:
 
 
 def check_store_answers(host: str, port: int, endpoint: str) -> None:
-    """torch's store client, connecting to another kind of server (an HTTP port, say), waits for good, whatever its
-    timeout: so its first question is asked in a thread, given STORE_ANSWER_S. Standard error is closed meanwhile:
-    the client logs each failed try with a long C++ stack trace."""
+    """torch's store client waits for good on another kind of server (an HTTP port), whatever its timeout: ask in a
+    thread, for STORE_ANSWER_S, with standard error closed (the client logs each try with a long C++ stack)."""
     outcome: list[BaseException | None] = []
 
     def ask() -> None:

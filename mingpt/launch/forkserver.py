@@ -1,30 +1,15 @@
-"""Warm workers: mingpt-torchrun's agent starts each worker by forking it from a server that has imported torch and
-the trainer, instead of starting a Python that imports them again.
+"""Warm workers: mingpt-torchrun's agent forks each worker from a server that has imported torch and the trainer,
+instead of starting a Python that imports them again (at every restart, and while a joining node keeps others waiting).
 
-A worker's imports (torch, its compiler's modules, the trainer's) cost more than the first steps of a small job, at
-every restart, on the CPUs the other nodes train on, and while a node that joins keeps the others waiting. The
-server, one per agent, pays them once, and only in part: it is a copy of the agent, which has imported torch already.
-
-How the server comes to be and a worker starts:
-1. `mingpt-torchrun` forks the server first thing (`Server.fork`), before it reads its arguments or starts any
-   thread, joined to it by a socket pair no other process can reach. The copy drops the descriptors it inherited
-   and waits until the job goes ahead;
-2. the agent tells it the script and the workers' environment (`Server.serve`); the server imports what a worker
-   imports while the agent meets the others, then says whether it can serve, and what its imports set in the
-   environment;
-3. for each worker (`Server.start`, where torch's launcher would start a Python), the agent sends the command's
-   arguments, its environment and folder, and its standard streams' file descriptors;
-4. the server forks a child, which forks the worker and exits. The orphaned worker is adopted by the agent, its
-   subreaper for that moment, so it is the agent's child as a started one would be (waited for, signalled, told
-   when the agent dies);
-5. the worker starts a session of its own, takes the streams, environment and folder, draws new random seeds, and
-   runs the script as `python -u SCRIPT ARGS...` would (`be_the_server`).
-
-A worker is forked only where it would be the worker a new Python would be. Else it starts as torch starts it: the
-server was not forked (MINGPT_WARM_WORKERS=0, or threads ran already); it has ended, or does not answer within
-SERVER_WAIT_S; its imports initialized CUDA or started a thread; the agent's environment changed since the server
-imported under it; the command is not `python -u SCRIPT`. What cannot be made the same is listed in
-docs/launching.md (Warm workers).
+1. `mingpt-torchrun` forks the server first thing (`Server.fork`), before any thread starts, joined to it by a socket
+   pair no other process can reach;
+2. the agent tells it the script and environment (`Server.serve`); it imports while the agent meets the others;
+3. for each worker (`Server.start`), the agent sends the arguments, environment, folder and standard streams;
+4. the server forks a child, which forks the worker and exits, so the agent (subreaper for that moment) adopts the
+   worker as its own child: waited for, signalled, told when the agent dies;
+5. the worker takes its session, streams, environment and new seeds, and runs the script (`be_the_server`).
+A worker starts as a new Python wherever a fork would differ from one (CUDA initialized, a thread started, the
+environment changed, no answer within SERVER_WAIT_S...). See docs/launching.md (Warm workers).
 """
 
 from __future__ import annotations
@@ -54,7 +39,7 @@ from mingpt.processes import PR_SET_CHILD_SUBREAPER, PR_SET_NAME, prctl, signal_
 log = logging.getLogger(__name__)
 
 SERVER_WAIT_S = 60.0  # how long the agent waits for the server to fork a worker (it may still be importing)
-# What a worker of the trainer imports: torch's compiler is most of it (the optimizer and DDP import it).
+# torch's compiler is most of a worker's imports (the optimizer and DDP import it).
 WARM_MODULES = ("torch", "torch._dynamo", "hydra", "mingpt.training.app", "mingpt.training.trainer")
 ADOPT_WAIT_S = 5.0  # how long a forked worker waits to be adopted by the agent (its forking child to exit)
 MESSAGE_LIMIT = 1 << 24  # bytes of a request (a worker's arguments and environment)
@@ -149,9 +134,8 @@ class Server:
         return not self.failed
 
     def _imported_under(self, env: dict[str, str]) -> bool:
-        """Whether what the server's imports read of the environment is what a worker of `env` would read: they differ
-        only where `may_differ` allows it, or where the imports set a variable to the worker's value. Else one warning
-        names the variables (not their values: they may be secret)."""
+        """Whether `env` differs from what the server imported under only where `may_differ` allows or the imports set
+        the worker's value. Else one warning names the variables (not their values: they may be secret)."""
         imported = {**self.environment, **self.imports_set}
         changed = sorted(name for name in imported.keys() | env.keys()
                          if env.get(name) not in (self.environment.get(name), imported.get(name))
@@ -370,9 +354,8 @@ def _fork_a_worker(channel: socket.socket) -> bool:
 
 
 def cannot_fork(maps: str, threads: list[str]) -> str | None:
-    """Why this process cannot fork a worker (None: it can). A fork cannot carry CUDA: torch's own state, or the driver
-    library loaded (which asking for the device count does, while torch still calls CUDA uninitialized). A fork holds
-    one thread: another's locks would stay held in the worker."""
+    """Why this process cannot fork a worker (None: it can). A fork cannot carry CUDA (torch's state, or just the driver
+    library, which the device count loads); nor other threads, whose locks would stay held in the worker."""
     torch = sys.modules.get("torch")
     if bool(torch and torch.cuda.is_initialized()) or "/libcuda.so" in maps:
         return "initialized CUDA, which a fork cannot carry"

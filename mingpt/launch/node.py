@@ -1,10 +1,9 @@
 """How mingpt-torchrun runs its node's part of a job: the settings it gives torchrun, the data it prepares before
 joining, and the agent, which starts the workers (forked from the warm server where it can).
 
-Why a wrapper around torchrun: by default torchrun's agents share their rendezvous store with the workers. With
-torch 2.13 a job on several agents then never trains, a node joining later deadlocks the job, and restarted workers
-can hang in `init_process_group`. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids all of it, but the agent reads it,
-so the worker cannot set it for itself: the launcher must.
+Why a wrapper around torchrun: torchrun's agents share their rendezvous store with the workers by default, and then
+a multi-node job never trains, a late joiner deadlocks it, and restarted workers can hang in `init_process_group`.
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids it, but the agent reads it, so the launcher must set it.
 """
 
 from __future__ import annotations
@@ -83,8 +82,7 @@ def warm_workers(args: argparse.Namespace, server: forkserver.Server | None) -> 
 
 
 def launch(args: argparse.Namespace, server: forkserver.Server | None) -> int:
-    """Run this node's agent until the job ends; its exit status. `server`: None: each worker starts as a new
-    Python."""
+    """Run this node's agent until the job ends; its exit status. With no `server` each worker is a new Python."""
     os.environ.setdefault(STORE_SHARING, "1")
     watch_nccl(os.environ)
     print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
@@ -132,10 +130,9 @@ HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", 
 
 
 def prepare_before_joining(args: argparse.Namespace) -> None:
-    """Prepare the data and fetch HellaSwag's file on this node before its agent enters the rendezvous: a node joining
-    a running job would otherwise make every other node wait while its workers tokenize, and past
-    trainer.dist_timeout_s end the job. Only for a mingpt application (mingpt-train, or a script with a `conf/`
-    folder beside it); a mistake in the overrides is one line here, before any agent starts."""
+    """Prepare the data and fetch HellaSwag's file before this node's agent joins: else every other node would wait
+    while its workers tokenize, and past trainer.dist_timeout_s the job would end. Only for a mingpt application
+    (mingpt-train, or a script with `conf/` beside it); a bad override is one line here, before any agent starts."""
     conf = Path(args.training_script).resolve().parent / "conf"
     if Path(args.training_script).name == "mingpt-train":
         conf = CONF_DIR

@@ -1,16 +1,11 @@
-"""The hang watchdog of a node's agent: finds a worker that stopped making progress, names it, writes its Python
-stack to the log, and ends it, so that torchrun restarts the workers, instead of every node waiting for
-trainer.dist_timeout_s.
+"""The hang watchdog of a node's agent: finds a worker that stopped making progress, logs its Python stack and ends
+it, so that torchrun restarts the workers instead of every node waiting for trainer.dist_timeout_s.
 
-A worker is hung when its last mark (mingpt.training.progress) in a judged phase is older than its hang timeout:
-trainer.hang_timeout_s, or (auto) HANG_STEPS times the median step here, at least HANG_FLOOR_S, once MEASURED steps
-have been timed. A generation's first step (warming up: minutes on GPUs) and every compile are allowed
-trainer.dist_timeout_s, as long as a collective may wait for them. While one worker hangs the others wait for it,
-so their marks age too; the hung one is the one that is stopped (SIGSTOP, a debugger), or else the one whose mark
-is the oldest, once older than 1.5 times the timeout (a hang on another node: that node's agent acts first).
-
-Its stack comes from py-spy (`--nonblocking` reads a stopped process from outside); where py-spy is missing or
-fails, a process that still runs writes its own on SIGUSR1 (faulthandler).
+A worker is hung when its last mark (mingpt.training.progress) in a judged phase is older than trainer.hang_timeout_s,
+or (auto) HANG_STEPS median steps, at least HANG_FLOOR_S. A first step and every compile are allowed
+trainer.dist_timeout_s instead. The others wait for a hung worker, so their marks age too: the one ended is the
+stopped one (SIGSTOP, a debugger), else the oldest once past 1.5 timeouts (so a hang elsewhere is left to its agent).
+Its stack comes from py-spy (which reads a stopped process from outside), else from the process itself on SIGUSR1.
 """
 
 from __future__ import annotations
