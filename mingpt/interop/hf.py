@@ -1,14 +1,9 @@
-"""Hugging Face's GPT-2 format: weights in and out, and the export of a whole snapshot.
+"""Hugging Face's GPT-2 format: weights in (`model.init_from=FOLDER`, a local or fsspec folder, never downloaded;
+its tokenizer: mingpt.tokenizers.huggingface) and out (`mingpt-export SNAPSHOT OUT`, which transformers' Auto classes
+load). See docs/huggingface.md.
 
-In: `model.init_from=FOLDER` reads a GPT-2 folder (`config.json`, `model.safetensors` or `pytorch_model.bin`, loaded
-with weights_only), local or an fsspec URL; `data.tokenizer=FOLDER` reads its tokenizer (mingpt.tokenizers.huggingface).
-Nothing is downloaded: a folder fetched once with `huggingface-cli download gpt2 --local-dir gpt2` is enough.
-
-Out: `mingpt-export SNAPSHOT OUT` writes a folder that `transformers` loads with
-`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`.
-
-GPT-2's layers map one to one onto mingpt.model's (HF's Conv1D weights transposed); its GELU is the tanh form
-("gelu_new"), as ours. A model trained here without biases is exported with zero biases, which computes the same.
+GPT-2's layers map one to one onto mingpt.model's (HF's Conv1D weights transposed), with the same tanh GELU; a model
+trained without biases is exported with zero biases, which compute the same.
 """
 
 from __future__ import annotations
@@ -68,8 +63,7 @@ def hf_model_config(url: str, block_size: int) -> GPTConfig:
 
 
 def load_hf_weights(url: str, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """The state dict of a Hugging Face GPT-2 folder in mingpt.model's names (not yet checked against `config`:
-    see mingpt.interop.pretrained)."""
+    """The state dict of a Hugging Face GPT-2 folder in mingpt.model's names (mingpt.interop.pretrained checks it)."""
     fs, path = _fs(url)
     name = next((n for n in WEIGHT_FILES if fs.exists(f"{path}/{n}")), None)
     if name is None:
@@ -96,8 +90,8 @@ def _safetensors(data: bytes) -> dict[str, torch.Tensor]:
 
 
 def _weights_only(data: bytes) -> dict[str, torch.Tensor]:
-    """A torch.save file of tensors alone. Anything else is refused: unpickling it could run its code
-    (torch's own message suggests weights_only=False, which would do just that)."""
+    """A torch.save file of tensors alone; anything else is refused, as unpickling it could run its code (which
+    torch's own message, suggesting weights_only=False, would do)."""
     try:
         with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
             warnings.simplefilter("ignore")
@@ -118,8 +112,7 @@ def beyond_gpt2(config: GPTConfig) -> str:
 
 
 def hf_files(model: GPT, eot_id: int | None) -> dict[str, bytes]:
-    """config.json and model.safetensors of `model` as a transformers GPT2LMHeadModel; `generate` stops at
-    the end-of-text token `eot_id`, as mingpt-sample does."""
+    """config.json and model.safetensors of `model` as a GPT2LMHeadModel whose `generate` stops at `eot_id`."""
     from safetensors.torch import save
 
     c = model.config

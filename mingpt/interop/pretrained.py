@@ -1,9 +1,6 @@
-"""`model.init_from`: start a new run from existing weights instead of random ones.
-
-The weights come from a Hugging Face GPT-2 folder (see mingpt.interop.hf) or from a mingpt snapshot (a snapshot folder,
-or a run folder: its newest snapshot). Either gives the model's shape, overriding the preset, and a tokenizer that
-`data.tokenizer` uses when left at its default. Only the weights are taken: the optimizer starts fresh at step 0, in the
-run's own snapshot.dir; once that run has a snapshot, every restart resumes from it and never reads init_from again.
+"""`model.init_from`: start a new run from the weights of a Hugging Face GPT-2 folder (mingpt.interop.hf) or a
+mingpt snapshot or run folder. Either gives the model's shape and a default tokenizer. Only the weights are taken
+(the optimizer starts at step 0); once the run has a snapshot, restarts resume from it and never read init_from again.
 """
 
 from __future__ import annotations
@@ -51,8 +48,8 @@ def open_pretrained(url: str, block_size: int) -> Pretrained:
 
 
 def _fit(url: str, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """`state` with its position table cropped to `config.block_size`, once its names and shapes are those of
-    a GPT of `config`: weights that do not match their own config are one line, not load_state_dict's dump."""
+    """`state` with its position table cropped to `config.block_size`, once its names and shapes fit `config` (a
+    mismatch is one line, not load_state_dict's dump)."""
     if "wpe.weight" in state:
         state["wpe.weight"] = state["wpe.weight"][: config.block_size]
     with torch.device("meta"):  # the names and shapes alone, no memory

@@ -1,16 +1,9 @@
 """HellaSwag's validation file: where it comes from, and its examples as lm-evaluation-harness's `hellaswag` task
-reads them.
+reads them (`preprocess`, `to_example`); mingpt.metrics.scoring scores them. See docs/evaluation.md.
 
-The file is the public JSONL of the HellaSwag authors (one JSON object a line: activity_label, ctx_a, ctx_b, endings,
-label). A URL is fetched once into a folder that only this user can write (`cache_folder`), checked against the file's
-known sha256 where there is one, kept only once its examples parsed, and read from there afterwards.
-
-Every input is bounded before it costs much: a file of at most MAX_BYTES, of which no more is read or fetched;
-lines of at most MAX_LINE_CHARS characters, a longer one refused before it is parsed, so that no example's text
-reaches a tokenizer unbounded; a fetch, all its requests together, within FETCH_TIMEOUT_S.
-
-Each example becomes a query and its choices exactly as lm-evaluation-harness's lm_eval/tasks/hellaswag/utils.py
-makes them (`preprocess`, `to_example`); mingpt.metrics.scoring scores them.
+A URL is fetched once into a folder only this user can write (`cache_folder`), checked against the known sha256,
+and kept only once its examples parsed. Every input is bounded before it costs much: MAX_BYTES a file, MAX_LINE_CHARS
+a line (refused before it is parsed or reaches a tokenizer), FETCH_TIMEOUT_S a whole fetch.
 """
 
 from __future__ import annotations
@@ -32,14 +25,13 @@ from mingpt.errors import MinGPTError, one_line
 from mingpt.storage import open_fs, parse_json, private_folder, read_head, read_own_file, redact, replace_atomically
 
 PUBLIC_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
-# The public file's digest, from Hugging Face datasets' record of it (datasets/hellaswag/dataset_infos.json,
-# download_checksums: 12,246,618 bytes), for both of GitHub's addresses of it.
+# The public file's digest (Hugging Face datasets' dataset_infos.json records it), at both of GitHub's addresses.
 KNOWN_SHA256 = {
     PUBLIC_URL: "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588",
     "https://github.com/rowanz/hellaswag/raw/master/data/hellaswag_val.jsonl":
         "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588",
 }
-MAX_BYTES = 64 << 20  # the validation file is 12 MB, and every process of a job holds its examples
+MAX_BYTES = 64 << 20  # every process of a job holds the examples: bound them well above the real file
 MAX_LINE_CHARS = 1 << 16  # an example of the file takes a few thousand characters at most
 FETCH_TIMEOUT_S = 120  # a whole fetch, all its requests: a server that never answers must not hold a job's start
 GIVE_THE_FILE = "give HellaSwag's validation JSONL (hellaswag_val.jsonl), one example a line, or its URL"
@@ -59,9 +51,8 @@ class Example:
 
 
 def load_examples(source: str, setting: str, fetch: bool = True) -> list[Example]:
-    """The examples of `source`, a local path or a URL, as given in `setting` (trainer.hellaswag_data, --data), which
-    every error names. HellaSwagUnavailable where a URL can be neither read from the cache nor fetched (`fetch`);
-    MinGPTError for a file that is not HellaSwag's."""
+    """The examples of `source` (a path or URL), errors naming `setting`. HellaSwagUnavailable where a URL is neither
+    cached nor fetched (`fetch`); MinGPTError for a file that is not HellaSwag's."""
     try:
         if is_local(source):
             return parse_examples(_read_local(source), source)
@@ -75,8 +66,8 @@ def is_local(source: str) -> bool:
 
 
 def _read_local(source: str) -> bytes:
-    """The bytes of a local file (a link is followed: the user named it); MinGPTError for anything but a regular
-    file, or for one larger than MAX_BYTES, of which no more is read."""
+    """The bytes of a local file (a link is followed: the user named it); MinGPTError for anything but a regular file,
+    or one larger than MAX_BYTES (no more is read)."""
     path = open_fs(source)[1] if source.startswith("file:") else source
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO would block: refused below
@@ -121,8 +112,7 @@ _UNDECODED = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of byte
 
 
 def _lines(data: bytes) -> Iterator[str]:
-    """The lines of `data`, without their ends, each decoded to at most MAX_LINE_CHARS + 1 characters (the rest
-    of a longer line comes as the next)."""
+    """The lines of `data`, each decoded to at most MAX_LINE_CHARS + 1 characters (a longer line's rest comes next)."""
     text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
     while line := text.readline(MAX_LINE_CHARS + 1):
         yield line.removesuffix("\n")
@@ -184,8 +174,8 @@ def cache_path(url: str) -> Path:
 
 
 def _examples_at(url: str, fetch: bool) -> list[Example]:
-    """The examples of the file at `url`: its cached copy's where there is one, else fetched now (where `fetch`) and
-    cached once they parsed: a page that is not the file (an HTML error page, say) is never kept."""
+    """The examples of the file at `url`: cached, else fetched (where `fetch`) and cached once they parsed, so that a
+    page that is not the file (an HTML error page) is never kept."""
     path = cache_path(url)
     _check_cache_folder(path.parent)
     cached = _read_cached(path)
@@ -205,8 +195,8 @@ def _examples_at(url: str, fetch: bool) -> list[Example]:
 
 
 def _check_cache_folder(folder: Path) -> None:
-    """Make the folder (0700) where it is missing; MinGPTError unless it is a folder (not a link) of this user's
-    that no one else can write (one made by hand with mkdir, 0755, will do: the file is public, and checked)."""
+    """Make the folder (0700) where missing; MinGPTError unless it is a folder (not a link) of this user's that no one
+    else can write (0755 will do: the file is public, and checked)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         folder.mkdir(mode=0o700)
@@ -230,10 +220,9 @@ def _read_cached(path: Path) -> bytes | None:
 
 
 def _download(url: str, path: Path) -> bytes:
-    """The file at `url`, at most MAX_BYTES of it, within FETCH_TIMEOUT_S for all its requests together: an http(s) URL
-    is one GET, an object store's ranged read is cancelled there too, other file systems (hf://) keep their clients' own
-    timeouts. HellaSwagUnavailable where the file cannot be had; MinGPTError for a URL that cannot be used at all (an
-    unknown protocol) or a file too large to be HellaSwag's: a mistake to fix, not a network to wait for."""
+    """The file at `url`, at most MAX_BYTES, within FETCH_TIMEOUT_S for http(s) and async object stores (others, such
+    as hf://, keep their clients' timeouts). HellaSwagUnavailable where it cannot be had; MinGPTError for an unusable
+    URL or a file too large: a mistake to fix, not a network to wait for."""
     try:
         if url.startswith(("http://", "https://")):
             data = sync(get_loop(), _http_get, url, timeout=FETCH_TIMEOUT_S)  # on fsspec's loop, cancelled there

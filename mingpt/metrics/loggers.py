@@ -1,16 +1,9 @@
-"""Where the trainer's metrics go: metrics.jsonl, TensorBoard, Weights & Biases (`trainer.loggers`).
+"""Where the trainer's metrics go: metrics.jsonl, TensorBoard, Weights & Biases (`trainer.loggers`); only the
+leader of a job logs.
 
-Every logger has the same small interface, and only the leader of a job logs:
-
-    start(step)              once, after the run resumed (step 0 for a new run)
-    log(step, record)        a record such as {"train_loss": 2.1, "lr": 3e-4, "tokens_per_s": 51000.0}
-    mark(step, kind, text)   an event: kind "restart" or "world_size_change"
-    flush()                  at every snapshot: what must survive a crash is written out
-    close()                  at the end of the job
-
-A restarted job continues the same TensorBoard run and the same W&B run. It resumes from a snapshot, which may be older
-than the last step it logged before it stopped; the steps it trains again are not logged twice (TensorBoard purges its
-older events from that step on, W&B keeps the first ones).
+A restarted job continues the same TensorBoard and W&B run. It resumes from a snapshot, perhaps older than the last
+step it logged; the steps it trains again are not logged twice (TensorBoard purges its events from that step on,
+W&B keeps the first ones).
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ TAGS = {"train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "tokens_
 
 
 def check_loggers(names: Sequence[str]) -> None:
-    """ConfigError for an unknown or repeated name, or a logger whose package is not installed.
-    Cheap (no import), so config validation can run it in every process before any work."""
+    """ConfigError for an unknown or repeated name, or a missing package; cheap (no import), for config validation."""
     for name in names:
         if name not in PACKAGES:
             raise ConfigError(f"trainer.loggers: unknown logger {name!r}; choose from {', '.join(PACKAGES)}")
@@ -75,7 +67,8 @@ def _numbers(record: dict) -> dict[str, float]:
 
 
 class Logger:
-    """The interface; each method does nothing unless a logger needs it."""
+    """The interface: `start` once resumed, `log` a record, `mark` an event ("restart", "world_size_change"), `flush`
+    at every snapshot (what must survive a crash), `close` at the end; each does nothing unless a logger needs it."""
 
     def start(self, step: int) -> None:
         pass
@@ -163,9 +156,8 @@ class JsonlLogger(Logger):
 
 
 class TensorBoardLogger(Logger):
-    """Event files in <snapshot.dir>/tensorboard/, or in a local folder when snapshot.dir is not local. Each start opens
-    a new event file in the same folder; its first event tells TensorBoard to drop the earlier events from the resumed
-    step on, so steps trained again appear once."""
+    """Event files in <snapshot.dir>/tensorboard/ (a local folder where it is not local). Each start's new event file
+    first tells TensorBoard to drop the events from the resumed step on, so steps trained again appear once."""
 
     def __init__(self, run: RunDir, config: dict):
         self.folder = run.tensorboard()
@@ -197,11 +189,9 @@ class TensorBoardLogger(Logger):
 
 
 class WandbLogger(Logger):
-    """One W&B run per snapshot.dir. <snapshot.dir>/wandb_run.json keeps its id, the last step logged and the event
-    counts, so that a restarted job resumes the same run (also offline, where W&B itself cannot tell what the run holds)
-    and logs only steps after those already logged. The last step is recorded at snapshots and at the end, not at every
-    step: W&B's service buffers what it is given and drops the buffer when the training process dies. Recorded sooner,
-    the steps it lost would be skipped after the restart too, leaving a gap."""
+    """One W&B run per snapshot.dir, whose wandb_run.json keeps its id, last step logged and event counts, so that a
+    restarted job resumes it (offline too) and logs only later steps. The last step is recorded at snapshots only:
+    W&B's service drops its buffer when the process dies, and steps recorded sooner would leave a gap."""
 
     def __init__(self, run: RunDir, config: dict):
         self.fs, self.path = run.fs, run.wandb_state

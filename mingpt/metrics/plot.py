@@ -86,12 +86,10 @@ def curves(records: list[dict]) -> Curves:
 
 
 def find_marks(records: list[dict]) -> list[Mark]:
-    """Restarts and world-size changes, seen in the progress records (those with a train loss). A process logs at every
-    multiple of trainer.log_every and at the step it stops at. So the records after a restart are recognised by a step
-    that does not move forward (the run resumed from a snapshot older than what it had logged), a previous record off
-    the usual stride (the process stopped there), or a pause that the throughput does not account for: a new process
-    starting, or the machine stalling, so such a mark is labelled with the pause's length. Each line is drawn where
-    training went on from, as far as the records tell."""
+    """Restarts and world-size changes, seen in the progress records (those with a train loss). A restart shows as a
+    step that does not move forward (resumed from an older snapshot), a record off the usual stride (a process logs
+    where it stops), or a pause the throughput does not account for (labelled with its length). Each line is drawn
+    where training went on from."""
     progress = [r for r in records if "train_loss" in r]
     steps = [r["step"] for r in progress]
     strides = [b - a for a, b in zip(steps, steps[1:]) if b > a]
@@ -112,17 +110,16 @@ def find_marks(records: list[dict]) -> list[Mark]:
 
 
 def _tokens_per_step(progress: list[dict]) -> float | None:
-    """Tokens one step trains: each record's tokens/s covers the time since the record before it in the same process,
-    less its `other_s` (evaluations and snapshots). The median, so restarts do not count."""
+    """Tokens one step trains, from each record's tokens/s over the time since the one before, less its `other_s`
+    (evaluations and snapshots); the median, so restarts do not count."""
     estimates = [(b["time"] - a["time"] - _other(b)) * b["tokens_per_s"] / (b["step"] - a["step"])
                  for a, b in zip(progress, progress[1:]) if b["step"] > a["step"] and _timed(a, b)]
     return statistics.median(estimates) if estimates else None
 
 
 def _unexplained_pause(before: dict, after: dict, per_step: float | None) -> float:
-    """Seconds between two records that training at the later one's rate does not account for (a process
-    starting takes seconds); 0 when there are none. A machine that is merely slow lowers the rate as much
-    as it lengthens the time between records."""
+    """Seconds between two records that training at the later one's rate does not account for, else 0 (a machine
+    merely slow lowers the rate as much as it lengthens the time)."""
     if per_step is None or after["step"] <= before["step"] or not _timed(before, after):
         return 0.0
     elapsed = after["time"] - before["time"]
@@ -203,8 +200,8 @@ def figure(data: Curves, title: str, plt):
 
 
 def _draw_marks(axis, data: Curves) -> None:
-    """A line at each mark; a label at the first of marks closer together than LABEL_GAP of the steps drawn
-    (labels written closer would overlap), saying how many more it stands for."""
+    """A line at each mark; one label (saying how many more it stands for) per LABEL_GAP, so that labels never
+    overlap."""
     at_step: dict[int, list] = {}  # a restart and a world-size change at one step share a line and a label
     for mark in data.marks:
         at_step.setdefault(mark.step, []).append(mark)
@@ -226,8 +223,8 @@ def _draw_marks(axis, data: Curves) -> None:
                       fontsize=7, color=color[step])
 
 
-# GPT-2 124M's HellaSwag acc_norm under lm-evaluation-harness, as llm.c's dev/data/hellaswag.py quotes it
-# ("eleuther harness reports acc 28.92%, acc_norm 31.14%"): the line the recipe gpt2-fineweb-edu is judged by.
+# GPT-2 124M's HellaSwag acc_norm under lm-evaluation-harness (llm.c's dev/data/hellaswag.py quotes it): the line the
+# recipe gpt2-fineweb-edu is judged by.
 GPT2_124M_ACC_NORM = 0.3114
 
 

@@ -1,12 +1,8 @@
 """Multiple-choice examples scored by a GPT as lm-evaluation-harness scores its `multiple_choice` tasks
-(lm_eval/api/task.py, `process_results`; lm_eval/models/huggingface.py, `_encode_pair` and `_loglikelihood_tokens`).
-
-Each choice is the continuation " " + choice of the query. Its tokens are the tail of the encoded query and
-continuation past the encoded query's length; its score is the sum of the log-probabilities of those tokens,
-each given all before it. Where query and continuation exceed the model's block size, the query loses its first
-tokens (left truncation). The example counts as right (`acc`) where the label's choice has the highest sum,
-and (`acc_norm`) where it has the highest sum divided by the choice's length in characters, len(choice) in
-Python, as lm-evaluation-harness divides (its `acc_bytes` divides by UTF-8 bytes instead).
+(lm_eval/api/task.py, `process_results`; lm_eval/models/huggingface.py, `_encode_pair` and `_loglikelihood_tokens`):
+a choice's score is the sum of the log-probabilities of its tokens as the continuation " " + choice of the query,
+the query cut on the left to fit the block; `acc_norm` divides it by len(choice) in characters, as the harness does.
+See docs/evaluation.md (The score).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from mingpt.tokenizers import Tokenizer
 
 @dataclass(frozen=True)
 class Encoded:
-    """One example in tokens: for each choice, its window (input tokens and the last target) and the number of
-    tokens at its end that the choice is."""
+    """One example in tokens: each choice's window (inputs and the last target) and how many tokens at its end it is."""
 
     windows: tuple[tuple[int, ...], ...]
     continuation_tokens: tuple[int, ...]
@@ -81,8 +76,8 @@ class Tally:
 
 
 def encode(example: Example, tokenizer: Tokenizer, block_size: int, index: int = 0) -> Encoded | None:
-    """`example` in tokens for a model of `block_size` positions; None where it cannot be scored: a text this
-    tokenizer cannot encode (a character a char vocabulary lacks), or a choice longer than the block."""
+    """`example` in tokens for a model of `block_size` positions; None where a text cannot be encoded (a character a
+    char vocabulary lacks) or a choice is longer than the block."""
     windows, continuations = [], []
     try:
         query = tokenizer.encode(example.query)
@@ -113,8 +108,8 @@ def skipped_note(skipped: int, total: int, tokenizer: Tokenizer) -> str:
 
 @torch.no_grad()
 def score(model: GPT, batch: list[Encoded], device: torch.device, autocast=None) -> list[Scored]:
-    """The scores of a batch of examples, all their choices in one forward pass (rows padded on the right, which
-    a causal model never looks at)."""
+    """The scores of a batch of examples, all choices in one forward pass (padded on the right: a causal model never
+    looks there)."""
     windows = [window for example in batch for window in example.windows]
     longest = max(len(window) - 1 for window in windows)
     tokens = torch.zeros((len(windows), longest), dtype=torch.long)
