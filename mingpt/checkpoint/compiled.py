@@ -3,10 +3,9 @@
     <dir>/compile-cache/<key>.<sha256 prefix>.zip   the caches of one key (opaque bytes here)
     <dir>/compile-cache/manifest.json               written last: key, file, bytes, sha256, writer
 
-The key names what makes the caches valid (torch, device, model shape, precision, compile settings;
-mingpt.training.compile_cache makes it). Only the holder of the run's lease writes (`commit`), and only the newest key's
-caches stay. A reader trusts a blob only through a manifest that names a writer (its lease) and only when its size and
-sha256 match: compiled caches are code, and loading them runs it. Nothing here knows what the bytes hold."""
+The key (mingpt.training.compile_cache makes it) names what makes the caches valid. Only the lease holder writes, and
+only the newest key's caches stay. Compiled caches are code, and loading them runs it: a blob is trusted only through a
+manifest that names a writer (its lease), and only when its size and sha256 match."""
 
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ class CompiledCaches:
         self.url = run.url_of(RunDir.COMPILE_CACHE)
 
     def read(self, key: str, say: Callable[..., None] = log.log) -> bytes | None:
-        """The committed caches of `key`, checked against the manifest's size and sha256; None where there are
-        none, they are another key's (INFO), or they cannot be read or trusted (one WARNING). `say(level,
-        message, *args)` logs it (the trainer: one process per node at these levels)."""
+        """The committed caches of `key`, checked against the manifest's size and sha256; None where there are none,
+        they are another key's (INFO), or cannot be read or trusted (WARNING), as `say(level, message, *args)` logs."""
         try:
             manifest = self._manifest()
             if manifest is None:

@@ -1,27 +1,15 @@
-"""Run ownership: one job at a time writes to a snapshot folder.
-
-Two jobs started into the same `snapshot.dir` by mistake would delete each other's saves and resume from each other's
-state. So the job that writes there holds a lease on it:
+"""Run ownership: one job at a time writes to a snapshot folder, so that two jobs started into one `snapshot.dir` by
+mistake never delete each other's saves nor resume from each other's state (docs/snapshots.md, "Run ownership").
 
     <dir>/owner/gen-000000007.json    job, host, pids, since, renewed, beat, released, timeout, token
 
-The claim itself is mingpt.claim's, which the prepared data's claim shares: its generation files, each created
-exclusively so that of two jobs claiming at once exactly one wins; the holder's beat every `timeout_s / 4` seconds, and
-its release when it exits; the watch and the fence. This module decides whom the run may be taken from, and what a
-commit says of its writer. Every manifest names the job and generation that wrote it, so the run's history survives the
-loss of the `owner/` folder (a hand, a bucket expiry rule).
-
-Another job may take the run over when the holder released it, ran on this machine and is gone, or stopped beating:
-judged by watching the claim (and the newest commit) not change for the holder's `timeout_s` on this process's own
-monotonic clock. Timestamps written by another host are never compared with ours, so no clock skew lets a live holder be
-taken over.
-
-Every generation of workers of one torchrun job (restarts, nodes leaving or joining) carries the same job identity, so
-it takes the run over at once. A claim also names the job's mode, restart or live (`mingpt-torchrun --live`): nodes of
-one job id in the two modes never meet, so each is to the other another job, refused while the holder lives. A worker
-left over from an older generation (its agent killed, its peers gone) finds a newer generation file before it commits or
-deletes anything, and stops instead: that is the fence `check()` gives the snapshot store, which also asks it about a
-commit another job wrote at a step this job saves."""
+The claim itself is mingpt.claim's (exclusive generations, the beat, the release, the watch, the fence); this module
+decides whom the run may be taken from, and what a commit says of its writer. Every manifest names the job and
+generation that wrote it, so the run's history survives the loss of `owner/` (a hand, a bucket expiry rule). A silent
+holder on another host is judged gone on this process's monotonic clock: no other host's timestamp is ever compared
+with ours, so clock skew cannot hand over a live holder's run. Every generation of one torchrun job shares its identity
+and takes over at once, except in the other mode (restart or `--live`: the two never meet). A worker left over from an
+older generation finds a newer generation file before it commits or deletes anything (`check`), and stops."""
 
 from __future__ import annotations
 
@@ -52,8 +40,7 @@ class LeaseLostError(MinGPTError):
 
 @dataclass(frozen=True)
 class Commit:
-    """A commit of the run, as the lease judges it: its folder's name, its step, and the writer its manifest names
-    (whatever that is: a manifest is another writer's word)."""
+    """A commit as the lease judges it: folder name, step, and the writer its manifest names (another writer's word)."""
 
     name: str
     step: int
@@ -61,9 +48,8 @@ class Commit:
 
 
 def job_identity(job: JobEnv) -> str:
-    """What stays the same across every generation of workers of this job, and differs between jobs: under torchrun the
-    rendezvous id (`--rdzv-id`; a fresh uuid with `--standalone`); where torchrun says "none" (no `--rdzv-id`), the
-    agent process, which is right for a one-node launch; else this process."""
+    """The same in every generation of this job's workers, different between jobs: torchrun's `--rdzv-id` (a fresh uuid
+    with `--standalone`); its agent where that is "none" (right for one node); else this process."""
     if job.run_id and job.run_id != "none":
         return f"torchrun:{job.run_id}"
     if job.run_id == "none":
@@ -73,11 +59,9 @@ def job_identity(job: JobEnv) -> str:
 
 RESTART, LIVE = "restart", "live"  # a job's modes: workers restarted on a change of membership, or live groups
 
-# Longest a claimant watches a silent holder, whatever timeout its (possibly hand-edited) claim names.
-_MAX_WATCH_S = 3600.0
+_MAX_WATCH_S = 3600.0  # longest a claimant watches a silent holder, whatever its (hand-editable) claim names
 
-# The newest commit of the run, or None where there is none.
-LastCommit = Callable[[], "Commit | None"]
+LastCommit = Callable[[], "Commit | None"]  # the run's newest commit, or None
 
 
 class RunLease:
@@ -115,9 +99,8 @@ class RunLease:
     # -- claiming ------------------------------------------------------------------------------
 
     def acquire(self, last_commit: LastCommit = lambda: None) -> Claim:
-        """Claim the run, or raise RunOwnedError naming the job that holds it and what to do. `last_commit` tells the
-        newest commit: where the claim files are gone, its writer stands for the holder, and a holder that still commits
-        is alive."""
+        """Claim the run, or raise RunOwnedError naming its holder and what to do. `last_commit` gives the newest
+        commit: where the claim files are gone its writer stands for the holder, and a holder that commits is alive."""
         before = last_commit()  # a commit after this one, at a step this job saves, is checked, never trusted
         try:
             claim = self.claims.take(lambda holder: self._may_take(holder, last_commit),
@@ -215,9 +198,8 @@ class RunLease:
     # -- holding -------------------------------------------------------------------------------
 
     def check(self, found: Commit | None = None) -> None:
-        """The fence, before this process writes or deletes anything in the run: LeaseLostError when a newer generation
-        (of this or another job) claimed the run, or when `found`, a commit at a step this job is saving, is another
-        job's. One there before this job claimed the run is the one it resumed from."""
+        """The fence before this process writes or deletes anything: LeaseLostError once a newer generation claimed the
+        run, or where `found` (a commit at a step this job saves, newer than the one it resumed from) is another's."""
         if self.claim is None:
             return
         newer = self.claims.overtaken()

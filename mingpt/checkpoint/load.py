@@ -1,10 +1,8 @@
-"""Reading a trained model back: what `mingpt-sample`, `mingpt-export`, `model.init_from` and a resume share.
-
-Only the files a model needs are read: the optimizer state never is. What a model's snapshot must hold
-(`snapshot_problem`) is said here; the store knows files only."""
+"""Reading a trained model back: what `mingpt-sample`, `mingpt-export`, `model.init_from` and a resume share. Only the
+files a model needs are read. What a model's snapshot must hold (`snapshot_problem`) is said here: the store knows files
+only."""
 
 from __future__ import annotations
-
 
 import torch
 
@@ -36,8 +34,8 @@ def snapshot_problem(manifest: dict) -> str | None:
 
 
 def index_problem(snapshot: Snapshot) -> str | None:
-    """Why a sharded snapshot's index of shards (DCP's .metadata) cannot be read, or None: checked as the
-    snapshot is verified, so that a damaged index is skipped, like any damaged snapshot, before DCP reads it."""
+    """Why a sharded snapshot's DCP index cannot be read, or None: checked at `verify`, so that a damaged index is
+    skipped like any damaged snapshot, before DCP reads it."""
     if not snapshot.sharded:
         return None
     from mingpt.checkpoint.sharded import read_index  # DCP: imported for a sharded snapshot only
@@ -55,8 +53,7 @@ def snapshot_store(url: str, **options) -> SnapshotStore:
 
 
 def model_files(snapshot: Snapshot) -> list[str]:
-    """What loading the model alone reads: all of a sharded snapshot (its shards hold the weights with the
-    optimizer state), or model.pt and tokenizer.json."""
+    """What loading the model alone reads: all of a sharded snapshot (weights are sharded with the optimizer state)."""
     return list(snapshot.manifest["files"]) if snapshot.sharded else ["model.pt", "tokenizer.json"]
 
 
@@ -91,8 +88,8 @@ def load_model(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer
 
 
 def read_weights(snapshot: Snapshot, device: torch.device | str = "cpu", model: GPT | None = None) -> dict:
-    """The snapshot's weights, a GPT state dict: model.pt, or gathered whole from the shards that every
-    process of a sharded job wrote, read by this process alone (into `model`'s tensors where given)."""
+    """The snapshot's weights, a GPT state dict: model.pt, or gathered whole from the shards by this process alone
+    (into `model`'s tensors where given)."""
     if not snapshot.sharded:
         return snapshot.load_tensors("model.pt", device)
     # Imported here: DCP and the DTensor machinery under it are slow to import, and only a sharded snapshot needs them.

@@ -1,7 +1,6 @@
-"""A snapshot's manifest, its commit record: the snapshot's name (its step), and for each file its size and sha256 (an
-entry, made by `HashingWriter` as the file is written). Reading a manifest and the files it records, for snapshots and
-the compile caches alike, opens only regular files of the size expected (a FIFO or a device planted under the name would
-block or never end), and reads no more than that size."""
+"""A snapshot's manifest, its commit record: the snapshot's name (its step), and each file's size and sha256 (hashed
+by `HashingWriter` as it is written). Reading a manifest and its files (snapshots, compile caches) opens only regular
+files of the expected size (a planted FIFO or device would block or never end) and reads no more than that."""
 
 from __future__ import annotations
 

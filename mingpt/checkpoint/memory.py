@@ -1,30 +1,18 @@
-"""The memory tier: the run state after every step (or every few), kept in shared memory that outlives the
-worker processes, so that a restart resumes from it rather than from the last durable snapshot, and a
-failure costs at most the step in flight.
+"""The memory tier: the run state after every step (or every few), kept in shared memory that outlives the worker
+processes, so that a restart resumes from it rather than from the last snapshot (docs/snapshots.md#the-memory-tier).
 
     <snapshot.memory_dir>/mingpt-<hash of snapshot.dir>-<pid of the launcher>-<shard>of<shards>/
-                                  (the launcher: torchrun's agent, or the process itself without one)
-        own-0.bin, own-1.bin      this process's shard of the state, two buffers written in turn:
-                                  one always holds a complete copy
+        own-0.bin, own-1.bin      this process's shard of the state, two buffers written in turn
         own-0.json, own-1.json    what a buffer holds (job, run, step, shard, where each tensor lies)
-        peer-0.*, peer-1.*        the shard of a process on another node, sent here (mingpt.training.recovery)
+        peer-0.*, peer-1.*        the shard of a process on another node (mingpt.training.recovery)
         reached                   the last step its writer finished, for steps_lost
 
-A shard is what one process holds of the state: all of it under ddp (shard 0 of 1), its part under fsdp and hsdp
-(where each tensor's part lies in the whole is recorded with it, so that shards written at one world size reassemble
-at any other).
-One process per launcher and shard writes a folder, the first to lock it. Writing a slot removes its description first
-and writes it again only once the copy is complete, so a copy cut short (the process killed in the middle) is never
-read: the other slot still holds the step before. A tier belongs to one job (mingpt.checkpoint.lease.job_identity) and
-one snapshot.dir; one of another job, or whose launcher has ended, is removed when a job starts.
-
-/dev/shm is writable by every user of the machine, and these names can be worked out. So a folder is used only if it is
-a folder (not a link) of this user's alone (mode 0700); every file in it is checked to be a regular file of this user's
-before it is read or written, and opened without following links; a description is checked for its types and bounds, and
-a buffer against the sha256 (of it and of its description) recorded when it was written, which also covers a shard sent
-from another node. Anything else is skipped with a warning, never loaded. A tier that cannot be written (no room, a
-folder another user made, the folder deleted under the job) turns itself off with one warning: the job goes on from its
-snapshots."""
+A slot's description is removed before its buffer is written, and written again once the copy is complete: a copy cut
+short is never read, and the other slot holds the step before. /dev/shm is writable by every user and these names can be
+worked out, so a folder is used only if it is this user's alone (0700, not a link), every file only if it is a regular
+file of this user's, opened without following links, and a buffer only if it and its description (checked for types and
+bounds) match the sha256 recorded with them. Anything else is skipped with a warning; a tier that cannot be written
+turns itself off with one warning, and the job goes on from its snapshots."""
 
 from __future__ import annotations
 
@@ -56,7 +44,7 @@ log = logging.getLogger(__name__)
 _LOCAL = LocalFileSystem()
 
 FORMAT = "mingpt-memory"
-VERSION = 4  # 4: "shard" names what a process holds of the state
+VERSION = 4
 ALIGN = 64  # bytes: every tensor starts at a multiple, so any dtype can be viewed in place
 MAX_HEADER = 64 * 2**20  # bytes: a larger description is not ours
 DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
@@ -93,8 +81,7 @@ class Held:
 
 
 class MemoryTier:
-    """This node's memory tier for one run (`run`: where its snapshots are), one job, and one shard of the
-    state (`shard`: index, count)."""
+    """This node's memory tier for one run (`run`: where its snapshots are), one job, and one shard (index, count)."""
 
     def __init__(self, run: str, job: str, root: str = "/dev/shm", shard: tuple[int, int] = (0, 1),
                  launcher: int | None = None):
@@ -184,8 +171,7 @@ class MemoryTier:
 
     @staticmethod
     def unpack(buffer: torch.Tensor, header: dict) -> Any:
-        """The state (nested dicts and lists of tensors, Chunks of sharded ones, and plain values) that
-        `buffer` and `header` hold."""
+        """The state (nested containers of tensors, Chunks of sharded ones, plain values) `buffer` and `header` hold."""
         views = [_view(buffer, entry).clone() for entry in header["tensors"]]
         return unpack(header["tree"], views)
 
@@ -239,9 +225,8 @@ class MemoryTier:
 
     def save(self, state: Any, step: int, info: dict,
              then: Callable[[dict | None, torch.Tensor | None], None] | None = None) -> None:
-        """Copy `state` (this process's shard of the state after `step`) into the older slot, in a background
-        thread; `wait_copied` before the state changes again (the next optimizer step). `then` runs in that
-        thread after the copy, with its description and buffer (None, None where nothing was copied)."""
+        """Copy `state` (this process's shard after `step`) into the older slot in a background thread; `wait_copied`
+        before the state changes again. `then(header, buffer)` runs in that thread after it (None, None: no copy)."""
         self.wait()
         tensors: list[torch.Tensor] = []
         tree = pack(state, tensors)
@@ -409,10 +394,9 @@ def _whole(value: Any) -> bool:
 
 
 def remove_ended_tiers(root: str | Path) -> None:
-    """Remove this user's tiers under `root` whose launcher on this machine has ended (another user's are never
-    touched): the memory of a job that was SIGKILLed, which nothing else frees. A job with a tier does it once its
-    restore has read what it needs (a restarted job resumes from its dead launcher's tier); a job without, as it
-    starts."""
+    """Remove this user's tiers under `root` whose launcher on this machine has ended (never another user's): a
+    SIGKILLed job's memory, which nothing else frees. A job with a tier does it once its restore has read what it
+    needs (a restarted job resumes from its dead launcher's tier); a job without, as it starts."""
     for folder in Path(root).glob("mingpt-*"):
         if private_folder(folder) and _launcher_gone(folder):
             log.info("removing %s, the memory tier of a job that ended", folder)

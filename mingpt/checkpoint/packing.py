@@ -1,7 +1,6 @@
-"""A state (nested dicts, lists and tuples of tensors and plain values) as a JSON tree and a list of tensors, and back:
-how the memory tier (mingpt.checkpoint.memory) and the live mode's healing (mingpt.training.healing) lay out a state,
-where a pickle would run whatever its bytes say. Dict keys keep their type (an optimizer's are ints), and a sharded
-tensor is its shard with where it lies in the whole, so that the shards of every process reassemble (`assemble`)."""
+"""A state (nested dicts, lists and tuples of tensors and plain values) as a JSON tree and a list of tensors, and back,
+for the memory tier (mingpt.checkpoint.memory) and healing (mingpt.training.healing): a pickle would run whatever its
+bytes say. Dict keys keep their type; a sharded tensor is its shard and where it lies, so shards reassemble."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ class Chunk:
 
 
 def pack(obj: Any, tensors: list[torch.Tensor], shared: dict[tuple, int] | None = None) -> Any:
-    """A JSON tree of `obj` whose tensors are replaced by their index in `tensors`, appended to it; a sharded
-    tensor by its shard's, with where the shard lies in the whole. With `shared`, a tensor whose storage was
-    packed before (tied weights) is packed once: safetensors refuses two tensors on one storage."""
+    """A JSON tree of `obj`, each tensor (a sharded one: its shard, and where it lies) replaced by its index in
+    `tensors`. With `shared`, tied weights are packed once: safetensors refuses two tensors on one storage."""
     if (shard := shard_offsets(obj)) is not None:
         return {**pack(obj.to_local(), tensors, shared), "shape": list(obj.shape), "offsets": shard[0]}
     if isinstance(obj, torch.Tensor):
@@ -74,9 +72,8 @@ def assemble(trees: list[Any]) -> Any:
 
 
 def placed_like(tree: Any, template: Any) -> Any:
-    """The unpacked state `tree`, each Chunk made the DTensor that `template` (a state of this process's)
-    holds at its place: a state sent by a process that holds the same shards as this one (hsdp: the process
-    of this one's place on another node). ValueError where a shard is not the one this process holds."""
+    """The unpacked `tree` (sent by a process holding the same shards: hsdp's peer on another node), each Chunk made
+    the DTensor that `template`, this process's state, holds there; ValueError where a shard is not this process's."""
     mine = shard_offsets(template)
     if isinstance(tree, Chunk):
         if mine is None or tree.shape != list(template.shape) or tree.offsets != mine[0] or \

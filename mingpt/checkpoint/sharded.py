@@ -1,17 +1,9 @@
-"""Sharded snapshots: every process writes its own shard of the state, and any number of processes
-reads it back, through torch.distributed.checkpoint (DCP), which plans who reads which bytes.
-
-    <dir>/step-000001200/state/.metadata      DCP's index of the shards (a pickle: see below)
-                        state/__0_0.distcp   one process's shard of the weights and optimizer state
-                        state/__1_0.distcp   ...
-                        tokenizer.json
-                        manifest.json        written last, by the leader: the size and sha256 of every file
-
-The commit protocol is the store's: a snapshot counts only once its manifest exists. Each shard file is created
-exclusively, after its writer checked the run's lease, and hashed as it is written; the leader writes the manifest of
-all the hashes. Reading goes through the manifest too: every file, `.metadata` included, is checked against its sha256
-before DCP sees a byte of it. Since DCP unpickles `.metadata` and the small values in shards, neither is ever unpickled
-with more than DCP's own classes or plain data: a planted file, even with a manifest to match, cannot run code."""
+"""Sharded snapshots: every process writes its own shard of the state into the snapshot's `state/`, and any number of
+processes reads it back, through torch.distributed.checkpoint (DCP), which plans who reads which bytes. The commit
+protocol is the store's (docs/snapshots.md): each file is created exclusively after the lease's fence and hashed as it
+is written; the leader writes the manifest last. Every file, `.metadata` included, is checked against its sha256 before
+DCP sees a byte of it. DCP unpickles `.metadata` and the small values in shards: neither is unpickled with more than
+DCP's own classes or plain data, so a planted file, even with a manifest to match, cannot run code."""
 
 from __future__ import annotations
 
@@ -107,9 +99,8 @@ class ShardReader(FsspecReader):
         return self.index
 
 
-# What DCP's index names: its metadata classes, torch.Size, dtypes, and layouts (by a lookup that only reads
-# torch's own table). Exact (module, name) pairs: a module's other attributes, and dotted names, which pickle
-# follows attribute by attribute (`...metadata` + `os.system`), are never reached.
+# What DCP's index names: its metadata classes, torch.Size, dtypes and layouts (looked up in torch's own table). Exact
+# (module, name) pairs: a module's other attributes, and dotted names (`metadata.os.system`), are never reached.
 _INDEX_CLASSES = {
     *(("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -187,8 +178,7 @@ def read_shards(snapshot: Snapshot, state: dict[str, Any], alone: bool = False) 
 
 
 def read_model(snapshot: Snapshot, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights of `model` (a plain GPT of the snapshot's model_config), gathered whole from the shards
-    and read by this process alone: no process group needed."""
+    """The weights of `model` (a plain GPT of its model_config), gathered from the shards by this process alone."""
     state = {"model": get_model_state_dict(model)}
     read_shards(snapshot, state, alone=True)
     return state["model"]

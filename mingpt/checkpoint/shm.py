@@ -1,9 +1,7 @@
 """Files in a folder that every user of the machine can write (/dev/shm, /tmp): a folder is used only if it is this
-user's alone (not a link, mode 0700), and a file only if it is a regular file of this user's, opened without following
-links and never waited on (a FIFO; mingpt.storage checks both); a buffer's memory is reserved when it is made.
-
-A process's own temporary folder (`process_folder`) is named after it, so that whoever makes the next one on the machine
-removes it once that process has ended, however it ended (SIGKILL, the OOM killer)."""
+user's alone (not a link, mode 0700), a file only if it is a regular file of this user's, opened without following links
+and never waited on (mingpt.storage checks both); a buffer's memory is reserved when it is made. A process's own folder
+is named after it, so the next one made on the machine removes it once it has ended, however (SIGKILL, OOM killer)."""
 
 from __future__ import annotations
 

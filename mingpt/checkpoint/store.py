@@ -1,17 +1,10 @@
 """Snapshots of a run, in a local folder or any fsspec URL, one folder per snapshot: files, their hashes, and an opaque
-info dict that the store's user fills and checks. The trainer's hold:
+info dict that the store's user fills and checks. What the trainer's hold: docs/snapshots.md; what a model's snapshot
+must hold: mingpt.checkpoint.load (`expects`); a sharded job's `state/`: mingpt.checkpoint.sharded.
 
-    <dir>/step-000001200/model.pt        model weights (state dict; all a sampler needs)
-                        optimizer.pt    AdamW state
-                        tokenizer.json  the vocabulary
-                        manifest.json   written last: step, info (configs, ...), size and sha256 of each file
-
-or, written by every process of a sharded job, `state/` (shards and DCP's index, see mingpt.checkpoint.sharded) in place
-of model.pt and optimizer.pt. What a trained model's snapshot must hold is mingpt.checkpoint.load's to say (`expects`).
-
-The manifest (its format: mingpt.checkpoint.manifest) is the commit marker: a folder without one is debris from an
-interrupted save and is never loaded. A committed snapshot is never overwritten. Files are loaded only after their
-checksum matches, with `torch.load(weights_only=True)`: nothing from storage is unpickled."""
+The manifest (mingpt.checkpoint.manifest) is the commit marker: a folder without one is debris from an interrupted save
+and is never loaded. A committed snapshot is never overwritten. Files are loaded only after their checksum matches, with
+`torch.load(weights_only=True)`: nothing from storage is unpickled."""
 
 from __future__ import annotations
 
@@ -86,9 +79,8 @@ class Snapshot:
 
     def verify(self, files: Sequence[str] | None = None, keep: bool = True) -> None:
         """Check the payload files (default: all) against the manifest; SnapshotError when one does not match. With
-        `keep`, the checked bytes are kept for the next `read` of each file, so verifying and then loading reads the
-        storage once; `forget` drops what will not be read. Shards are never kept: the process that verifies them all
-        reads only its own share (but all of DCP's index)."""
+        `keep`, the checked bytes wait for the next `read`, so storage is read once (`forget` drops them). Shards (not
+        DCP's index) are never kept: the process that verifies them all reads only its own share."""
         for filename in files or self.manifest["files"]:
             shard = filename.startswith(f"{STATE_DIR}/") and filename != INDEX
             try:
@@ -238,8 +230,7 @@ class SnapshotStore:
         return listing
 
     def latest(self, files: Callable[[Snapshot], list[str]] | None = None) -> Snapshot | None:
-        """The newest committed snapshot whose files (or those `files` names) verify; damaged newer ones
-        are logged and skipped."""
+        """The newest committed snapshot whose files (or those `files` names) verify; newer damaged ones are skipped."""
         listing = self.scan()
         for name, problem in listing.damaged:
             log.warning("snapshot %s is damaged (%s); ignoring it", self.url_of(name), problem)
@@ -295,9 +286,8 @@ class SnapshotStore:
     # -- writing -------------------------------------------------------------------------------
 
     def save(self, step: int, tensors: dict[str, Any], files: dict[str, bytes], info: dict) -> Snapshot:
-        """Commit a snapshot of `step`: each of `tensors` as NAME.pt, each of `files` as is, then the manifest.
-        `tensors` must already be on the CPU. A committed snapshot of the same step that verifies is kept as it is; a
-        damaged one is replaced. With a lease, nothing is written once it is lost."""
+        """Commit a snapshot of `step`: each of `tensors` (on the CPU) as NAME.pt, each of `files` as is, then the
+        manifest. A good commit of that step is kept, a damaged one replaced; nothing is written after a lost lease."""
         payload = {f"{key}.pt": value for key, value in tensors.items()} | files
         existing = self.begin(step)
         if existing is not None:
@@ -316,9 +306,8 @@ class SnapshotStore:
         return existing
 
     def write(self, step: int, payload: dict[str, Any]) -> dict[str, dict]:
-        """Write each payload file (bytes as they are, anything else by torch.save) into the folder of
-        `step`; their manifest entries. Streamed: serialised, hashed and written in one pass, never whole
-        in memory. Created exclusively: a writer that lost the run while it was frozen cannot overwrite these."""
+        """Write each payload file (bytes as is, else by torch.save) into `step`'s folder, streamed and hashed in one
+        pass; their manifest entries. Exclusive: a writer that lost the run while frozen cannot overwrite them."""
         import torch
 
         entries = {}
@@ -409,10 +398,9 @@ class SnapshotStore:
             return False
 
     def _prune(self, just_committed: str) -> None:
-        """Keep the newest `keep` snapshots not known to be damaged, and whatever is newer (damaged ones stay there, for
-        inspection); remove the rest, and debris older than the newest commit. The snapshot just committed is never
-        removed, so a run always ends with a verified snapshot. (Older snapshots are checked by the sizes of their
-        files: reading every byte of each at every save would cost more than the save.)"""
+        """Keep the newest `keep` snapshots not known damaged, and anything newer (left for inspection); remove the
+        rest, and debris older than the newest commit. The one just committed is never removed: a run ends with a
+        verified snapshot. Older ones are checked by size: hashing them all per save costs more than the save."""
         listing = self.scan()
         if not listing.committed:
             return

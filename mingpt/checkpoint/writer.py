@@ -15,11 +15,9 @@ log = logging.getLogger(__name__)
 
 
 class SnapshotWriter:
-    """Saves snapshots, in the background (`async_save`) or in the caller's thread.
-
-    At most one save is in flight: a new one first waits for the previous. A failed save is logged and leaves no
-    manifest, so it never looks committed; the next interval tries again. After `max_failures` failures in a row,
-    `failed_too_often` is true and `check` raises SnapshotError: the trainer stops every process together."""
+    """Saves snapshots, in the background (`async_save`) or in the caller's thread, one at a time. A failed save is
+    logged and leaves no manifest (it never looks committed); the next interval tries again. After `max_failures`
+    failures in a row, `check` raises SnapshotError: the trainer stops every process together."""
 
     def __init__(self, store: SnapshotStore, async_save: bool = True, max_failures: int = 3):
         self.store = store
