@@ -1,9 +1,6 @@
-"""The contract between a node's agent (mingpt.launch) and its workers (mingpt.training), in one place.
-
-The job's environment (`JobEnv`, read once per worker; a process started by hand is a job of one process with no
-agent), the exit statuses of a membership change, the progress marks the agent's watchdog reads, and the
-Lighthouse's store key and timeouts. It imports no torch: the agent and `mingpt-rendezvous` read it before anything
-heavy.
+"""The contract between a node's agent (mingpt.launch) and its workers (mingpt.training), in one place: the job's
+environment (`JobEnv`, read once per worker), the exit statuses of a membership change, the progress marks the
+watchdog reads, and the Lighthouse's key and timeouts. No torch: the agent and `mingpt-rendezvous` read it first.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ class LiveEndpoints:
 
 @dataclass(frozen=True)
 class JobEnv:
-    """What the launcher (torchrun and mingpt-torchrun's agent, or a hand-made environment) says about this process
-    and its job."""
+    """What the launcher (torchrun, mingpt-torchrun's agent, or a hand-made environment) says of this process's job."""
 
     rank: int = 0
     world_size: int = 1
@@ -78,8 +74,7 @@ class JobEnv:
 
     @property
     def launcher(self) -> int:
-        """The process this one's job lives with on this machine: torchrun's agent (the parent, which outlives its
-        workers), or this process where no agent started it."""
+        """The process this one's job lives with here: torchrun's agent (the parent, which outlives it), else itself."""
         return os.getppid() if self.under_torchrun else os.getpid()
 
     @classmethod

@@ -1,12 +1,9 @@
 """Tokenizers: characters, a byte-level BPE trained on the corpus, or a named tiktoken encoding; and the tokenizer of a
-folder (a Hugging Face one, or a mingpt snapshot's).
+folder (a Hugging Face one, or a mingpt snapshot's). All share mingpt.tokenizers.base's interface.
 
-All share one small interface (`encode`, `decode`, `vocab_size`, `to_json`; see base.py). A saved tokenizer is a small
-JSON file, never a pickle, so a snapshot or prepared data folder carries its vocabulary and decodes without the corpus.
-
-Each reserves an end-of-text token (`eot_id`, written `<|endoftext|>`), the last id for char and bpe, tiktoken's own for
-its encodings. Prepared data ends every document with it, so that documents never run into each other. Text is always
-encoded as plain text: a corpus that says "<|endoftext|>" does not make that token.
+A saved tokenizer is a small JSON file, never a pickle (loading one could run code), so a snapshot or prepared data
+carries its vocabulary. Each reserves an end-of-text token (`eot_id`) that ends every document of prepared data, so
+documents never run into each other; text is encoded as plain text, so a corpus saying "<|endoftext|>" cannot make it.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ def is_path(spec: str) -> bool:
 
 
 def train_tokenizer(kind: str, texts: str | Iterable[str], vocab_size: int | None = None) -> Tokenizer:
-    """Build a tokenizer of `kind` ('char', 'bpe', a tiktoken encoding name such as 'gpt2', or a folder holding
-    a tokenizer: see `load_tokenizer_folder`) for `texts`."""
+    """Build a tokenizer of `kind` ('char', 'bpe', a tiktoken encoding such as 'gpt2', or a folder) for `texts`."""
     if kind == "char":
         return CharTokenizer.train(texts)
     if kind == "bpe":

@@ -17,8 +17,7 @@ from mingpt.tokenizers.base import EOT, Tokenizer
 log = logging.getLogger(__name__)
 TIKTOKEN_TESTED = "0.14"  # the tiktoken release the tests ran on (pyproject's range), for its private tables
 
-# GPT-4's split pattern: words, numbers of up to 3 digits, punctuation runs and whitespace
-# are merged within, never across. rustbpe's default is the same pattern.
+# GPT-4's split pattern (rustbpe's default): words, numbers of up to 3 digits, punctuation and whitespace never merge.
 BPE_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
@@ -48,8 +47,8 @@ class _TiktokenBacked(Tokenizer):
             raise TokenizerError(f"token id {e} is not in this {self.describe()} vocabulary") from None
 
     def tables(self) -> tuple[dict[bytes, int], str]:
-        """The encoding's merge ranks and split pattern, for other programs' files (tiktoken keeps them in private
-        fields, and has no public reader); a TokenizerError, in one line, on a tiktoken that lacks them."""
+        """The encoding's merge ranks and split pattern, from tiktoken's private fields (it has no public reader); a
+        TokenizerError, in one line, on a tiktoken that lacks them."""
         ranks, pattern = getattr(self.encoding, "_mergeable_ranks", None), getattr(self.encoding, "_pat_str", None)
         if not isinstance(ranks, dict) or not isinstance(pattern, str):
             raise TokenizerError(f"tiktoken {tiktoken.__version__} keeps its merge ranks and split pattern elsewhere "

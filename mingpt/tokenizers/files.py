@@ -1,8 +1,5 @@
-"""Reading files that other programs wrote (Hugging Face folders: JSON, text, safetensors, torch files).
-
-Every such file goes through `read_file`, which turns any failure to parse it (a truncated download, a garbage file,
-another format) into one line naming the file and saying what to do. Used by the tokenizers here and by mingpt.interop
-for model weights."""
+"""Reading files that other programs wrote (Hugging Face folders), for the tokenizers and mingpt.interop: `read_file`
+turns any failure to parse one (a truncated download, another format) into one line naming the file and the fix."""
 
 from __future__ import annotations
 

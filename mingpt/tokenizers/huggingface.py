@@ -1,10 +1,7 @@
 """Hugging Face's byte-level BPE tokenizers, in and out, as tiktoken encodings.
 
-In: a folder holding `tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt` (local or an fsspec URL), becomes a `bpe`
-tokenizer (pattern + ranks), stored like any BPE vocabulary; the character vocabulary that mingpt-export writes becomes
-a char tokenizer. (A mingpt tokenizer.json in a folder is read by the dispatch, mingpt.tokenizers.)
-
-Out: `tokenizer_files` writes the same vocabulary in Hugging Face's form, which `AutoTokenizer` encodes to the same ids.
+In: `tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt`, becomes a `bpe` tokenizer (pattern + ranks); the char
+vocabulary mingpt-export writes becomes a char tokenizer. Out: `tokenizer_files`, which `AutoTokenizer` encodes alike.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 
 
 def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map of bytes to printable characters, in which its vocabularies are written:
-    printable Latin-1 bytes stand for themselves, the others for the characters from U+0100 on."""
+    """GPT-2's reversible map of bytes to the printable characters its vocabularies are written in."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
@@ -91,9 +87,8 @@ def _pattern(pre: dict, url: str) -> str:
 
 
 def _to_bpe(vocab: dict[str, int], merges: list, pattern: str, added: dict[str, int], url: str) -> BPETokenizer:
-    """A tiktoken encoding ranks a token by its id and merges the lowest-ranked pair first; HF's BPE merges in
-    the order of its merges list. The two agree when ids follow that order, as in GPT-2 and in what
-    mingpt-export writes; other layouts are refused rather than converted into a different tokenizer."""
+    """tiktoken merges the pair of lowest id first, HF's BPE in the order of its merges list: they agree only where ids
+    follow that order (GPT-2, mingpt-export); other layouts are refused rather than made a different tokenizer."""
     decode = {c: b for b, c in byte_to_unicode().items()}
     try:
         ranks = {bytes(decode[c] for c in token): i for token, i in vocab.items()}
@@ -118,8 +113,8 @@ def _to_bpe(vocab: dict[str, int], merges: list, pattern: str, added: dict[str, 
 
 
 def tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, bytes]:
-    """Hugging Face tokenizer files of the same vocabulary: tokenizer.json (and, for GPT-2's split pattern,
-    vocab.json and merges.txt); AutoTokenizer encodes text to the same ids."""
+    """Hugging Face's files of the same vocabulary: tokenizer.json (and, for GPT-2's pattern, vocab.json and
+    merges.txt)."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "clean_up_tokenization_spaces": False}
     if tokenizer.eot_id is not None:
         config.update(eos_token=EOT, bos_token=EOT)
@@ -158,8 +153,7 @@ def _tokenizer_json(vocab: dict, merges: list[str], tokenizer: Tokenizer, pre: d
 
 
 def _recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The merges list of a tiktoken ranking: each token of several bytes is the pair that BPE, with only the
-    tokens ranked below it, leaves of its bytes."""
+    """The merges list of a tiktoken ranking: each longer token is the pair BPE leaves of its bytes with lower ranks."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
         if len(token) == 1:
