@@ -3,9 +3,7 @@
     mingpt-eval hellaswag snapshots/run
     mingpt-eval hellaswag s3://bucket/run/step-000019073 --data hellaswag_val.jsonl --device cuda
 
-SNAPSHOT is a run folder (its newest committed snapshot) or one snapshot, local or in S3. --data is HellaSwag's
-validation JSONL, a path or a URL; the public file (the default) is fetched once into ~/.cache/mingpt/hellaswag
-and checked against its sha256. Prints acc and acc_norm (see mingpt.metrics.scoring) and the count of examples.
+Prints acc and acc_norm (mingpt.metrics.scoring) and the count of examples. See docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
     mingpt-plot snapshots/run                     # writes loss.png here
     mingpt-plot s3://bucket/runs/gpt-mini -o gpt-mini.png
 
-RUN is a snapshot.dir (local or an fsspec URL) that the trainer wrote metrics.jsonl into. Needs
-matplotlib: pip install -e ".[plot]".
+Needs matplotlib: pip install -e ".[plot]".
 """
 
 from __future__ import annotations

@@ -12,9 +12,7 @@ from mingpt.launch.rendezvous import serve
 def main(argv: list[str] | None = None) -> int:
     """`mingpt-rendezvous`: host torchrun's c10d rendezvous store until stopped (SIGTERM or Ctrl-C).
 
-    Run it on a machine that does not train (a login node, the SLURM batch host) and point every
-    agent's `--rdzv-endpoint` at it: the agents then join as clients, and any of them may die
-    without taking the job down, which is not so when the first agent hosts the store.
+    On a machine that does not train, so that any agent may die without taking the job down (as one hosting it would).
     """
     parser = command_parser("mingpt-rendezvous", summary(main.__doc__))
     parser.add_argument("--port", type=int, default=29500, help="TCP port to listen on")

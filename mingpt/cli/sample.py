@@ -3,8 +3,7 @@
     mingpt-sample snapshots/run --prompt "The " --max-new-tokens 300 --num-samples 2
     mingpt-sample s3://bucket/run/step-000001200 --temperature 0.8 --top-k 40 --seed 1
 
-SNAPSHOT is a snapshot folder (the newest committed snapshot in it is used) or one snapshot.
---max-new-tokens 0 prints the prompt alone (a quick check that the snapshot loads and encodes it).
+--max-new-tokens 0 prints the prompt alone: a quick check that the snapshot loads and encodes it.
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def pick_device(name: str) -> torch.device:
-    """The torch device `--device` names (auto: a GPU where there is one); ConfigError when it is unknown or
-    absent on this machine."""
+    """The torch device `--device` names (auto: a GPU where there is one); ConfigError where unknown or absent."""
     import torch
 
     if name == "auto":
@@ -108,9 +106,8 @@ def sample(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def ctrl_c_flag() -> Iterator[threading.Event]:
-    """Ctrl-C as a flag that the sampling loop checks between tokens. A KeyboardInterrupt raised wherever
-    the signal happens to land can be lost (CI once saw samples go on streaming after SIGINT); a flag
-    cannot."""
+    """Ctrl-C as a flag that the sampling loop checks between tokens: a KeyboardInterrupt raised wherever the signal
+    lands can be lost; a flag cannot."""
     flag = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
     try:
@@ -120,8 +117,8 @@ def ctrl_c_flag() -> Iterator[threading.Event]:
 
 
 def write_samples(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor, args: argparse.Namespace) -> None:
-    """Stream `args.num_samples` continuations of `prompt` to stdout, as UTF-8 text. A continuation ends
-    early where the model ends its document (the end-of-text token), as documents end in training."""
+    """Stream `args.num_samples` continuations of `prompt` to stdout, as UTF-8 text, each ending early where the
+    model ends its document (the end-of-text token)."""
     import torch
 
     generator = torch.Generator(device=prompt.device)

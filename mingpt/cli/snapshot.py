@@ -1,8 +1,6 @@
 """`mingpt-snapshot list|verify URL`: each snapshot's step, time, size and state, and who holds the run.
-URL is a run folder (snapshot.dir) or one of its snapshots.
 
-Exit status: 0 when every snapshot is fine, 1 when one is damaged or none is committed, 2 when
-there is no such folder or it cannot be read.
+Exit status: 0 when every snapshot is fine, 1 when one is damaged or none is committed, 2 when URL cannot be read.
 """
 
 from __future__ import annotations
@@ -58,8 +56,7 @@ def show(url: str, verify: bool) -> int:
 
 
 def _store_of(url: str) -> tuple[SnapshotStore, str | None]:
-    """The store of the run folder `url`, or of the run whose snapshot folder `url` is (and that snapshot's
-    name); MinGPTError where `url` is no folder."""
+    """The store of the run folder `url`, or of the run of snapshot `url` (and its name); MinGPTError for no folder."""
     from mingpt.checkpoint.load import snapshot_store  # torch: imported once the flags are read (a quick --help)
 
     store = snapshot_store(url)

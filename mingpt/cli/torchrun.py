@@ -1,7 +1,4 @@
-"""`mingpt-torchrun ARGS...`: torchrun with the settings elastic jobs need (mingpt.launch).
-
-Before the agent starts, the node and worker counts and the rendezvous endpoint are checked: what
-torchrun would refuse with a traceback, or after a minute with two, is one line and exit 2."""
+"""`mingpt-torchrun ARGS...`: torchrun with the settings elastic jobs need (mingpt.launch); what ADDS lists."""
 
 from __future__ import annotations
 
@@ -33,11 +30,8 @@ mingpt-torchrun: torch's torchrun (the same options, below), plus what an elasti
 
 
 def main(argv: list[str] | None = None, server: forkserver.Server | None = None) -> int:
-    """`mingpt-torchrun`: torchrun with the same arguments, the agents' store sharing off (unless the
-    user set the variable), quick rendezvous settings (merged under the user's `--rdzv-conf`), workers forked
-    from a server that has imported the trainer (mingpt.launch.forkserver), and an agent that keeps the job
-    going while nodes die, leave and join (mingpt.launch.agent). `server`: the copy of this process that workers
-    are forked from (command forks it), or None: each worker starts as a new Python."""
+    """`mingpt-torchrun`: torchrun with the same arguments and what ADDS lists. `server`: the copy of this process
+    that workers are forked from (mingpt.launch.forkserver), or None: each worker starts as a new Python."""
     argv = sys.argv[1:] if argv is None else argv
     if _asks_for_help(argv):
         print(ADDS)
@@ -55,8 +49,7 @@ def main(argv: list[str] | None = None, server: forkserver.Server | None = None)
 
 
 def _script_at(argv: list[str]) -> int:
-    """Where the training script is in mingpt-torchrun's arguments (len(argv) where none is): torchrun's options
-    come before it, the script's own after."""
+    """Where the training script is in `argv` (len(argv) where none is): torchrun's options come before it."""
     for i, arg in enumerate(argv):
         if not arg.startswith("-") and (arg.endswith(".py") or arg == "mingpt-train"):
             return i
@@ -77,11 +70,9 @@ def _asks_for_help(argv: list[str]) -> bool:
 
 
 def command(argv: list[str] | None = None) -> None:
-    """The `mingpt-torchrun` command: main's status. A refusal leaves at once (os._exit, the output flushed): a store
-    client still retrying in a thread (mingpt.launch.checks) would abort the process as the interpreter tears down.
-
-    The workers' server is forked first, from this process as it started (mingpt.launch.forkserver). The workers
-    forked from it leave through this function's first line, as their scripts end: nothing may catch around it."""
+    """The `mingpt-torchrun` command: main's status. A refusal leaves by os._exit: a store client still retrying in a
+    thread (mingpt.launch.checks) would abort the process as the interpreter tears down. The workers' server is forked
+    first; workers forked from it leave through this function's first line, so nothing may catch around it."""
     server = forkserver.Server.fork()
     try:
         status = main(argv, server)

@@ -61,9 +61,8 @@ def train_job(settings: Callable[[], Config]) -> None:
 
 
 def log_as_this_process_should() -> None:
-    """The leader logs the job's progress, the first process of every other node its data preparation and its
-    compile caches (each machine has its own); the rest, and other libraries (botocore's credential notes),
-    report warnings and errors only."""
+    """The leader logs the job's progress, the first process of each other node its own data preparation and compile
+    caches; the rest, and other libraries (botocore's credential notes), warnings and errors only."""
     if leads_this_generation():
         log.setLevel(logging.INFO)
     elif first_on_its_node():
@@ -81,9 +80,8 @@ def exit_now(code: int) -> None:
 
 
 def refuse_multirun(args: list[str]) -> None:
-    """Exit 2 on Hydra's -m/--multirun: its sweep would run the jobs one after another in this process
-    (the first one's process group and snapshot folder in the way of the next) and write ./multirun/.
-    Checked before Hydra starts, so nothing is written."""
+    """Exit 2 on Hydra's -m/--multirun, before Hydra writes ./multirun/: its jobs would run in this one process, the
+    first's process group and snapshot folder in the next's way."""
     for arg in args:
         if arg in ("-m", "--multirun") or arg.replace(" ", "").lower() == "hydra.mode=multirun":
             print(f"error: {arg} (Hydra multirun) is not supported: run one command per setting instead, e.g. "
@@ -93,8 +91,7 @@ def refuse_multirun(args: list[str]) -> None:
 
 def check_config(args: list[str]) -> Config:
     """The Config of the command line `args`; exit 2 with one line, before Hydra starts, for what Hydra would refuse
-    in many (a setting or option that does not exist, a value of the wrong type, a YAML file of the user's that is
-    not YAML) and a value out of range."""
+    in many (an unknown setting, a wrong type, a bad YAML file) and a value out of range."""
     try:
         return app.compose_config(CONF_DIR, args)
     except MinGPTError as e:
