@@ -1,8 +1,5 @@
-"""mingpt: a GPT, its tokenizers and data, and an elastic fault-tolerant DDP trainer.
-
-The names below are imported on first use, so that a command that needs none of them (mingpt-prepare,
-a tokenizing worker) starts without importing torch.
-"""
+"""mingpt: a GPT, its tokenizers and data, and an elastic fault-tolerant DDP trainer. The names below are imported on
+first use, so that a command that needs none of them (mingpt-prepare, a tokenizing worker) starts without torch."""
 
 from importlib import import_module
 

@@ -1,18 +1,13 @@
-"""Holding something among processes that may die, on machines whose clocks disagree: the one claim behind the
-run's lease (mingpt.checkpoint.lease) and the prepared data's claim (mingpt.data.remote), and the one lock of a
-folder among the processes of one machine.
+"""Holding something among processes that may die, on machines whose clocks disagree: the one claim behind the run's
+lease (mingpt.checkpoint.lease) and the prepared data's claim (mingpt.data.remote), and the lock of a folder among the
+processes of one machine.
 
-- A claim is a folder of numbered generations, gen-000000001.json, gen-000000002.json, ...: small JSON records,
-  each created exclusively where every claimant reaches it (O_EXCL on a local disk, a conditional PUT on S3).
-  The newest names the holder. Taking over means creating the next generation, never deleting the holder's:
-  of claimants at once exactly one wins.
-- Its holder keeps it alive by rewriting its own generation at an interval (a `Beat`), and marks it released
-  when done. A newer generation fences it off: `overtaken` tells the holder before it writes anything.
-- A claimant judges a holder on another machine gone only once its claim `stood_still` for the holder's timeout
-  on the claimant's own monotonic clock: no two machines' clocks are ever compared.
-- A holder on this machine (the same host and boot) is gone once none of its processes runs, known by pid and
-  start time, so that a reused pid is never taken for it: `ended_here`.
-- Whom a claimant may take over is each policy's decision (the lease's, the prepared data's), never this module's."""
+A claim is a folder of numbered generations (gen-000000001.json, ...), each created exclusively (O_EXCL, a conditional
+PUT on S3): taking over creates the next one, never deletes the holder's, so of claimants at once exactly one wins. The
+holder rewrites its own at an interval (a `Beat`) and marks it released when done; a newer one fences it off
+(`overtaken`). A holder on another machine is gone only once its claim `stood_still` for its timeout on the claimant's
+own monotonic clock (no two machines' clocks are compared); one on this machine once none of its processes runs, known
+by pid and start time so that a reused pid is never taken for it. Whom to take over is each policy's decision."""
 
 from __future__ import annotations
 
@@ -152,8 +147,7 @@ class Claim:
 
 @dataclass(frozen=True)
 class Files:
-    """What a claim needs of its storage. mingpt.storage has it all; each policy hands it in, since this module
-    imports nothing of storage, its neighbour in the layers."""
+    """What a claim needs of its storage, handed in by each policy (this module imports nothing of mingpt.storage)."""
 
     fs: AbstractFileSystem
     local: bool  # this machine's disk: folders must exist before their files, and links are never followed
@@ -208,10 +202,9 @@ class GenerationalClaim:
 
     def take(self, may_take: Callable[[Claim], bool], fields: dict | None = None, pids: list[int] | None = None,
              newest: Callable[[], Claim | None] | None = None) -> Claim | None:
-        """Claim the generation after the holder's, where `may_take(holder)` allows it (or raises: the policy's
-        refusal); None where another holds it: the policy would not take it over, or other claimants won every
-        race for the next generation. `newest` is who holds it now (default: the newest claim; a policy may know
-        more). The record holds `fields`, this machine and `pids` (default: this process)."""
+        """Claim the generation after the holder's where `may_take(holder)` allows it (or raises the policy's refusal);
+        None where another holds it: refused, or other claimants won every race for the next generation. `newest` is
+        who holds it now (default: the newest claim); the record holds `fields`, this machine and `pids`."""
         newest = newest or self.newest
         if self.files.local:
             self.fs.makedirs(self.folder, exist_ok=True)
@@ -346,9 +339,8 @@ def _read_small(files: Files, path: str) -> bytes | None:
 
 
 class MachineLock:
-    """An exclusive flock on a folder of this machine, with no lock file to leave behind: one process of the
-    machine holds it at a time, and the kernel lets it go when that process ends, however it ends. `doing` says
-    what its holder does there, for the message of a process that waits."""
+    """An exclusive flock on a folder of this machine, with no lock file to leave behind: the kernel lets it go when
+    its holder ends, however it ends. `doing` says what the holder does there, for a waiting process's message."""
 
     def __init__(self, folder: str | os.PathLike, doing: str):
         self.folder, self.doing = Path(folder), doing

@@ -1,7 +1,5 @@
-"""Errors the library raises for bad input.
-
-Each message says what is wrong and what to do about it; the command-line entry points print the message alone, without
-a traceback."""
+"""Errors the library raises for bad input. Each message says what is wrong and what to do about it; the command-line
+entry points print the message alone, without a traceback."""
 
 import contextlib
 import signal
@@ -36,9 +34,8 @@ def one_line(cause) -> str:
 
 
 class PeerLeft(Exception):
-    """This process's generation ended because of another process: one was asked to stop, or died. Not a
-    failure of this one: it exits with `exit_code` (mingpt.jobenv), which mingpt-torchrun's agent
-    answers with a restart that does not use up --max-restarts."""
+    """This process's generation ended because another process was asked to stop, or died: not this one's failure. It
+    exits with `exit_code` (mingpt.jobenv), which mingpt-torchrun's agent restarts without using up --max-restarts."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)

@@ -1,14 +1,5 @@
-"""The layout of a run folder (`snapshot.dir`): the one place that knows where each thing lives.
-
-    <dir>/step-000001200/   a snapshot (mingpt.checkpoint.store); a folder per step
-    <dir>/owner/            the run's lease: which job may write here (mingpt.checkpoint.lease)
-    <dir>/compile-cache/    torch.compile's caches, for workers on any machine (mingpt.checkpoint.compiled)
-    <dir>/metrics.jsonl     one JSON record per progress line (mingpt.metrics)
-    <dir>/wandb_run.json    the W&B run this run logs to, so restarts continue it
-    <dir>/tensorboard/      TensorBoard event files; a run on an object store keeps them on this
-                            machine instead, in ./tensorboard/<bucket>/<prefix>
-
-The folder is a local path or any fsspec URL (s3://bucket/prefix)."""
+"""The layout of a run folder (`snapshot.dir`, a local path or any fsspec URL): the one place that knows where each
+thing lives (docs/ARCHITECTURE.md lists them). A run on an object store keeps TensorBoard's files on this machine."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Storage shared by corpora and snapshots: opening a path, file: URL or fsspec URL, and explaining failures;
-and on this machine's own disk, folders and files of this user's alone (`private_folder`, `open_own_file`),
-for what is kept in folders that other users share (/dev/shm, /tmp, a cache).
-
-Every message built here is safe to log: URLs lose any credentials they carry, and storage options (which may hold keys)
-are never part of a message."""
+"""Storage shared by corpora and snapshots: opening a path, file: URL or fsspec URL, and explaining failures; and, on
+this machine's disk, folders and files of this user's alone, for what is kept where other users share (/dev/shm, /tmp,
+a cache). Every message built here is safe to log: URLs lose their credentials, and storage options (which may hold
+keys) are never part of a message."""
 
 from __future__ import annotations
 
@@ -26,16 +24,13 @@ from fsspec.spec import AbstractFileSystem
 from mingpt.errors import MinGPTError
 
 
-# scheme://user:password@host or scheme://user@host, anywhere in a text. A password may hold "/" (AWS
-# secrets do) and "@": it runs to the last "@" before a space (more is hidden where a path holds an "@" too,
-# never less); a user name holds neither "/" nor ":".
+# scheme://user:password@host or scheme://user@host, anywhere in a text. A password may hold "/" (AWS secrets do) and
+# "@": it runs to the last "@" before a space (hiding more, never less); a user name holds neither "/" nor ":".
 _USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)(?:[^\s/@:]*:\S*|[^\s/@:]*)@")
-# Query parameters that carry a secret: presigned URLs (X-Amz-Signature, X-Amz-Credential,
-# X-Amz-Security-Token), Azure SAS (sig), token=, access_token=, api_key=, password= ...
+# Query parameters that carry a secret: X-Amz-Signature/Credential/Security-Token, Azure SAS's sig, token=, api_key=...
 _SECRET_PARAMETER = re.compile(r"([?&;][^=&#\s]*(?:sig|token|credential|secret|password|key|auth)[^=&#\s]*=)[^&#\s]*",
                                re.IGNORECASE)
-# Object stores take credentials from the environment or storage_options; in their URLs a user and
-# password would become part of the bucket name, and so of every message about it.
+# Object stores: a user and password in their URL would become part of the bucket name, and so of every message.
 OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
 LOCAL_SCHEMES = ("file", "local")
 
@@ -50,8 +45,7 @@ def parse_json(data: str | bytes) -> Any:
 
 
 def redact(text: object) -> str:
-    """`text` (a URL, or a message that may contain URLs) without the credentials URLs can carry:
-    user and password become ***, as do the values of query parameters such as X-Amz-Signature."""
+    """`text` without the credentials its URLs carry: user, password and secret query values become ***."""
     text = _USERINFO.sub(r"\1***@", str(text))
     return _SECRET_PARAMETER.sub(r"\1***", text)
 
@@ -123,9 +117,8 @@ class RedactingFilter(logging.Filter):
 
 
 def local_path(url: str) -> str:
-    """The local path a file: URL names, as RFC 8089 reads it: file:///abs, file://localhost/abs or
-    file:/abs, percent-decoded. MinGPTError for any other form (another host, a user or password,
-    a relative path, a query), rather than a guess at what was meant."""
+    """The local path a file: URL names, as RFC 8089 reads it (file:///abs, file://localhost/abs, file:/abs), decoded;
+    MinGPTError for any other form (another host, credentials, a relative path, a query), never a guess."""
     try:
         parts = urlsplit(url)
     except ValueError:  # a malformed host, such as "[x"
@@ -214,9 +207,8 @@ def check_regular_file(fs: AbstractFileSystem, path: str) -> None:
 
 
 def open_exclusive(fs: AbstractFileSystem, path: str):
-    """A new binary file to stream into; FileExistsError when `path` exists (at open on local disk, at
-    the final PUT on object stores), so two writers never mix their bytes in one file. On local disk
-    its bytes are on the disk once it is closed."""
+    """A new binary file to stream into; FileExistsError where `path` exists (at open locally, at the final PUT on
+    object stores), so two writers never mix their bytes. Locally, its bytes are on the disk once it is closed."""
     return _DurableLocalFile(path, "x") if is_local(fs) else fs.open(path, "xb")
 
 
@@ -231,9 +223,8 @@ def sync_folder(fs: AbstractFileSystem, path: str) -> None:
 
 
 def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write a small file whole, only if nothing exists at `path` yet (FileExistsError otherwise). Local disk: the bytes
-    go to a temporary name and are fsynced, then hard-linked to `path` (link fails when `path` exists), so `path` never
-    exists with partial content. Object stores: one PUT with `If-None-Match: *`."""
+    """Write a small file whole where nothing is at `path` (else FileExistsError): locally, fsynced under a temporary
+    name and hard-linked to `path`, so it never holds partial content; on object stores, one `If-None-Match: *` PUT."""
     if not is_local(fs):
         fs.pipe_file(path, data, mode="create")
         return
@@ -264,9 +255,8 @@ def _durable_temporary(path: str, data: bytes) -> str:
 
 
 def private_folder(path: Path | str, others: int = 0o077) -> bool:
-    """Whether `path` is a folder (not a link) of this user's that grants others none of `others`: by default
-    nothing (a memory tier, which others must not read); 0o022, no writing (a cache of files checked anyway).
-    /dev/shm and /tmp are shared with other users: what is found there is checked before it is used."""
+    """Whether `path` is a folder (not a link) of this user's granting others none of `others`: by default nothing (a
+    memory tier); 0o022, no writing (a cache of checked files). What is found in shared /dev/shm or /tmp is checked."""
     try:
         found = os.lstat(path)
     except OSError:
@@ -275,9 +265,8 @@ def private_folder(path: Path | str, others: int = 0o077) -> bool:
 
 
 def others_may_replace_in(folder: Path | str) -> str | None:
-    """Why another user could rename, remove or replace what this user makes in `folder` (None: none but root can):
-    the folder, or one above it, is another user's, or others may write in it and it lacks the sticky bit that /tmp
-    and /dev/shm have."""
+    """Why another user could rename, remove or replace what this user makes in `folder` (None: only root can): it, or
+    a folder above, is another user's, or others may write in it and it lacks the sticky bit of /tmp and /dev/shm."""
     path = Path(os.path.realpath(folder))
     for place in (path, *path.parents):
         try:

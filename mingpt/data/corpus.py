@@ -1,22 +1,8 @@
-"""Corpus sources: what the user names, the files that makes, and how each is opened (mingpt.data.pieces reads them).
-
-`data.corpus` is one of these, or a list of them:
-    a file           corpus.txt, s3://bucket/corpus.txt.gz
-    a folder         every file under it, in sorted path order (names starting with "." skipped), following
-                     symbolic links to files and folders (a Hugging Face cache's layout)
-    a quoted glob    'corpus/*.jsonl', s3://bucket/shards/part-*.txt, 'hf://datasets/ORG/NAME/data/*.parquet'
-    python-docs      the built-in corpus: the Python language reference that every CPython install carries as
-                     text (`pydoc_data.topics`), so the default job needs no network and no downloads
-
-Files ending in .gz, .bz2, .xz or .zst are decompressed as they are read. A text file is one document; a .jsonl file
-holds one document per line and a .parquet file one per row, in the field (column) `data.text_field`. Listing the
-sources reads no content: their sizes and versions (mtime, or the ETag or blob id on object stores and the Hub) tell
-prepared data whether it is still current. An hf:// URL is read through huggingface_hub (HF_TOKEN for private data);
-with HF_HUB_OFFLINE=1, from its local cache.
-
-Records (JSONL lines, Parquet rows) are numbered across the whole corpus, so the same documents get the same numbers,
-and so the same split, in whichever container and shards they are stored.
-"""
+"""Corpus sources: what the user names (files, folders, quoted globs, python-docs: docs/data.md), the files that
+makes, and how each is opened (mingpt.data.pieces reads them). A folder's files come in sorted path order, hidden names
+skipped, following symbolic links (a Hugging Face cache's layout). Listing reads no content: sizes and versions (mtime,
+ETag, the Hub's blob id) tell prepared data whether it is still current. Records (JSONL lines, Parquet rows) are
+numbered across the whole corpus, so the same documents get the same split in whichever files they are stored."""
 
 from __future__ import annotations
 
@@ -145,9 +131,8 @@ def _confined(path: str) -> None:
 
 
 def _local_tree(fs, folder: str, above: dict | None = None) -> dict[str, dict]:
-    """The files under the local `folder` and their info, following symbolic links to files and to folders (a Hugging
-    Face cache links each file to its blob); hidden names are left out. `above` holds the folders this one lies in: a
-    link back to one of them would be a loop."""
+    """The files under the local `folder` and their info, following links to files and folders (a Hugging Face cache
+    links each file to its blob), hidden names left out. `above`: the folders it lies in (a link back is a loop)."""
     stat = os.stat(folder)
     key = (stat.st_dev, stat.st_ino)
     if key in (above or {}):
@@ -167,9 +152,8 @@ def _local_tree(fs, folder: str, above: dict | None = None) -> dict[str, dict]:
 
 
 def _followed(fs, path: str, info: dict) -> dict:
-    """The info of what the local symbolic link `path` points to (its own where it is not a link). A Hugging Face
-    cache's file is versioned by its blob's name, its content's hash: the same on every machine that downloaded it,
-    whenever (an mtime is not). Any other link, by its target's mtime."""
+    """The info of what the local link `path` points to (its own where not a link). A Hugging Face cache's file is
+    versioned by its blob's name, its content's hash, the same on every machine (an mtime is not); others by mtime."""
     if not info.get("islink"):
         return info
     try:

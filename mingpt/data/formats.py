@@ -1,10 +1,7 @@
 """How stored corpus files become documents, beyond plain and compressed text: zstd streams, Parquet row groups, and
-Hugging Face Hub URLs read from the local cache when HF_HUB_OFFLINE is set.
-
-The readers are the field's libraries (zstandard, pyarrow, huggingface_hub); what is here is only what they leave to
-the caller: a truncated zstd file raises instead of ending early, a Parquet file is read a batch of rows at a time
-(memory stays bounded whatever its row groups' size), and every failure names the file.
-"""
+Hugging Face Hub URLs (from the local cache under HF_HUB_OFFLINE). The readers are the field's libraries; here is what
+they leave to the caller: a truncated zstd file raises instead of ending early, Parquet is read a batch of rows at a
+time (bounded memory whatever its row groups' size), and every failure names the file."""
 
 from __future__ import annotations
 
@@ -24,10 +21,9 @@ ZSTD_SKIPPABLE = range(0x184D2A50, 0x184D2A60)  # frames of metadata, not conten
 
 
 class ZstdReader(io.RawIOBase):
-    """The decompressed content of a zstd stream of one or more frames, one block (at most 128 KiB) at a time. The
-    stream is cut into its frames' blocks by their headers (RFC 8878), and the decompressor is given one block at a
-    time: a highly compressed file (a GB of zeros in a few KB) never decompresses all at once. EOFError where the stream
-    ends inside a frame: zstandard's own readers end there in silence, dropping a truncated file's tail."""
+    """The decompressed content of a zstd stream, a block (at most 128 KiB) at a time, cut by the blocks' headers (RFC
+    8878): a highly compressed file (a GB of zeros in a few KB) never decompresses all at once. EOFError where the
+    stream ends inside a frame: zstandard's own readers end there in silence, dropping a truncated file's tail."""
 
     def __init__(self, raw: BinaryIO):
         import zstandard
@@ -91,9 +87,8 @@ class ZstdReader(io.RawIOBase):
 
 def parquet_batches(f: BinaryIO, name: str, text_field: str, piece_bytes: int,
                     chosen: Callable[[int], bool] | None = None) -> Iterator[tuple[int, bytes, bytes]]:
-    """The text column of the Parquet file `f`, in batches of about `piece_bytes` of text: (the row of the batch's
-    first document, the documents' UTF-8 bytes one after another, their ends as int64 bytes). With `chosen`, only the
-    row groups g where chosen(g)."""
+    """The text column of Parquet file `f` in batches of about `piece_bytes`: (the batch's first row, its documents'
+    UTF-8 bytes one after another, their ends as int64 bytes); with `chosen`, only the row groups g where chosen(g)."""
     import pyarrow.parquet as pq
 
     try:  # a read buffer: a column chunk is read a buffer at a time, not whole
@@ -220,9 +215,8 @@ def in_hub_cache(path: str) -> bool:
 
 
 def hub_blob_name(path: str) -> str | None:
-    """The hash that names the content of `path`, where it is a file of a Hugging Face cache's snapshot that links to
-    a blob of its repository; else None. A folder of the user's own that happens to be named blobs names nothing by
-    its content: its files can be edited in place."""
+    """The hash naming the content of `path`, a file of a Hugging Face cache's snapshot linking to its repository's
+    blob; else None (a user's own folder named blobs names nothing by content: its files can be edited in place)."""
     found = HUB_SNAPSHOT.match(path)
     if found is None:
         return None
@@ -256,8 +250,7 @@ def _check_owner(found: os.stat_result, path: str) -> None:
 
 
 def open_hub_file(path: str) -> BinaryIO:
-    """`path`, a Hugging Face cache's file, opened once `check_hub_file` allows it, never through a link put there
-    since."""
+    """`path`, a Hugging Face cache's file, opened once `check_hub_file` allows it, never through a link put since."""
     real = check_hub_file(path)
     try:
         fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

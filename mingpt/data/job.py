@@ -1,9 +1,6 @@
-"""One preparation of a corpus: its tokenizer, then its token files, built in a scratch folder and published.
-
-Worker processes (mingpt.data.pool, mingpt.data.tasks) tokenize the corpus in pieces (mingpt.data.pieces); the tokens
-are appended to the files in corpus order as they come back, so memory stays bounded whatever the corpus size. After
-every piece, how far it got is saved (mingpt.data.resume): a stopped preparation goes on from there.
-"""
+"""One preparation of a corpus: its tokenizer, then its token files, built in a scratch folder and published. Workers
+tokenize the corpus in pieces, appended in corpus order as they come back, so memory stays bounded whatever the corpus
+size; after every piece, how far it got is saved (mingpt.data.resume), and a stopped preparation goes on from there."""
 
 from __future__ import annotations
 
@@ -178,9 +175,8 @@ class Job:
 
     def pieces(self, digests: dict[int, str] | None = None, done: Tokenized | None = None,
                read_so_far: collections.deque | None = None) -> Iterator[Piece]:
-        """The corpus in pieces after those `done` has (read for `digests` only, and CorpusChanged where they read
-        otherwise than they did), lean where workers can read the bytes of a local uncompressed file themselves (cheaper
-        than a pipe). `read_so_far` receives, for each piece sent, the digest of the corpus up to its end."""
+        """The corpus in pieces after those `done` has (read for `digests` only; CorpusChanged where they read otherwise
+        now), lean where workers read a local plain file themselves. `read_so_far` gets each one's corpus digest."""
         digests = {} if digests is None else digests
         skip = done.pieces if done else 0
         finished, current, number = hashlib.sha256(), None, -1  # the digests of the sources read through

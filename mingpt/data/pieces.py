@@ -1,12 +1,8 @@
-"""The corpus read in pieces: whole (`read_pieces`), or a sample drawn across it (`sample_pieces`); and the documents of
-a piece (`documents`).
-
-Documents are read in pieces of about `piece_bytes` (of a Parquet file: a batch of rows). A text document larger than
-that is cut where a line break stands between two characters that are not whitespace ("x\\nY"): tokenizers split words
-there anyway, so the pieces encode to the same tokens as the whole document. A line with no such place within 4 pieces
-is cut at any line break, or else anywhere (a minified megabyte-long line); only there can tokens differ from encoding
-the document whole.
-"""
+"""The corpus read in pieces of about `piece_bytes` (of Parquet, a batch of rows), whole (`read_pieces`) or a sample
+drawn across it (`sample_pieces`); and the documents of a piece (`documents`). A text document is cut where a line break
+stands between two non-whitespace characters ("x\\nY"): tokenizers split words there anyway, so the pieces encode as the
+whole would. A line with no such place within 4 pieces is cut at any line break, else anywhere (a minified megabyte-long
+line): only there can tokens differ."""
 
 from __future__ import annotations
 
@@ -98,10 +94,9 @@ def _pieces(index: int, source: Source, text_field: str, chosen: Callable[[int],
 
 
 def sample_pieces(sources: Sequence[Source], text_field: str, chosen: Callable[[int, int], bool]) -> Iterator[Piece]:
-    """The pieces numbered n of source s where `chosen(s, n)`, each about PIECE_BYTES of whole lines (of a Parquet file,
-    the row groups n). An uncompressed file is read only where a piece is chosen (a seek, or a ranged GET on an object
-    store), so sampling a large corpus reads about the sample, not the corpus; Parquet reads only the chosen row groups'
-    text column. A compressed file cannot seek: it is read through, and its cut pieces are chosen the same way."""
+    """The pieces n of source s where `chosen(s, n)`, each about PIECE_BYTES of whole lines (of Parquet, row group n).
+    An uncompressed file is read only where a piece is chosen (a seek, a ranged GET): a sample reads about the sample;
+    Parquet, the chosen row groups' text column. A compressed file cannot seek: it is read through, chosen alike."""
     piece_bytes = PIECE_BYTES
     for index, source in enumerate(sources):
         if source.format == "parquet":

@@ -1,11 +1,7 @@
-"""Worker processes that map a function over corpus pieces: results in order, few pieces in flight (memory stays bounded
-however fast the corpus is read), and the workers ended at once when the work stops.
-
-Workers are forked: they start at once and share this process's memory. They open only corpus files and their own part
-files, and take no lock that a thread of this process (a lease renewer) could hold. A worker that dies (killed for
-memory, say) fails the work at once. Workers end with this process however it ends: it kills and reaps them when it
-stops (an error, Ctrl-C, SIGTERM), the kernel when it is killed.
-"""
+"""Worker processes that map a function over corpus pieces: results in order, few pieces in flight (bounded memory
+however fast the corpus is read), workers ended at once when the work stops. Workers are forked (they start at once and
+share this memory): they open only corpus files and their own part files, and take no lock that a thread here (a lease
+renewer) could hold. A worker that dies fails the work at once; workers end with this process however it ends."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from typing import Any, Callable, Iterable, Iterator
 
 from mingpt.errors import DataError, check_stopped, deferred_stops
 from mingpt.processes import signal_when_parent_dies
-
 
 
 class WorkerTraceback(Exception):

@@ -1,16 +1,8 @@
-"""Prepare data: tokenize a corpus once into a prepared folder (its format: mingpt.data.prepared).
-
-    mingpt-prepare --corpus 'corpus/*.jsonl.gz' --tokenizer bpe --vocab-size 32768 --out data/web
-    mingpt-prepare --verify --out data/web      # re-read the corpus: is it still what was prepared?
-
-This module decides what to do: reuse a prepared folder that is current, go on from what a stopped
-preparation left, prepare anew (mingpt.data.job, one process of this machine at a time), or, for a
-prepared_dir URL, copy the published folder or prepare and publish it (mingpt.data.remote).
-
-Whether a folder is current is decided from the listing of the sources (paths, sizes, mtimes or
-ETags) and the settings, so a start or restart never reads the corpus. A new folder is built under a
-temporary name and renamed into place (mingpt.data.scratch), so a reader never sees a half-written one.
-"""
+"""Prepare data: tokenize a corpus once into a prepared folder (mingpt.data.prepared; usage: docs/data.md). This module
+decides what to do: reuse a current folder, go on from what a stopped preparation left, prepare anew (mingpt.data.job,
+one process of this machine at a time), or, for a prepared_dir URL, copy it or prepare and publish it
+(mingpt.data.remote). Whether a folder is current is decided from the sources' listing and the settings, so a start
+never reads the corpus; a new folder is renamed into place (mingpt.data.scratch), never seen half-written."""
 
 from __future__ import annotations
 
@@ -141,8 +133,7 @@ def _make_folder(folder: Path, config: PrepareConfig) -> None:
 
 
 def out_dir(config: PrepareConfig) -> Path:
-    """The local prepared folder: `config.prepared_dir`, the local copy of a prepared_dir URL, or the
-    folder named after the corpus and tokenizer."""
+    """The local prepared folder: `prepared_dir`, the local copy of a prepared_dir URL, or one named after the data."""
     location = str(config.prepared_dir) if config.prepared_dir else None
     if is_remote(location):
         return Path(config.local_copy) if config.local_copy else default_copy_dir(location)

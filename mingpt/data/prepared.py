@@ -1,14 +1,8 @@
-"""Prepared data, and reading it: examples by memory map (mingpt.data.prepare writes it).
-
-A prepared folder holds
-    train.bin, val.bin   the token ids, raw little-endian uint16 (uint32 when the vocabulary needs it)
-    tokenizer.json       the tokenizer (see mingpt.tokenizers)
-    meta.json            what was prepared from what: the sources as listed, settings, counts, dtype, the sha256 of
-                         each file above and the fingerprint of them all
-
-An example is a window of `block_size` input tokens `x` and the same window shifted by one, `y`. Windows are addressed
-by their token offset, so that the trainer's sampler decides which windows a step reads, from seed and position alone.
-"""
+"""Prepared data, and reading it: examples by memory map (mingpt.data.prepare writes it). A folder holds train.bin
+and val.bin (raw little-endian uint16, or uint32, token ids), tokenizer.json, and meta.json (the sources as listed,
+settings, counts, dtype, each file's sha256 and their fingerprint). An example is a window of `block_size` input tokens
+`x` and the same window shifted by one, `y`, addressed by its token offset: the sampler picks a step's windows from seed
+and position alone."""
 
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
 """Prepared data in an object store (data.prepared_dir=s3://...): prepared once, by the node that claims it first, and
-copied by every other node into a local folder that it memory-maps.
-
-    s3://bucket/data/web-bpe/
-        claim/gen-000000001.json            who prepares (or prepared) it, and a beat it advances
-        tokenizer.json, train.bin, val.bin  as in a local prepared folder (mingpt.data.prepared)
-        meta.json                           written last: the folder is published once it is there
-
-The claim is mingpt.claim's generational claim, which the run's lease shares: a node claims the folder by creating the
-next generation exclusively (If-None-Match: *), so two nodes do not prepare at once, and marks it released when done; a
-node that finds a claim waits for the meta.json. It may take the claim from a holder that released it; at once from one
-of this machine whose process has ended (by pid and start time: a reused pid does not count); or from one whose beat
-stood still for CLAIM_TIMEOUT_S on the waiter's own clock (two machines' clocks are never compared), a dead node. Taking
-over creates the next generation too, so of waiters that found the same dead holder, one prepares.
-
-A copy reads each file with parallel ranged reads into a scratch folder beside the local copy, checks each sha256
-against meta.json, and only then renames the folder into place, so a damaged upload, or one replaced halfway through the
-copy, is never used.
-"""
+copied by every other node into a local folder that it memory-maps (the layout: docs/data.md). The claim is
+mingpt.claim's: of nodes claiming at once one prepares, and the others wait for meta.json, written last. A waiter takes
+the claim over from a holder that released it, one of this machine whose process ended, or one whose beat stood still
+for CLAIM_TIMEOUT_S on the waiter's own clock (a dead node). A copy checks each file's sha256 against meta.json in a
+scratch folder before renaming it into place, so a damaged upload, or one replaced during the copy, is never used."""
 
 from __future__ import annotations
 
@@ -56,9 +43,8 @@ class RemoteFolder:
         return f"{self.path.rstrip('/')}/{name}"
 
     def meta(self) -> dict | None:
-        """The published description; None where nothing (complete) is published yet, or what is published
-        is of an older format version (prepared again and replaced, as a stale local folder is). DataError
-        for a damaged description, or one of a newer version, which are not this version's to replace."""
+        """The published description; None where none (complete) is, or it is of an older version (prepared again, as
+        a stale local folder is). DataError for a damaged one, or a newer version's: not this version's to replace."""
         try:
             text = read_head(self.fs, self._join(META_FILE), MAX_META_BYTES).decode("utf-8", "replace")
         except FileNotFoundError:
@@ -152,8 +138,7 @@ class RemoteFolder:
     # -- copies ----------------------------------------------------------------------------------
 
     def upload(self, folder: Path, meta: dict) -> None:
-        """Publish the prepared `folder`: its description is removed first and written last, so that no
-        reader takes the new files for the old ones or the other way round."""
+        """Publish `folder`, its description removed first and written last: no reader mixes new files with old."""
         started = time.perf_counter()
         try:
             self.fs.rm_file(self._join(META_FILE))

@@ -34,10 +34,9 @@ def take_leftover(out: Path, meta: dict) -> tuple[Path, "Tokenized"] | None:
 
 @dataclass
 class Tokenized:
-    """How far tokenizing got (saved as PROGRESS_FILE in the scratch folder after every piece): the pieces done, the
-    bytes of each token file that hold their tokens, and what `meta` they were prepared for. A resume trusts none of it
-    unchecked: the file is sealed by a hash of its fields, the token files' kept bytes must hash as recorded, and the
-    corpus's pieces done must read as they did (`Job.pieces`)."""
+    """How far tokenizing got (PROGRESS_FILE, saved after every piece): the pieces done, the bytes of each token file
+    that hold their tokens, and the `meta` they are for. A resume trusts none of it unchecked: the file is sealed by a
+    hash of its fields, the kept token bytes must hash as recorded, and the pieces done must read as they did."""
 
     meta: dict
     pieces: int = 0

@@ -1,17 +1,9 @@
-"""Data order as a pure function of (seed, global position), sliced over whatever ranks exist now.
-
-The trainer keeps one cursor, the number of examples consumed so far. A step of a run with global batch `G` reads the
-examples at positions `[cursor, cursor + G)` of an endless stream. Each process takes a contiguous slice of that batch,
-so the same examples are read, in the same optimizer steps, at any world size.
-
-An example is a window of `block_size + 1` tokens of the training split, named by the token offset where it starts. Two
-orders map positions to offsets (`data.windows`):
-
-    RandomWindows   position p starts at a hash of (seed, p), anywhere in the split: every offset may begin a window,
-                    so a small corpus is not cut into a few thousand fixed blocks that the model sees again and again
-    StridedWindows  the split cut into blocks `stride` apart, one fresh permutation of them per epoch (GlobalOrder):
-                    each epoch reads every block exactly once
-"""
+"""Data order as a pure function of (seed, global position), sliced over whatever ranks exist now. The trainer keeps
+one cursor, the examples consumed so far: a step of global batch `G` reads positions `[cursor, cursor + G)` of an
+endless stream, each process a contiguous slice, so the same examples are read in the same steps at any world size. An
+example is a window of `block_size + 1` tokens, named by its start offset. `data.windows` picks RandomWindows (any
+offset may begin one, so a small corpus is not cut into a few fixed blocks seen again and again) or StridedWindows
+(blocks `stride` apart, one permutation per epoch: each epoch reads every block once)."""
 
 from __future__ import annotations
 
@@ -85,10 +77,9 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 class RandomWindows:
-    """Position p starts at output p of a SplitMix64 stream seeded by (seed), reduced to a valid offset. Offsets are
-    uniform over [0, num_tokens - block_size - 1], every start from which a window of block_size + 1 tokens fits (the
-    modulo's bias is below num_tokens / 2**64). Positions are drawn with replacement: a window may come twice before
-    another comes once, which, with one possible window per token, matters less than seeing only fixed blocks."""
+    """Position p starts at output p of a SplitMix64 stream seeded by `seed`, reduced modulo the starts where a window
+    fits (bias below num_tokens / 2**64). Drawn with replacement: a window may come twice before another comes once,
+    which, with one possible window per token, matters less than seeing only fixed blocks."""
 
     def __init__(self, num_tokens: int, block_size: int, seed: int):
         self.num_starts = num_tokens - block_size  # offsets 0 .. num_tokens - block_size - 1

@@ -1,10 +1,7 @@
-"""Where prepared data is written before it is a prepared folder, and how it becomes one.
-
-A preparation (or a copy) writes into a scratch folder beside the prepared folder, named by this machine and process
-(`scratch`), so that a later start on this machine finds the scratch folders a stopped one left (`leftovers`). A
-finished scratch folder is renamed into place (`publish`), so that a reader never sees a half-written folder; it
-replaces only prepared data or an empty folder, never anything else (`check_replaceable`).
-"""
+"""Where prepared data is written before it is a prepared folder, and how it becomes one. A preparation (or copy)
+writes into a scratch folder beside it named by this machine and process, so that a later start here finds what a
+stopped one left (`leftovers`). A finished one is renamed into place (`publish`): a reader never sees a half-written
+folder. It replaces only prepared data or an empty folder, never anything else (`check_replaceable`)."""
 
 from __future__ import annotations
 
@@ -56,9 +53,8 @@ def _remove(path: Path) -> None:
 
 
 def matches(directory: Path, wanted: dict) -> bool:
-    """Whether `directory` holds prepared data whose meta.json says what `wanted` says; DamagedData where its
-    meta.json is one of ours that contradicts itself (tampered with, or a disk's fault: rebuilding it in silence
-    would hide that, and cost the whole preparation)."""
+    """Whether `directory` holds prepared data whose meta.json says what `wanted` says; DamagedData where it is ours
+    but contradicts itself (tampering, a disk fault: rebuilding in silence would hide that, and cost a preparation)."""
     try:
         meta = read_meta(directory)
     except DamagedData:

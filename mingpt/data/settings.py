@@ -15,19 +15,16 @@ MIN_BPE_SAMPLE = 1_000_000  # bytes: bpe learns nothing worth its merges from le
 class PrepareConfig:
     """What to prepare and how: the settings that `mingpt-prepare` and the trainer's `data` group share."""
 
-    # A file, a folder, a quoted glob, or a list of these: local paths, fsspec URLs (s3://...), hf://datasets/... (the
-    # Hub), or the built-in python-docs; .gz/.bz2/.xz/.zst decompressed, .jsonl one document a line, .parquet one a row.
+    # Files, folders, quoted globs (local, fsspec URLs, hf://datasets/...) or python-docs, alone or a list: docs/data.md
     corpus: Any = BUILTIN_CORPUS
     text_field: str = "text"  # the field of each JSONL record, or the Parquet column, that holds the text
-    # char, bpe, a tiktoken encoding name (gpt2, cl100k_base, ...), or a folder with a slash in its name
-    # (./gpt2) holding a Hugging Face tokenizer or a mingpt snapshot's.
+    # char, bpe, a tiktoken name (gpt2, ...), or a folder with a slash in its name (./gpt2): Hugging Face's or mingpt's
     tokenizer: str = "char"
     vocab_size: Optional[int] = None  # for bpe
     bpe_sample_bytes: int = 100_000_000  # bpe is trained on a sample of this many bytes, drawn across the corpus
     num_workers: int = 0  # processes that tokenize; 0: one per CPU core
     val_fraction: float = 0.1
-    # default: data/<corpus>-<tokenizer>[-<vocab_size>]. An object-store URL (s3://...) is prepared by the
-    # first node to claim it and copied by every other node into `local_copy` (see mingpt.data.remote).
+    # default: data/<corpus>-<tokenizer>[-<vocab_size>]; an s3:// URL is prepared once, copied (mingpt.data.remote)
     prepared_dir: Optional[str] = None
     local_copy: Optional[str] = None  # where a prepared_dir URL is copied to; default data/copies/<name>-<hash>
 

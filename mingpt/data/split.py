@@ -1,9 +1,7 @@
-"""The validation split: which documents, or which tokens, of a corpus are held out for evaluation.
-
-One text document (a single file, or the built-in corpus): its last `val_fraction` of tokens. Several documents: whole
-documents; of text files, the last `val_fraction` of them in a seeded order (at least one); of records (JSONL lines,
-Parquet rows), each whose number across the corpus has a seeded hash below `val_fraction`.
-"""
+"""The validation split: which documents, or which tokens, of a corpus are held out for evaluation. One text document
+(a single file, or the built-in corpus): its last `val_fraction` of tokens. Several: whole documents; of text files, the
+last `val_fraction` of them in a seeded order (at least one); of records (JSONL lines, Parquet rows), each whose number
+across the corpus has a seeded hash below `val_fraction`."""
 
 from __future__ import annotations
 

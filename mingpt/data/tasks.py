@@ -47,9 +47,8 @@ def texts(piece: Piece) -> list[str]:
 
 
 def encode(piece: Piece) -> tuple[dict[str, tuple[Path, int]], bool]:
-    """Write the tokens of `piece` by split, each document (a record, the end of a text file) ended
-    by end-of-text, to part files (cheaper than sending them back through a pipe); return each split's
-    part file and token count, and whether the piece held any text that is not whitespace."""
+    """Write the tokens of `piece` by split to part files (cheaper than a pipe), each document ended by end-of-text;
+    return each split's part file and token count, and whether the piece held any text that is not whitespace."""
     tok: Tokenizer = _worker["tok"]
     eot = [] if tok.eot_id is None else [tok.eot_id]
     records = _worker["formats"][piece.source] != "text"

@@ -1,6 +1,5 @@
-"""What a tokenizer learns from the corpus: char's vocabulary is the corpus's set of characters (one pass over it, in
-the workers); bpe learns its merges from a sample of about `bpe_sample_bytes`, drawn across the corpus. A named tiktoken
-encoding learns nothing."""
+"""What a tokenizer learns from the corpus: char, its set of characters (one pass, in the workers); bpe, its merges from
+a sample of about `bpe_sample_bytes` drawn across it; a named tiktoken encoding, nothing."""
 
 from __future__ import annotations
 
