@@ -1,7 +1,6 @@
-"""The per-step agreement of a generation under torchrun: every process takes part, and after its gradients, one
-all-reduce of four numbers that every process acts on alike: the loss, how many processes were asked to stop, and
-what only the leader knows (snapshots keep failing; the run was taken over). The live mode's counterpart is
-mingpt.training.live."""
+"""The per-step agreement of a generation under torchrun: after the gradients, one all-reduce of four numbers that
+every process acts on alike: the loss, the stop requests, and what only the leader knows (snapshots keep failing;
+the run was taken over). The live mode's counterpart is mingpt.training.live."""
 
 from __future__ import annotations
 

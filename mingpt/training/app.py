@@ -1,5 +1,5 @@
-"""The Hydra application's configuration, for whoever composes it: `train/main.py`, `mingpt-torchrun` (which prepares
-the data before its node joins) and the tests. The YAML files live in `train/conf/`."""
+"""The Hydra application's configuration, for whoever composes it: `train/main.py`, `mingpt-torchrun` (to prepare data
+before joining) and the tests."""
 
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ FIXED_HYDRA = {"hydra.job.chdir", "hydra.run.dir", "hydra.output_subdir", "hydra
 
 
 def check_overrides(conf_dir: Path, args: list[str]) -> None:
-    """ConfigError, in one line with the closest match, for a setting or group option that does not exist, or a
-    setting deleted (`~key`): Hydra's own errors advise `+key`. The rest is left to Hydra."""
+    """ConfigError, in one line with the closest match, for an unknown setting or group option, or a deleted one
+    (`~key`), where Hydra's own errors would advise `+key`. The rest is left to Hydra."""
     command = read_command(conf_dir, args)
     options = group_options(command)
     parser = OverridesParser.create()

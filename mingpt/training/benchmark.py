@@ -1,8 +1,6 @@
 """HellaSwag during training (`trainer.hellaswag_every`): the examples, read and tokenized once per start, scored
-by every process together.
-
-The examples are cut into fixed batches by their place in the file, so any world size gives the same accuracy on
-the same weights; each process scores a share of the batches, and the counts are summed.
+by every process together, in fixed batches by their place in the file, so that any world size gives the same
+accuracy on the same weights.
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ class HellaSwag:
 
 
 def read_hellaswag(t: TrainerConfig, job: JobEnv) -> list[Example] | None:
-    """Read before the data work: a file that is not HellaSwag's stops the job at once. None, with one warning, where
-    the file cannot be had: the job goes on without the metric. Under mingpt-torchrun the agent has fetched a URL
-    already (preparation.fetch_hellaswag), and nothing is fetched again."""
+    """Read before the data work, so a file that is not HellaSwag's stops the job at once; None, with one warning,
+    where it cannot be had (under mingpt-torchrun the agent fetched it already: preparation.fetch_hellaswag)."""
     if not t.hellaswag_every:
         return None
     agent_found = job.hellaswag_fetched
@@ -72,8 +69,7 @@ def read_hellaswag(t: TrainerConfig, job: JobEnv) -> list[Example] | None:
 
 def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: Tokenizer, block_size: int,
                    job: JobEnv) -> HellaSwag | None:
-    """`examples` (read_hellaswag's) in tokens, with the number scored in one forward pass; None where none can
-    be scored."""
+    """`examples` in tokens, with the number scored in one forward pass; None where none can be scored."""
     if not examples:
         return None
     encoded, skipped = encode_all(examples, tokenizer, block_size)

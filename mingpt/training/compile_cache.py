@@ -1,15 +1,10 @@
 """torch.compile's caches travel with the run (`trainer.compile_cache`): a worker on a machine that never compiled
 this model (a node that joins, a restart elsewhere) starts from what another worker compiled.
 
-What travels, in one zip per key (mingpt.checkpoint.compiled keeps it in the run folder):
-- `mega-cache.bin`: torch's portable caches (`torch.compiler.save_cache_artifacts`), recorded by every compile of
-  this process, hit or miss;
-- `kernels/<xx>/<name>.so`: the C++ libraries those graphs load on a CPU, and Inductor's probes of the compiler and
-  CPU, which torch's caches leave out and a CPU builds in most of a cold compile's time. Each is named after a hash
-  of its source and compiler command: a machine whose compiler or flags differ builds its own.
-
-The key is a digest of what makes them valid (`describe`); caches of another key are never loaded. Loading runs
-what they hold: they are code (docs/snapshots.md).
+One zip per key (mingpt.checkpoint.compiled keeps it) holds torch's portable caches (`mega-cache.bin`) and the C++
+libraries and Inductor's CPU probes that those leave out (`kernels/`, each named after a hash of source and compiler
+command, so another compiler builds its own). The key digests what makes them valid (`describe`). Loading runs what
+they hold: they are code (docs/snapshots.md, Compile caches).
 """
 
 from __future__ import annotations
@@ -103,8 +98,8 @@ class CompileCache:
                   time.perf_counter() - started, ", ".join(f"{n} {kind}" for kind, n in counts.items()))
 
     def after_step(self, lease: RunLease | None, snapshot: bool) -> None:
-        """After this generation's first step (the first compile is done) and at each snapshot (evaluation compiles
-        too), the lease's holder saves what torch compiled in the background, where it holds more than the run has."""
+        """After a generation's first step and at each snapshot (evaluation compiles too), the lease's holder saves in
+        the background what torch compiled, where that is more than the run has."""
         self._steps += 1
         if not self.key:  # this torch lacks what they need
             return
@@ -200,8 +195,8 @@ def pack(mega: bytes, kernels: dict[str, str]) -> bytes:
 
 
 def install(blob: bytes) -> dict[str, int]:
-    """Put the kernels of `blob` into Inductor's local cache folder (never over one), then hand torch its caches.
-    Names other than a kernel's or the mega-cache are refused (ValueError): nothing is written outside the folder."""
+    """Put the kernels of `blob` into Inductor's cache folder (never over one), then hand torch its caches. Any other
+    name is refused (ValueError): nothing is written outside the folder."""
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
         names = z.namelist()
         strange = [name for name in names if name != MEGA_CACHE and not _KERNEL.match(name)]
@@ -216,8 +211,8 @@ def install(blob: bytes) -> dict[str, int]:
 
 
 def _put_kernel(root: str, name: str, data: bytes) -> int:
-    """1 where the kernel was added, 0 where one of that name was there. Both folders must be this user's, no link,
-    and writable by no one else (checked before anything is made in them): else the kernel is skipped."""
+    """1 where the kernel was added, 0 where one was there, or a folder is not this user's alone (no link, writable by
+    no one else: it is code this process will load)."""
     match = _KERNEL.match(name)
     sub, filename = match[1], match[2]
     folder = os.path.join(root, sub)

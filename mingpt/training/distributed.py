@@ -1,8 +1,7 @@
 """The current generation of workers: who this process is in it, and its collectives.
 
-torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE. They are read afresh each start and
-used for two things only: device placement (LOCAL_RANK) and picking the process that logs and writes snapshots
-(rank 0). Nothing derived from them is ever stored. The generation forms in mingpt.training.generation.
+torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE, so they serve only device placement and
+picking the leader, and nothing derived from them is stored. The generation forms in mingpt.training.generation.
 """
 
 from __future__ import annotations

@@ -18,17 +18,16 @@ log = logging.getLogger(__name__)
 
 
 class Meeting:
-    """The launcher's key-value store (MASTER_ADDR:MASTER_PORT, hosted by rank 0 or by torchrun's agent), opened first
-    thing, so that a process still preparing data can say so: its peers then wait for it as long as it takes
-    instead of timing out in init_process_group, and the leader names whom it waits for. A process that never shows
-    up is still an error after trainer.dist_timeout_s. `open` meets there; the constructor reaches nothing."""
+    """The launcher's key-value store, opened first thing so that peers wait for a process still preparing data as
+    long as it takes (the leader naming whom), instead of timing out in init_process_group; one that never shows up
+    is still an error after trainer.dist_timeout_s. `open` meets there; the constructor reaches nothing."""
 
     def __init__(self, job: JobEnv, timeout_s: float):
         self.job, self.timeout_s = job, timeout_s
         host, port = job.master
         self.address = f"{host}:{port}"
-        # Rank 0 hosts a fresh store for each generation. torchrun's own store (one agent only: see
-        # check_store_sharing) outlives restarts: there the restart count keeps earlier generations' keys apart.
+        # torchrun's own store (one agent only: check_store_sharing) outlives restarts, unlike rank 0's: there the
+        # restart count keeps earlier generations' keys apart.
         self.prefix = f"mingpt/{job.run_id or ''}/{job.restart_count if job.agent_store else '-'}"
         self.store: dist.TCPStore | None = None
         self.opened = 0.0

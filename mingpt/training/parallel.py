@@ -61,8 +61,8 @@ class Topology:
 
 
 def choose(wanted: str, params: int, world: World, live: bool = False) -> tuple[str, str]:
-    """The mode to train in and why. `live`: the world is one node of a live job, whose nodes replicate the model:
-    the shards stay within the node."""
+    """The mode to train in and why. `live`: one node of a live job, whose nodes replicate the model (shards stay
+    within the node)."""
     if live and wanted == "fsdp":
         raise ConfigError("mingpt-torchrun --live replicates the model across nodes, so it cannot shard it over "
                           "all of them (trainer.parallelism=fsdp): use trainer.parallelism=hsdp, which shards it "
@@ -120,10 +120,8 @@ def place(model: GPT, topology: Topology, compute_dtype: torch.dtype) -> None:
 
 
 def _return_large_frees_to_the_system() -> None:
-    """Sharded training gathers each block's weights and gradients into large buffers and frees them a moment later.
-    glibc's malloc raises its mmap threshold after each such free, so the next ones come from the heap, which
-    fragments and grows past what DDP needs. Fixed at 4 MB, such buffers come from mmap and go back at once; lower,
-    activations would too, at a cost in speed (docs/benchmarks.md). Elsewhere than glibc this does nothing."""
+    """Sharding's large short-lived buffers make glibc raise its mmap threshold, so later ones come from a heap that
+    fragments and grows past DDP's; a fixed threshold sends them to mmap, back at once (docs/benchmarks.md)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 4 << 20)
     except (OSError, AttributeError):

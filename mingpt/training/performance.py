@@ -1,9 +1,8 @@
 """How fast training runs against what the hardware can do: throughput, model FLOPs, MFU, memory.
 
-MFU = model FLOPs per token x tokens per second / peak FLOP/s, the FLOPs counted as in the PaLM paper and nanoGPT:
-6 per parameter per token plus 12 x layers x width x sequence length for attention. The peak comes from NVIDIA's
-data sheets for known GPUs, else from a short matmul probe in the training precision, cached once per machine in
-$XDG_CACHE_HOME/mingpt/peak_flops.json.
+MFU = model FLOPs per token x tokens per second / peak FLOP/s, the FLOPs counted as in the PaLM paper and nanoGPT.
+The peak comes from NVIDIA's data sheets for known GPUs, else from a short matmul probe in the training precision,
+cached per machine.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ GPU_PEAK_TFLOPS = [
 
 
 def flops_per_token(config: GPTConfig, params: int) -> int:
-    """Training FLOPs per token of a model with `params` parameters (see the module docstring)."""
+    """Training FLOPs per token: 6 per parameter, plus 12 x layers x width x sequence length for attention."""
     return 6 * params + 12 * config.n_layer * config.n_embd * config.block_size
 
 

@@ -14,9 +14,8 @@ MIN_BF16_CPU_WIDTH = 128
 
 
 def choose_precision(requested: str, device: torch.device, n_embd: int) -> tuple[str, str]:
-    """The precision to train in and why. `auto` takes bf16 autocast where the hardware computes bf16 natively: CUDA
-    GPUs that support it, and CPUs with AMX or AVX512-BF16 for models at least MIN_BF16_CPU_WIDTH wide. Elsewhere
-    autocast would emulate bf16, slower than fp32. Weights and optimizer state stay fp32 either way."""
+    """The precision to train in and why. `auto` takes bf16 autocast only where the hardware computes it natively
+    (emulated, it is slower than fp32); weights and optimizer state stay fp32 either way."""
     if requested != "auto":
         return requested, "as configured"
     if device.type == "cuda":

@@ -1,5 +1,5 @@
-"""The data a job trains on: its prepared folder, tokenized with model.init_from's tokenizer where data.tokenizer is
-left at its default. The launcher imports this module, not the trainer, whose imports an agent does not need.
+"""The data a job trains on (with model.init_from's tokenizer where data.tokenizer is left at its default); the
+launcher imports this module rather than the trainer, whose imports an agent does not need.
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ from mingpt.training.config import Config, TrainerConfig
 
 log = logging.getLogger(__name__)
 def prepare_data(cfg: Config, pretrained: Pretrained | None = None) -> Path:
-    """The prepared folder of `cfg.data`. mingpt-torchrun calls it before its node joins the job, so that the job
-    never waits while a new node tokenizes."""
+    """The prepared folder of `cfg.data` (mingpt-torchrun's, before its node joins: the job never waits for it)."""
     if pretrained is None and cfg.model.init_from:
         pretrained = open_pretrained(cfg.model.init_from, cfg.data.block_size)
     return prepare(replace(cfg.data, tokenizer=_tokenizer(cfg, pretrained)))
 
 
 def fetch_hellaswag(t: TrainerConfig) -> str | None:
-    """Read the HellaSwag file on this node before the workers start: a file that is not HellaSwag's fails here, and
-    a URL is fetched once for the node. For the workers: "cached" (they read this copy instead of each fetching it
-    in the start-up their peers wait on), "unavailable" (they train without the metric), or None (a local file)."""
+    """Read the HellaSwag file before the workers start, so a wrong file fails here and a URL is fetched once a node,
+    not in a start-up peers wait on. For the workers: "cached", "unavailable" (no metric), or None (a local file)."""
     if not t.hellaswag_every:
         return None
     try:

@@ -1,13 +1,9 @@
-"""This process's progress, for the watchdog of its node's agent (mingpt.launch.watchdog): the step, the phase and
-when it entered it, in a small file of the agent's private folder (MINGPT_PROGRESS_DIR). It needs no collective, so
-a hung collective cannot hide it.
+"""This process's progress, for its agent's watchdog (mingpt.launch.watchdog): the step, the phase and when it entered
+it, in a small file of the agent's private folder (MINGPT_PROGRESS_DIR), so that no hung collective can hide it. Any
+compile is marked `compiling` while it lasts (allowed trainer.dist_timeout_s, as a first step).
 
-Whatever torch compiles, at any step and in any phase, is marked as the phase `compiling` while it lasts: the
-watchdog allows it trainer.dist_timeout_s, as a generation's first step.
-
-Processes without an agent mark nothing, and so does one whose MINGPT_PROGRESS_DIR is not a folder of this user's
-alone (mode 0700, not a link): in a folder others can write, they could plant a FIFO or a link. It trains on, with
-one warning, unwatched.
+A folder that is not this user's alone (mode 0700, not a link) is not used: others could plant a FIFO or a link in
+it. The process then trains on unwatched, with one warning.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The memory tiers of every node, used together: a copy of the run state after every step (or every few), so that
-a failure costs at most the step in flight, under every parallelism.
+a failure costs at most the step in flight, under every parallelism. See docs/snapshots.md (The memory tier).
 
-Each process keeps its shard of the state (mingpt.checkpoint.memory): the whole replica under ddp, one process per
-node; its shard under fsdp and hsdp. Where a shard exists on no other node (fsdp across nodes), each process also
-sends it to the process of its local index on the next node, so that the state outlives any one machine. After a
-restart the processes agree on the newest step whose shards the surviving tiers all hold, and load it, cut to the
-new world size.
+Each process keeps its shard (mingpt.checkpoint.memory); where no other node holds it (fsdp across nodes), it also
+sends it to the next node, so the state outlives any one machine. After a restart the processes load the newest
+step whose shards the surviving tiers all hold.
 """
 
 from __future__ import annotations
@@ -69,9 +67,9 @@ class MemoryCopies:
     # -- restoring -------------------------------------------------------------------------------
 
     def restore(self, durable_step: int, durable_generation: int | None) -> dict | None:
-        """Restore the replica from the newest step whose shards the nodes' tiers hold, when it is newer than
-        `durable_step` and written by its generation or a later one (a tier left by a generation that another
-        followed is never used); the description of one of its shards, or None. Every process calls it."""
+        """Restore the replica from the newest step the tiers hold whole, newer than `durable_step` and written by its
+        generation or a later one (never a tier of a generation another followed); a shard's header, or None.
+        Every process calls it."""
         usable = lambda held: (held.header.get("generation") or 0) >= (durable_generation or 0)
         held = [h for h in self.tier.shards(newer_than=durable_step) if usable(h)]
         everyone = distributed.all_gather_object(([_key(h) for h in held], self.tier.reached()), self.world)
@@ -136,9 +134,8 @@ class MemoryCopies:
             self.tier.forget_other_layouts()
 
     def _every(self) -> int:
-        """snapshot.memory_every, or (0) the fewest steps between copies that keep the training thread's wait for them
-        within OVERHEAD of the step time. Every process chooses at the same step, together: where shards are sent
-        between nodes, all copy alike."""
+        """snapshot.memory_every, or (0) the fewest steps between copies that keep the wait for them within OVERHEAD
+        of the step; chosen by all processes together, as sending shards between nodes needs all to copy alike."""
         if self.every or self._steps < MEASURED_AT:
             return self.every or 1
         measured = distributed.all_gather([self._waited, self._step_seconds], self.world)
@@ -150,8 +147,8 @@ class MemoryCopies:
         return self.every
 
     def _send(self, header: dict | None, buffer: torch.Tensor | None) -> None:
-        """In the copy's thread: send this shard to the next node and keep the previous node's. Every process takes
-        part, with an empty shard where it copied nothing."""
+        """In the copy's thread: send this shard to the next node and keep the previous node's (every process takes
+        part, with an empty shard where it copied nothing)."""
         to, source = self.peers
         try:
             description = json.dumps(header).encode() if header else b""
@@ -188,8 +185,8 @@ def _key(held: Held) -> tuple:
 
 
 def _newest_complete(offers: set) -> list[tuple] | None:
-    """Of offers (process, step, generation, index, count), one per shard of the newest step (and generation) whose
-    shards are all offered; None if no step is complete."""
+    """Of offers (process, step, generation, index, count), one per shard of the newest step all of whose shards are
+    offered; None if none is."""
     for written in sorted({(step, gen, count) for _, step, gen, _, count in offers}, reverse=True):
         holders = {}
         for offer in sorted(o for o in offers if (o[1], o[2], o[4]) == written):

@@ -1,7 +1,6 @@
-"""What a training run tells the people watching it: the progress line, metrics and dashboards, MFU, what a start
-found, membership changes, and the ledger of samples (a digest per step, for checking that none was lost or
-repeated). One process speaks: the leader (in the live mode, the writer's); every process takes part in comparing
-step times (mingpt.training.stragglers)."""
+"""What a training run tells the people watching it: the progress line, metrics, MFU, what a start found, membership
+changes, and the ledger of samples (a digest per step: none lost or repeated). The leader speaks (live: the writer's);
+every process compares step times (mingpt.training.stragglers)."""
 
 from __future__ import annotations
 

@@ -69,9 +69,8 @@ def resume(checkpointer: Checkpointer, replica: Replica, world: World, pretraine
 
 
 def agree_on_data(checkpointer: Checkpointer, world: World, snapshot: Snapshot | None) -> None:
-    """Every process must train on the same prepared data. The job's data is the snapshot's where some process has
-    it, else that of most processes; a process with other data is refused in one line, and the others end the
-    generation as for a lost peer, so that their agents go on without it."""
+    """Every process must train on the same data: the snapshot's where some process has it, else most processes'. A
+    process with other data is refused, and the others end the generation as for a lost peer, to go on without it."""
     if not world.distributed:
         return
     data = checkpointer.cfg.data

@@ -32,8 +32,7 @@ class StopFlag:
 
     @contextmanager
     def at_once(self) -> Iterator[None]:
-        """Within, SIGTERM and Ctrl-C stop at once: for a long wait before the first step, which has no step to
-        finish."""
+        """Within, SIGTERM and Ctrl-C stop at once: for a long wait before the first step, with no step to finish."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, raise_stopped)
         try:
