@@ -112,8 +112,7 @@ def stood_still(state: Callable[[], object], seen: object, timeout: float, poll:
 
 
 class Beat:
-    """Call `renew` every `interval` seconds in a background thread until `stop`, or until `renew` returns
-    False (the claim is no longer this process's). `renew` handles its own errors."""
+    """Call `renew` every `interval` s in a thread until `stop` or it returns False; `renew` handles its errors."""
 
     def __init__(self, renew: Callable[[], bool | None], interval: float, name: str):
         self.renew, self.interval = renew, interval
@@ -266,8 +265,7 @@ class GenerationalClaim:
         return newest
 
     def renew(self, released: bool = False) -> Claim | None:
-        """Write this process's claim again with the next beat (and `released`): None once written, or the claim
-        that took over (then nothing is written: a holder never writes over a newer generation)."""
+        """Write this claim again (next beat, `released`); or, writing nothing, return the claim that took over."""
         newer = self.overtaken()
         if newer is not None:
             return newer

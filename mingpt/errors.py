@@ -51,9 +51,8 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-# Signals whose Stopped was raised. Python runs a handler wherever the main thread is, and an exception raised inside a
-# callback whose exceptions are printed and dropped (logging's after-fork hook, while a worker is forked) would lose the
-# stop: long loops call `check_stopped`, and code that forks defers the raise to it (`deferred_stops`).
+# Signals whose Stopped was raised: one raised in a callback whose exceptions are printed and dropped (logging's
+# after-fork hook) is lost, so long loops call `check_stopped`, and code that forks defers to it (`deferred_stops`).
 _received: list[int] = []
 _deferred = False
 

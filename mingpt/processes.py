@@ -22,8 +22,7 @@ def prctl(option: int, arg: int | bytes) -> bool:
 
 
 def signal_when_parent_dies(sig: int, parent: int | None = None) -> bool:
-    """Have the kernel send this process `sig` when its parent dies; False where the parent (`parent`, else the
-    present one) has died already, so that nothing will be sent."""
+    """Have the kernel send `sig` when the parent dies; False where it (`parent`, else the present one) already has."""
     parent = os.getppid() if parent is None else parent
     prctl(PR_SET_PDEATHSIG, sig)
     return os.getppid() == parent

@@ -36,8 +36,7 @@ LOCAL_SCHEMES = ("file", "local")
 
 
 def parse_json(data: str | bytes) -> Any:
-    """json.loads for what was read from storage or a peer: ValueError for anything it cannot hold, arrays nested
-    thousands deep (json's RecursionError) and integers of thousands of digits included."""
+    """json.loads for what storage or a peer gives: ValueError also for arrays nested thousands deep."""
     try:
         return json.loads(data)
     except RecursionError:
@@ -145,8 +144,7 @@ def is_local(fs: AbstractFileSystem) -> bool:
 
 
 def explain_storage_error(e: BaseException, local: bool = False, setting: str = "snapshot.dir") -> str:
-    """A one-line reason for a storage failure, with what to do about it; never credentials. `setting` names the option
-    the user should fix (snapshot.dir, data.corpus, ...)."""
+    """A one-line reason for a storage failure and what to do, naming `setting`; never credentials."""
     name = type(e).__name__
     detail = redact(e)  # clients echo the URL or request they failed on
     text = f"{name}: {detail}"
@@ -181,9 +179,8 @@ def read_head(fs: AbstractFileSystem, path: str, limit: int) -> bytes:
 
 
 # -- durable writes ------------------------------------------------------------------------------
-# On local disk a file is only durable once it and the folder entry naming it are fsynced; a
-# rename or link is what makes a finished file appear at once. Object stores make every PUT
-# atomic and durable when it returns, and conditional PUT (`If-None-Match: *`) is their O_EXCL.
+# Locally a file is durable once it and its folder entry are fsynced, and a rename or link makes it appear at once.
+# Object stores: every PUT is atomic and durable when it returns; `If-None-Match: *` is their O_EXCL.
 
 
 class _DurableLocalFile(io.FileIO):
@@ -196,8 +193,7 @@ class _DurableLocalFile(io.FileIO):
 
 
 def check_regular_file(fs: AbstractFileSystem, path: str) -> None:
-    """OSError unless `path` is a regular file or absent: opening a FIFO would block forever, and a
-    folder or device in place of a file the run keeps (metrics.jsonl, wandb_run.json) is not it."""
+    """OSError unless `path` is a regular file or absent: a FIFO would block forever, a folder or device is not it."""
     try:
         kind = fs.info(path).get("type")
     except FileNotFoundError:

@@ -39,8 +39,7 @@ class CompiledCaches:
         self.url = run.url_of(RunDir.COMPILE_CACHE)
 
     def read(self, key: str, say: Callable[..., None] = log.log) -> bytes | None:
-        """The committed caches of `key`, checked against the manifest's size and sha256; None where there are none,
-        they are another key's (INFO), or cannot be read or trusted (WARNING), as `say(level, message, *args)` logs."""
+        """The committed caches of `key` if size and sha256 match; else None, as `say(level, message, *args)` logs."""
         try:
             manifest = self._manifest()
             if manifest is None:
@@ -60,8 +59,7 @@ class CompiledCaches:
         return None
 
     def commit(self, key: str, blob: bytes, describes: dict, lease: RunLease) -> None:
-        """Publish `blob` as the caches of `key`: the blob, then the manifest (replaced whole), each after the lease's
-        fence (LeaseLostError once another writer holds the run); then remove every other blob."""
+        """Publish `blob` for `key`, then its manifest, each after the lease's fence; then remove every other blob."""
         sha = hashlib.sha256(blob).hexdigest()
         name = f"{key}.{sha[:16]}.zip"
         path = f"{self.folder}/{name}"

@@ -90,8 +90,7 @@ class RunLease:
 
     @classmethod
     def following(cls, run: RunDir, claim: Claim) -> "RunLease":
-        """The holder's `claim` as a process that writes beside the holder (a shard of a snapshot) sees it:
-        its `check` fences that process's writes too; it never renews nor releases anything."""
+        """The holder's `claim` for a process writing beside it (a shard): `check` fences it; nothing is renewed."""
         lease = cls(run, _timeout_of(claim.record, 60.0), claim.record.get("job"))
         lease.claims.held = claim
         return lease
@@ -251,8 +250,7 @@ class RunLease:
     # -- reading -------------------------------------------------------------------------------
 
     def current(self) -> Claim | None:
-        """The newest valid claim on the run (held, expired or released), or None when there is none. Entries of owner/
-        that are not claims (damaged, foreign, not files) are skipped."""
+        """The newest valid claim (held, expired or released) or None; entries that are not claims are skipped."""
         return self.claims.newest()
 
     def _has_metrics(self) -> bool:
@@ -280,8 +278,7 @@ def _when(epoch) -> str:
 
 
 def _timeout_of(record: dict, default: float) -> float:
-    """The holder's lease timeout, as its claim says; `default` where it says none or nonsense; at most an hour, or
-    `default` where that is longer (a claim file may be hand-edited)."""
+    """The holder's timeout as its claim says (else `default`), at most max(`default`, an hour): claims are editable."""
     try:
         timeout = float(record.get("timeout_s"))
     except (TypeError, ValueError):

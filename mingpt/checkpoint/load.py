@@ -34,8 +34,7 @@ def snapshot_problem(manifest: dict) -> str | None:
 
 
 def index_problem(snapshot: Snapshot) -> str | None:
-    """Why a sharded snapshot's DCP index cannot be read, or None: checked at `verify`, so that a damaged index is
-    skipped like any damaged snapshot, before DCP reads it."""
+    """Why a sharded snapshot's DCP index cannot be read, or None: so `verify` skips it before DCP reads it."""
     if not snapshot.sharded:
         return None
     from mingpt.checkpoint.sharded import read_index  # DCP: imported for a sharded snapshot only
@@ -88,8 +87,7 @@ def load_model(snapshot: Snapshot, device: torch.device) -> tuple[GPT, Tokenizer
 
 
 def read_weights(snapshot: Snapshot, device: torch.device | str = "cpu", model: GPT | None = None) -> dict:
-    """The snapshot's weights, a GPT state dict: model.pt, or gathered whole from the shards by this process alone
-    (into `model`'s tensors where given)."""
+    """The snapshot's weights, a GPT state dict: model.pt, or gathered from the shards (into `model` if given)."""
     if not snapshot.sharded:
         return snapshot.load_tensors("model.pt", device)
     # Imported here: DCP and the DTensor machinery under it are slow to import, and only a sharded snapshot needs them.

@@ -122,14 +122,12 @@ class MemoryTier:
         return found
 
     def shards(self, newer_than: int = -1) -> list[Held]:
-        """Every described shard of this job and run on this machine after step `newer_than`, newest first
-        (their buffers are checked when read)."""
+        """Described shards of this job and run here after step `newer_than`, newest first (checked when read)."""
         found = [self._read_slot(folder, slot) for folder in self.folders() for slot in SLOTS]
         return sorted((h for h in found if h is not None and h.step > newer_than), key=lambda h: -h.step)
 
     def read(self, held: Held) -> torch.Tensor | None:
-        """The buffer of `held`, read into this process's memory (it may be overwritten afterwards) once it
-        matches the sha256 it was written with; None (and a warning) when it does not."""
+        """`held`'s buffer, copied here (the slot may be overwritten), if it matches its sha256; else None, warned."""
         buffer = _map(held).clone()
         if _digest(buffer, held.header) == held.header["sha256"]:
             return buffer
@@ -323,8 +321,7 @@ class MemoryTier:
         self._newest[slot.split("-")[0]] = slot
 
     def forget_other_layouts(self) -> None:
-        """Remove this launcher's folders of another layout (another number of shards): a generation of
-        another world size wrote them, and this one has copies of its own by now."""
+        """Remove this launcher's folders of another shard count: another world size's, superseded by now."""
         for other in self.root.glob(f"{self.launcher}-*"):
             if other.name.rsplit("of", 1)[-1] != str(self.shard[1]) and private_folder(other):
                 shutil.rmtree(other, ignore_errors=True)

@@ -54,8 +54,7 @@ def unpack(tree: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def assemble(trees: list[Any]) -> Any:
-    """One state from the unpacked shards of every process: each sharded tensor whole, from its Chunks;
-    anything else as the first shard has it (the same in every shard)."""
+    """One state from every process's unpacked shards: sharded tensors whole from their Chunks, the rest as is."""
     first = trees[0]
     if isinstance(first, Chunk):
         whole = torch.empty(first.shape, dtype=first.local.dtype)

@@ -112,8 +112,7 @@ _INDEX_CLASSES = {
 
 
 def read_index(snapshot: Snapshot) -> Metadata:
-    """The snapshot's index of shards, checked against its sha256 and unpickled with DCP's classes alone;
-    SnapshotError when it is not one (damaged, cut short, or a pickle of anything else)."""
+    """The snapshot's DCP index, sha256-checked and unpickled with DCP's classes alone; SnapshotError otherwise."""
     try:
         metadata = _IndexUnpickler(io.BytesIO(snapshot.read(INDEX))).load()
     except SnapshotError:
@@ -150,8 +149,7 @@ class _PlainDataPlanner(DefaultLoadPlanner):
 
 
 def write_shards(state: dict[str, Any], fs, folder: str, fence: Callable[[], None], group) -> dict[str, dict]:
-    """This process's share of `state` (CPU tensors or DTensors of them) into `folder`/state, a
-    collective of `group`; returns {name in the snapshot: {bytes, sha256}} of the files it wrote."""
+    """Write this process's share of `state` into `folder`/state (a collective of `group`); its files' entries."""
     writer = ShardWriter(fs, f"{folder}/{STATE_DIR}", fence)
     try:
         with warnings.catch_warnings():  # without a process group DCP warns that it writes alone: as asked
@@ -164,8 +162,7 @@ def write_shards(state: dict[str, Any], fs, folder: str, fence: Callable[[], Non
 
 
 def read_shards(snapshot: Snapshot, state: dict[str, Any], alone: bool = False) -> None:
-    """Fill `state` (tensors or DTensors, keyed as saved) in place from `snapshot`'s shards: a collective
-    of the default process group, or (`alone`) read by this process without one."""
+    """Fill `state` in place from `snapshot`'s shards: a collective of the default group, or (`alone`) without."""
     alone = alone or not torch.distributed.is_initialized()
     # The index is read here, once: a bad one is refused in one line, not inside DCP (which logs tracebacks).
     reader = ShardReader(snapshot, read_index(snapshot))

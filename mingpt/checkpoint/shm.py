@@ -19,8 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def process_folder(kind: str) -> Path:
-    """A new folder of this user's alone in the machine's temporary folder, `mingpt-KIND-PID-START-XXXXXXXX`
-    (this process's pid and start time); first the folders of this kind of processes that have ended go."""
+    """A new folder of this user's alone in TMPDIR named after this process; folders of ended ones go first."""
     check_temporary_folder()
     remove_ended(kind)
     pid = os.getpid()

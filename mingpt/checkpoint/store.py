@@ -295,8 +295,7 @@ class SnapshotStore:
         return self.commit(step, self.write(step, payload), info)
 
     def begin(self, step: int) -> Snapshot | None:
-        """Make way for a snapshot of `step`: a committed one that verifies, to keep as it is; or None,
-        once damaged commits and debris of that step are gone and its folder exists."""
+        """A good commit of `step` to keep; else None, once damaged commits and debris are gone and its folder made."""
         name = snapshot_name(step)
         self._fence()
         existing = self._replace_damaged_or_keep(name)
@@ -379,14 +378,12 @@ class SnapshotStore:
             raise SnapshotError(f"{self.url_of(name)} was committed meanwhile by another writer; keeping it") from None
 
     def _fence(self, found: Commit | None = None) -> None:
-        """Whether this process may still write here (and keep `found`, a commit of a step it saves): the
-        lease's to say. LeaseLostError where it may not."""
+        """LeaseLostError where the lease says this process may no longer write here (nor keep `found`)."""
         if self.lease is not None:
             self.lease.check(found)
 
     def _is_good(self, snapshot: Snapshot, thorough: bool) -> bool:
-        """Whether `snapshot` can be loaded: its checksums (`thorough`), or else what this process knows
-        of it and the sizes of its files, which catch a truncated or missing file without reading it."""
+        """Whether `snapshot` loads: by checksums (`thorough`), else known good here or its files' sizes are right."""
         try:
             if thorough:
                 snapshot.verify(keep=False)

@@ -179,8 +179,7 @@ HUB_URL = re.compile(r"^hf://(?P<kind>datasets|spaces)/(?P<repo>[^/@]+/[^/@]+)(@
 
 
 def from_hub_cache(url: str) -> str:
-    """For an hf:// URL while HF_HUB_OFFLINE is set: the same files in the local Hugging Face cache (a local path or
-    glob), as huggingface_hub reads them offline; otherwise `url` itself."""
+    """For an hf:// URL under HF_HUB_OFFLINE, the same files in the local Hugging Face cache; else `url` itself."""
     if not url.startswith("hf://"):
         return url
     if ".." in re.split(r"[/@]", url):

@@ -64,8 +64,7 @@ class Job:
         }
 
     def build(self, out: Path, meta: dict, resume: tuple[Path, Tokenized] | None = None) -> None:
-        """Prepare into a scratch folder, then publish it as `out`. `resume`: a scratch folder that a stopped
-        preparation of the same data left, and how far it got: tokenizing goes on from there."""
+        """Prepare into a scratch folder, published as `out`; `resume`: a stopped preparation's folder and progress."""
         started = time.perf_counter()
         tmp = scratch(out, "tmp")
         if resume:
@@ -137,8 +136,7 @@ class Job:
             yield from bpe_sample(pool, self.sources, self.config, self.listed_bytes)
 
     def tokenize(self, tok: Tokenizer, dtype, folder: Path, done: Tokenized) -> tuple[dict, dict, int]:
-        """Write train.bin and val.bin, going on after the pieces `done` has; return token counts, each
-        source's sha256 and the bytes read. After each piece, how far it got is saved in the folder."""
+        """Write the token files after the pieces `done` has, saving progress per piece; counts, digests, bytes read."""
         digests: dict[int, str] = {}
         files = {split: open(folder / f"{split}.bin", "r+b" if done.pieces else "wb") for split in done.sizes}
         try:

@@ -77,8 +77,7 @@ def _check_rows(ends: bytes, first_row: int, name: str) -> None:
 
 def _pieces(index: int, source: Source, text_field: str, chosen: Callable[[int], bool] | None = None) \
         -> Iterator[Piece]:
-    """All of `source` (number `index` of the corpus), read through, in pieces cut at safe places; of a
-    Parquet file, only the row groups g where `chosen(g)`, if given."""
+    """All of `source` (number `index`) in pieces cut at safe places; of Parquet, the row groups where `chosen`."""
     with open_source(source) as f:
         if source.format == "parquet":
             for row, data, ends in parquet_batches(f, redact(source.url), text_field, PIECE_BYTES, chosen):
@@ -130,8 +129,7 @@ def _read_range(source: Source, offset: int, size: int) -> bytes:
 
 
 def _rest_of_line(source: Source, offset: int) -> bytes:
-    """The bytes of `source` from `offset` to the end of its line, where that is at most MAX_RECORD_BYTES on (a
-    longer record is the full pass's error to name: here, nothing)."""
+    """`source` from `offset` to its line's end, if within MAX_RECORD_BYTES (a longer one is the full pass's error)."""
     rest = b""
     while len(rest) <= MAX_RECORD_BYTES and offset + len(rest) < source.size:
         block = _read_range(source, offset + len(rest), PIECE_BYTES)
@@ -205,8 +203,7 @@ def _safe_end(data: bytes, start: int, by_line: bool) -> int | None:
 
 
 def documents(piece: Piece, form: str, text_field: str, name: str) -> Iterator[tuple[int, str]]:
-    """The texts in `piece` of a source of format `form`, each with its record number (see `read_pieces`):
-    one text for a piece of a text document (numbered -1), one per record for JSONL and Parquet."""
+    """The texts in `piece` with their record numbers: one per JSONL or Parquet record; a text document's, -1."""
     if form == "text":
         yield -1, _decode(piece.data, name, piece.offset)
         return

@@ -59,8 +59,7 @@ class _Worker:
 
 
 class WorkerPool:
-    """`map` over `count` worker processes, each set up once by `setup(context)`. One worker means no
-    processes: the work runs here, set up here."""
+    """`map` over `count` worker processes, each set up by `setup(context)`; one worker: no processes, all here."""
 
     def __init__(self, count: int, setup: Callable[[Any], None], context: Any):
         self.count, self.setup, self.context = count, setup, context

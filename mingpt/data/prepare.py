@@ -35,8 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def prepare(config: PrepareConfig) -> Path:
-    """Tokenize the corpus into `config.prepared_dir` (default: see `default_out_dir`) unless it is already
-    there; return that folder, or for a prepared_dir URL the local copy of it."""
+    """Tokenize the corpus into `out_dir(config)` unless it is already there; that folder (a URL's local copy)."""
     if config.tokenizer == "bpe":
         check_bpe_vocab_size(config.vocab_size)
     if not 0.0 <= config.val_fraction < 1.0:
@@ -77,8 +76,7 @@ def check_outside_the_corpus(out: Path, corpus: str | Sequence[str]) -> None:
 
 
 def _prepare_remote(config: PrepareConfig, remote: RemoteFolder, out: Path) -> Path:
-    """Copy the published data at `remote` into `out`; or, where none that matches `config` is published,
-    claim it, prepare it into `out` and publish it; or wait for the node that claimed it."""
+    """Copy the matching published data into `out`; or claim it, prepare and publish it; or wait for who claimed it."""
     wanted = config.wanted(list_sources(config.corpus))
     current = lambda meta: meta is not None and all(meta.get(key) == value for key, value in wanted.items())
     while True:
@@ -193,8 +191,7 @@ def _sha256_or_none(path: Path) -> str | None:
 
 
 def verify(directory: str | os.PathLike) -> list[str]:
-    """Re-list and re-read the corpus a folder was prepared from, and re-read the folder's own files; what
-    differs, one line each (empty: current)."""
+    """Re-list and re-read a prepared folder's corpus and files; what differs, one line each (empty: current)."""
     meta = read_meta(directory)
     recorded, expected = _recorded_sources(meta, directory)
     problems = [f"{Path(directory) / name}: damaged, it is not what was prepared (sha256 {digest[:12]}...); delete "
@@ -225,8 +222,7 @@ def verify(directory: str | os.PathLike) -> list[str]:
 
 
 def _recorded_sources(meta: dict, directory: str | os.PathLike) -> tuple[list[Source], dict[str, str]]:
-    """The sources a description records, and the sha256 of each one's content; DataError where they are not as
-    mingpt-prepare writes them."""
+    """The sources meta records and each one's content sha256; DataError where not as mingpt-prepare writes them."""
     try:
         recorded = [Source(**source) for source in meta["sources"]]
         digests = meta["source_sha256"]

@@ -64,8 +64,7 @@ def read_meta(directory: str | os.PathLike) -> dict:
 
 
 def parse_meta(text: str, path: str, directory: str) -> dict:
-    """The description `text`, read from `path` in the folder `directory`; DataError unless it is valid and
-    consistent."""
+    """The description `text` (from `path` in `directory`); DataError unless it is valid and consistent."""
     try:
         meta = parse_json(text)
     except ValueError:
@@ -141,8 +140,7 @@ class TokenBlocks:
         if starts.size and (starts.min() < 0 or starts.max() >= self.num_starts):
             raise IndexError(f"window offset out of range [0, {self.num_starts})")
         rows = np.asarray(self.tokens[starts[:, None] + self._offsets], dtype=np.int64)
-        # An id beyond the vocabulary would fail deep in the embedding (or on a GPU, as a device assert).
-        # Checking the gathered batch costs one max; scanning the whole token file at start would not.
+        # An id beyond the vocabulary fails deep in the embedding (a GPU device assert); one max per batch catches it.
         if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:
             raise DataError(
                 f"{self.path} holds token id {rows.max()}, beyond the tokenizer's vocabulary of {self.vocab_size}; "
@@ -199,8 +197,7 @@ class PreparedData:
 
     @property
     def fingerprint(self) -> str:
-        """A sha256 of the tokens and the tokenizer: the same for the same prepared data on any machine,
-        different when the corpus, the tokenizer or a setting that changes the tokens differ."""
+        """A sha256 of the tokens and tokenizer: the same prepared data gives the same on any machine."""
         return self.meta["fingerprint"]
 
     def split(self, name: str, block_size: int, stride: int | None = None) -> TokenBlocks:

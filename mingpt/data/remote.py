@@ -67,8 +67,7 @@ class RemoteFolder:
     # -- the claim -------------------------------------------------------------------------------
 
     def claim(self, published: Callable[[], bool]) -> GenerationalClaim | None:
-        """This process's claim of the folder, renewed in the background until released; None once
-        `published()`. While a live node holds the claim, waits for it."""
+        """This process's renewed claim, waiting while a live node holds it; None once `published()`."""
         gone = None
         while not published():
             claim = self.try_claim(gone)
@@ -156,8 +155,7 @@ class RemoteFolder:
         log.info("published %s: %.1f MB in %.1fs", redact(self.url), size / 1e6, time.perf_counter() - started)
 
     def download(self, meta: dict, folder: Path) -> None:
-        """Copy the published files into the new `folder`, each checked against `meta`'s sha256, and
-        `meta` itself last. DataError when a file is not what `meta` describes."""
+        """Copy the published files into the new `folder`, each checked against `meta`'s sha256, `meta` last."""
         started, size = time.perf_counter(), 0
         self.fs.invalidate_cache()  # sizes as they are now, not as listed earlier in this process
         for name in TOKEN_FILES:

@@ -21,8 +21,7 @@ class CorpusChanged(Exception):
 
 
 def take_leftover(out: Path, meta: dict) -> tuple[Path, "Tokenized"] | None:
-    """The scratch folder of a stopped preparation of the same data into `out` that got furthest, and how
-    far; every other scratch folder this machine left beside `out` is removed."""
+    """The furthest stopped preparation of this data into `out` and its progress; other leftovers are removed."""
     best = None
     for path in leftovers(out.parent):
         done = Tokenized.load(path, meta) if path.name.startswith(f".{out.name}.tmp-") else None
@@ -79,8 +78,7 @@ class Tokenized:
 
     @classmethod
     def load(cls, folder: Path, meta: dict) -> "Tokenized | None":
-        """The progress saved in `folder`, if it is sealed, for `meta`, and its token files begin with the
-        bytes it counts; else None (the preparation starts over)."""
+        """The sealed progress in `folder` for `meta`, if its token files begin with the bytes it counts; else None."""
         try:
             record = parse_json((folder / PROGRESS_FILE).read_bytes()[:PROGRESS_LIMIT])
             if not isinstance(record, dict) or record.pop("seal", None) != _seal(record):

@@ -65,8 +65,7 @@ def matches(directory: Path, wanted: dict) -> bool:
 
 
 def check_replaceable(out: Path) -> None:
-    """DataError unless `out` is new, an empty folder, or prepared data (which `prepare` may replace). Anything else may
-    be a user's files: preparing there would delete them."""
+    """DataError unless `out` is new, empty or prepared data: preparing over a user's files would delete them."""
     try:
         os.stat(out)
     except FileNotFoundError:
@@ -93,8 +92,7 @@ def check_replaceable(out: Path) -> None:
 
 
 def publish(tmp: Path, out: Path, meta: dict) -> None:
-    """Move the finished folder `tmp` (described by `meta`) to `out`, replacing stale data but never a
-    concurrent twin, nor a folder that is not prepared data."""
+    """Move the finished `tmp` (of `meta`) to `out`, replacing stale data, never a twin nor other files."""
     for _ in range(3):
         try:
             tmp.rename(out)

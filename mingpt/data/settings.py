@@ -29,8 +29,7 @@ class PrepareConfig:
     local_copy: Optional[str] = None  # where a prepared_dir URL is copied to; default data/copies/<name>-<hash>
 
     def wanted(self, sources: list[Source]) -> dict:
-        """What meta.json must say for a prepared folder to be reused: the listed sources and the settings
-        that change the tokens (a setting that does not apply, like vocab_size for char, is None)."""
+        """What meta.json must say for reuse: the sources, and the settings that change the tokens (others None)."""
         bpe = self.tokenizer == "bpe"
         return {
             "sources": [source.to_dict() for source in sources],

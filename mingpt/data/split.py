@@ -29,8 +29,7 @@ def is_val_record(number: int, val_fraction: float) -> bool:
 
 
 def val_files(sources: Sequence[Source], val_fraction: float) -> list[int]:
-    """The text files (one document each) of the validation split: the last `val_fraction` of them in
-    a seeded order, at least one where there are two or more and no records to draw from."""
+    """The text files held out: the last `val_fraction` in a seeded order, at least one of 2+ where none are records."""
     text_files = [i for i, source in enumerate(sources) if not source.records]
     count = round(val_fraction * len(text_files))
     if val_fraction > 0 and count == 0 and len(text_files) >= 2 and len(text_files) == len(sources):

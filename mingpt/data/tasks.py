@@ -18,8 +18,7 @@ _worker: dict = {}
 
 
 def setup(context: dict) -> None:
-    """Learn `context`: each source's name, local path (or None) and format, the text field, the split's
-    `val_fraction` and `val_sources`, and, to tokenize, the tokenizer (as JSON), the dtype and the folder."""
+    """Learn `context` (see `Job.context`), and the tokenizer from its JSON where there is one."""
     _worker.clear()
     _worker.update(context)
     if context.get("tokenizer"):
