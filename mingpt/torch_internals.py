@@ -145,9 +145,6 @@ def _check_objects() -> list[str]:
     return missing + [name for name, present in fields.items() if not present]
 
 
-# -- the elastic agent -------------------------------------------------------------------------------------
-
-
 class ElasticAgent(LocalElasticAgent):
     """torch's LocalElasticAgent with the private steps that mingpt's agent changes under public names:
     override `monitor`, `restart`, `rendezvous` and `assign_ranks`; super() runs torch's own."""
@@ -215,9 +212,6 @@ def start_workers_with(start: Callable[[tuple, dict, Any, Any], Any]) -> None:
     handler._popen = _popen
 
 
-# -- the dynamic rendezvous ---------------------------------------------------------------------------------
-
-
 def round_members(handler) -> set[str]:
     """The nodes of the current round ("host_pid_n"), as the store has them now; its errors pass."""
     with handler._heartbeat_lock:
@@ -251,9 +245,6 @@ def poll_rendezvous_every(poll_s: float) -> None:
     module._delay = quicker
 
 
-# -- torchrun's command line ------------------------------------------------------------------------------
-
-
 def parse_rendezvous_config(text: str) -> dict[str, str]:
     """torchrun's reading of --rdzv-conf ("key=value,..."); ValueError where it is not that."""
     return _find(RENDEZVOUS_UTILS, "_parse_rendezvous_config")(text)
@@ -265,9 +256,6 @@ def is_this_machine(host: str) -> bool:
         return _find(RENDEZVOUS_UTILS, "_matches_machine_hostname")(host)
     except OSError:  # this machine's own name does not resolve: torch's test fails, so the store is elsewhere
         return False
-
-
-# -- DCP ------------------------------------------------------------------------------------------------------
 
 
 def dcp_fsspec_classes() -> tuple[type, type, type]:
@@ -282,9 +270,6 @@ def _absent(module: str, name: str) -> type:
         raise _missing_error([f"{module}.{name}"])
 
     return type(name, (), {"__init__": refuse})
-
-
-# -- Inductor's caches ----------------------------------------------------------------------------------------
 
 
 # Members of COMPILED_NAMES' classes that load_cache_artifacts calls.
@@ -347,9 +332,6 @@ def compile_counters() -> dict[str, int]:
             "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"]}
 
 
-# -- Dynamo's compiles ----------------------------------------------------------------------------------------
-
-
 def watch_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Callable[[], None]:
     """Call `started()` and `ended()` around every compile in this process (a nested one counts once); returns what
     stops the calls. TorchInternalsError where this torch has no such callbacks."""
@@ -365,9 +347,6 @@ def watch_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Ca
         handler.remove_end_callback(on_end)
 
     return unwatch
-
-
-# -- sharded tensors --------------------------------------------------------------------------------------------
 
 
 def shard_offsets(tensor: Any) -> tuple[list[int], list[int]] | None:

@@ -1,8 +1,5 @@
 """`mingpt-eval hellaswag SNAPSHOT`: a snapshot's HellaSwag accuracy, scored as lm-evaluation-harness scores it.
 
-    mingpt-eval hellaswag snapshots/run
-    mingpt-eval hellaswag s3://bucket/run/step-000019073 --data hellaswag_val.jsonl --device cuda
-
 Prints acc and acc_norm (mingpt.metrics.scoring) and the count of examples. See docs/evaluation.md.
 """
 

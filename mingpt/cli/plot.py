@@ -1,8 +1,5 @@
 """`mingpt-plot RUN`: a picture of a run's loss from its metrics.jsonl (see mingpt.metrics.plot).
 
-    mingpt-plot snapshots/run                     # writes loss.png here
-    mingpt-plot s3://bucket/runs/gpt-mini -o gpt-mini.png
-
 Needs matplotlib: pip install -e ".[plot]".
 """
 

@@ -1,7 +1,6 @@
 """`mingpt-prepare`: tokenize a corpus into train/val token files, or check that prepared data is current.
 
-    mingpt-prepare --corpus 'corpus/*.jsonl.gz' --tokenizer bpe --vocab-size 32768 --out data/web
-    mingpt-prepare --verify --out data/web      # re-read the corpus: is it still what was prepared?
+See docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """`mingpt-sample SNAPSHOT`: sample text from a snapshot, local or in S3, streaming it to stdout. No corpus needed.
 
-    mingpt-sample snapshots/run --prompt "The " --max-new-tokens 300 --num-samples 2
-    mingpt-sample s3://bucket/run/step-000001200 --temperature 0.8 --top-k 40 --seed 1
-
 --max-new-tokens 0 prints the prompt alone: a quick check that the snapshot loads and encodes it.
 """
 

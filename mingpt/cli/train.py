@@ -1,11 +1,5 @@
-"""`mingpt-train`: the training application, the same that `python train/main.py` runs.
-
-    mingpt-train                                                 # one process
-    mingpt-torchrun --standalone --nproc-per-node=2 $(which mingpt-train)   # one node
-    mingpt-train model=gpt-mini trainer.max_steps=2000            # any key of mingpt.training.config.Config
-
-Its Hydra configs are train/conf (installed with the package as mingpt/conf). See docs/launching.md for
-multinode and SLURM launching. Hydra's multirun (-m) is refused: one job per command.
+"""`mingpt-train`: the training application, the same that `python train/main.py` runs, with its Hydra configs
+(train/conf, installed as mingpt/conf). Hydra's multirun (-m) is refused: one job per command. See docs/launching.md.
 """
 
 import logging

@@ -51,10 +51,9 @@ def watch_nccl(environ: dict) -> None:
             environ[name] = value
 
 
-# Rendezvous settings for quick recovery (torch's defaults in brackets). A dead node is noticed after 3 missed
-# heartbeats a second apart (15 s): nodes' clocks must agree to within about a second, as NTP keeps them. A round
-# closes 1 s after its first node arrived (30 s): long enough for the survivors of a change, whose agents poll 4
-# times a second, to arrive together. The user's own keys win.
+# Rendezvous settings for quick recovery; the user's own keys win. Heartbeats a second apart need nodes' clocks to
+# agree to about a second (as NTP keeps them); a round closing a second after its first node is long enough for the
+# survivors of a change, whose agents poll often (agent.POLL_S), to arrive together.
 QUICK_RENDEZVOUS = {
     "join_timeout": "600",
     "last_call_timeout": "1",

@@ -143,9 +143,6 @@ class CompileCache:
         log.log(level if self.announce else logging.DEBUG, message, *args)
 
 
-# -- what travels ---------------------------------------------------------------------------------------------
-
-
 def kernel_files(root: str, keys: set[str]) -> dict[str, str]:
     """The C++ libraries of `keys` and Inductor's probes, under Inductor's cache folder `root`: {name in zip: path}."""
     found = {}

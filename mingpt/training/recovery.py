@@ -64,8 +64,6 @@ class MemoryCopies:
         self._step_seconds = 0.0
         self._waited = 0.0  # by the training thread, for the copy before the last optimizer step
 
-    # -- restoring -------------------------------------------------------------------------------
-
     def restore(self, durable_step: int, durable_generation: int | None) -> dict | None:
         """Restore the replica from the newest step the tiers hold whole, newer than `durable_step` and written by its
         generation or a later one (never a tier of a generation another followed); a shard's header, or None.
@@ -101,8 +99,6 @@ class MemoryCopies:
         if self.world.is_leader and changed:
             log.info("%s", "; ".join(changed))
         return {**header, "hosts": sorted(hosts)}
-
-    # -- copying ---------------------------------------------------------------------------------
 
     def after_step(self) -> None:
         """Copy this process's shard to its tier in the background, and send it to the next node where it must."""
