@@ -195,8 +195,7 @@ class ElasticAgent(LocalElasticAgent):
 
 
 def launch_with_agent(agent_class: type) -> None:
-    """torchrun's launcher (torch.distributed.run) starts `agent_class`, a subclass of `ElasticAgent`, instead of
-    torch's LocalElasticAgent: it looks up that module global at each launch."""
+    """Make torchrun's launcher start `agent_class` (an `ElasticAgent`) instead of LocalElasticAgent."""
     importlib.import_module(LAUNCHER_API).LocalElasticAgent = agent_class
 
 
@@ -259,8 +258,7 @@ def is_this_machine(host: str) -> bool:
 
 
 def dcp_fsspec_classes() -> tuple[type, type, type]:
-    """DCP's FileSystem, FsspecReader and FsspecWriter (mingpt.checkpoint.sharded builds on them); a missing one is a
-    stand-in that fails in check()'s words when used."""
+    """DCP's FileSystem, FsspecReader and FsspecWriter; a missing one is a stand-in that fails in check()'s words."""
     return tuple(_find(DCP_FSSPEC, name) or _absent(DCP_FSSPEC, name)
                  for name in ("FileSystem", "FsspecReader", "FsspecWriter"))
 

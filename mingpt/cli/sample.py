@@ -103,8 +103,7 @@ def sample(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def ctrl_c_flag() -> Iterator[threading.Event]:
-    """Ctrl-C as a flag that the sampling loop checks between tokens: a KeyboardInterrupt raised wherever the signal
-    lands can be lost; a flag cannot."""
+    """Ctrl-C as a flag the sampling loop checks between tokens (a KeyboardInterrupt can be lost where it lands)."""
     flag = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
     try:
@@ -114,8 +113,7 @@ def ctrl_c_flag() -> Iterator[threading.Event]:
 
 
 def write_samples(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor, args: argparse.Namespace) -> None:
-    """Stream `args.num_samples` continuations of `prompt` to stdout, as UTF-8 text, each ending early where the
-    model ends its document (the end-of-text token)."""
+    """Stream `args.num_samples` continuations of `prompt` to stdout, each ending where the model ends its document."""
     import torch
 
     generator = torch.Generator(device=prompt.device)

@@ -48,8 +48,7 @@ def open_pretrained(url: str, block_size: int) -> Pretrained:
 
 
 def _fit(url: str, state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """`state` with its position table cropped to `config.block_size`, once its names and shapes fit `config` (a
-    mismatch is one line, not load_state_dict's dump)."""
+    """`state`, position table cropped to `config.block_size`, once it fits `config` (else one line, not a dump)."""
     if "wpe.weight" in state:
         state["wpe.weight"] = state["wpe.weight"][: config.block_size]
     with torch.device("meta"):  # the names and shapes alone, no memory

@@ -59,8 +59,7 @@ class RestartsUsedUp(Exception):
 
 
 def install() -> None:
-    """Make torchrun's launcher start this module's `Agent` and its rendezvous poll every POLL_S, once torch is found
-    to have what they rely on (not the sharded runs' names: importing DCP is costly, and the workers check them)."""
+    """Make torchrun's launcher start `Agent`, its rendezvous polling every POLL_S, once torch has their names."""
     torch_internals.check(sharded=False)
     torch_internals.launch_with_agent(Agent)
     torch_internals.poll_rendezvous_every(POLL_S)

@@ -21,8 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def join_live(args: argparse.Namespace) -> None:
-    """--live: this node's torchrun becomes one replica group of the job: its agent rendezvouses with this node's
-    workers alone, and the groups meet through the Lighthouse at --rdzv-endpoint."""
+    """--live: this node is one replica group; the groups meet through the Lighthouse at --rdzv-endpoint."""
     host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=C10D_PORT)
     try:  # (where the endpoint is this machine's, check_endpoint took this node for the store's host: not here)
         socket.create_connection((host, port), timeout=STORE_ANSWER_S).close()

@@ -15,8 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
-    """Serve the store and the Lighthouse until SIGTERM or SIGINT. Where the Lighthouse's port was not chosen by the
-    user and is taken, the store is served alone, with a warning."""
+    """Serve the store and Lighthouse until SIGTERM or SIGINT (the store alone where an unchosen port is taken)."""
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait below: either stops us in order
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at its default level

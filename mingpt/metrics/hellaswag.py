@@ -66,8 +66,7 @@ def is_local(source: str) -> bool:
 
 
 def _read_local(source: str) -> bytes:
-    """The bytes of a local file (a link is followed: the user named it); MinGPTError for anything but a regular file,
-    or one larger than MAX_BYTES (no more is read)."""
+    """A local file's bytes (a link is followed); MinGPTError unless it is a regular file of at most MAX_BYTES."""
     path = open_fs(source)[1] if source.startswith("file:") else source
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO would block: refused below
@@ -151,8 +150,7 @@ def to_example(record: dict) -> Example:
 
 
 def preprocess(text: str) -> str:
-    """lm-evaluation-harness's cleaning of HellaSwag's text: WikiHow's "[title]" ends a sentence, its other
-    bracketed tags go, and a double space left behind becomes one."""
+    """lm-evaluation-harness's cleaning of HellaSwag's text (WikiHow's bracketed tags, double spaces)."""
     text = text.strip()
     text = text.replace(" [title]", ". ")
     text = re.sub("\\[.*?\\]", "", text)

@@ -61,8 +61,7 @@ LARGEST = 1e15  # what no step, loss, rate or time of a run reaches: a larger nu
 
 
 def _number(value) -> float | None:
-    """`value` where it is a finite number a run could have written (not a bool, NaN, an infinity or an absurd
-    size); else None, and the point is not drawn."""
+    """`value` where it is a finite number a run could have written (no bool, NaN or absurd size), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) and abs(value) <= LARGEST else None
@@ -200,8 +199,7 @@ def figure(data: Curves, title: str, plt):
 
 
 def _draw_marks(axis, data: Curves) -> None:
-    """A line at each mark; one label (saying how many more it stands for) per LABEL_GAP, so that labels never
-    overlap."""
+    """A line at each mark; one label (saying how many more it stands for) per LABEL_GAP, so that none overlap."""
     at_step: dict[int, list] = {}  # a restart and a world-size change at one step share a line and a label
     for mark in data.marks:
         at_step.setdefault(mark.step, []).append(mark)

@@ -108,8 +108,7 @@ def skipped_note(skipped: int, total: int, tokenizer: Tokenizer) -> str:
 
 @torch.no_grad()
 def score(model: GPT, batch: list[Encoded], device: torch.device, autocast=None) -> list[Scored]:
-    """The scores of a batch of examples, all choices in one forward pass (padded on the right: a causal model never
-    looks there)."""
+    """The scores of a batch of examples, all choices in one forward pass (right padding, unseen by a causal model)."""
     windows = [window for example in batch for window in example.windows]
     longest = max(len(window) - 1 for window in windows)
     tokens = torch.zeros((len(windows), longest), dtype=torch.long)

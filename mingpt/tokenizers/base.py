@@ -47,8 +47,7 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        """The UTF-8 bytes of `ids`; a BPE token may hold part of a character, so a stream
-        of tokens is best decoded through bytes and an incremental UTF-8 decoder."""
+        """The UTF-8 bytes of `ids` (a BPE token may hold part of a character: decode a stream incrementally)."""
         return self.decode(ids).encode("utf-8")
 
     @abstractmethod

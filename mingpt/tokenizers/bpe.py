@@ -47,8 +47,7 @@ class _TiktokenBacked(Tokenizer):
             raise TokenizerError(f"token id {e} is not in this {self.describe()} vocabulary") from None
 
     def tables(self) -> tuple[dict[bytes, int], str]:
-        """The encoding's merge ranks and split pattern, from tiktoken's private fields (it has no public reader); a
-        TokenizerError, in one line, on a tiktoken that lacks them."""
+        """The encoding's merge ranks and split pattern, from tiktoken's private fields; TokenizerError where absent."""
         ranks, pattern = getattr(self.encoding, "_mergeable_ranks", None), getattr(self.encoding, "_pat_str", None)
         if not isinstance(ranks, dict) or not isinstance(pattern, str):
             raise TokenizerError(f"tiktoken {tiktoken.__version__} keeps its merge ranks and split pattern elsewhere "
@@ -76,8 +75,7 @@ class BPETokenizer(_TiktokenBacked):
 
     @classmethod
     def train(cls, texts: str | Iterable[str], vocab_size: int) -> "BPETokenizer":
-        """Merges learnt from `texts` (pieces cut between words: see mingpt.data.pieces), up to a vocabulary
-        of `vocab_size` including end-of-text."""
+        """Merges learnt from `texts` (cut between words: mingpt.data.pieces), up to `vocab_size` with end-of-text."""
         import rustbpe
 
         check_bpe_vocab_size(vocab_size)

@@ -43,8 +43,7 @@ def _merges(data: bytes) -> list[tuple[str, ...]]:
 
 
 def from_tokenizer_json(payload: dict, url: str) -> Tokenizer:
-    """A parsed Hugging Face tokenizer.json: a byte-level BPE as a tiktoken encoding, or mingpt-export's char
-    vocabulary. Valid JSON of another shape (a key missing, a list where an object belongs) is one TokenizerError."""
+    """A parsed Hugging Face tokenizer.json as a bpe or char tokenizer; JSON of another shape is one TokenizerError."""
     try:
         return _from_tokenizer_json(payload, url)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
@@ -113,8 +112,7 @@ def _to_bpe(vocab: dict[str, int], merges: list, pattern: str, added: dict[str, 
 
 
 def tokenizer_files(tokenizer: Tokenizer, max_length: int) -> dict[str, bytes]:
-    """Hugging Face's files of the same vocabulary: tokenizer.json (and, for GPT-2's pattern, vocab.json and
-    merges.txt)."""
+    """Hugging Face's files of the same vocabulary (vocab.json and merges.txt too for GPT-2's pattern)."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "clean_up_tokenization_spaces": False}
     if tokenizer.eot_id is not None:
         config.update(eos_token=EOT, bos_token=EOT)

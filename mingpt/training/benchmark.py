@@ -79,8 +79,7 @@ def load_hellaswag(t: TrainerConfig, examples: list[Example] | None, tokenizer: 
 
 
 def agree(hellaswag: HellaSwag | None, world: distributed.World, speaks: bool) -> HellaSwag | None:
-    """`hellaswag` where every process has the same number of examples, else None for all: the scoring is a
-    collective, which all must run alike."""
+    """`hellaswag` where every process has as many examples, else None for all: the scoring is a collective."""
     have = [1.0, len(hellaswag.examples)] if hellaswag else [0.0, 0.0]
     processes, examples = distributed.all_reduce_sum(have, world)
     if processes == world.world_size and examples == world.world_size * have[1]:

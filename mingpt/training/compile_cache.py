@@ -98,8 +98,7 @@ class CompileCache:
                   time.perf_counter() - started, ", ".join(f"{n} {kind}" for kind, n in counts.items()))
 
     def after_step(self, lease: RunLease | None, snapshot: bool) -> None:
-        """After a generation's first step and at each snapshot (evaluation compiles too), the lease's holder saves in
-        the background what torch compiled, where that is more than the run has."""
+        """After a generation's first step and at each snapshot, the lease's holder saves what torch newly compiled."""
         self._steps += 1
         if not self.key:  # this torch lacks what they need
             return

@@ -70,8 +70,7 @@ def check_store_sharing(job: JobEnv) -> None:
 
 
 def gpu_of(local_rank: int) -> int:
-    """The worker's own GPU. More workers than GPUs would share one, slowly or until memory runs out (and NCCL refuses
-    two ranks on one GPU), so that is an error."""
+    """The worker's own GPU: more workers than GPUs would share one (NCCL refuses two ranks on one GPU)."""
     count = torch.cuda.device_count()
     if local_rank >= count:
         raise ConfigError(

@@ -57,8 +57,7 @@ class Topology:
 
 
 def choose(wanted: str, params: int, world: World, live: bool = False) -> tuple[str, str]:
-    """The mode to train in and why. `live`: one node of a live job, whose nodes replicate the model (shards stay
-    within the node)."""
+    """The mode to train in and why; `live`: one node of a live job, whose nodes replicate the model."""
     if live and wanted == "fsdp":
         raise ConfigError("mingpt-torchrun --live replicates the model across nodes, so it cannot shard it over "
                           "all of them (trainer.parallelism=fsdp): use trainer.parallelism=hsdp, which shards it "

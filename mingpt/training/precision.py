@@ -32,8 +32,7 @@ def choose_precision(requested: str, device: torch.device, n_embd: int) -> tuple
 
 
 def choose_compile(requested: bool | None, device: torch.device) -> tuple[bool, str]:
-    """Whether to torch.compile the model, and why. `auto` compiles on GPUs only: on CPUs compiling is no faster, and
-    costs seconds at every start (docs/benchmarks.md)."""
+    """Whether to torch.compile the model, and why: `auto` on GPUs only (on CPUs it is no faster, and slows starts)."""
     if requested is not None:
         return requested, "as configured"
     if device.type == "cuda":

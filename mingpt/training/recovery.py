@@ -32,8 +32,7 @@ MEASURED_AT = 4  # the step of a generation at which snapshot.memory_every=0 is 
 
 
 def check_memory_dir(cfg: SnapshotConfig) -> None:
-    """snapshot.memory=on: a snapshot.memory_dir that cannot hold a tier is refused before any work (auto: the tier
-    turns itself off with a warning)."""
+    """snapshot.memory=on: refuse a snapshot.memory_dir that cannot hold a tier (auto turns the tier off instead)."""
     problem = unusable(cfg.memory_dir) if cfg.memory == "on" else None
     if problem:
         raise ConfigError(f"snapshot.memory=on keeps the state in snapshot.memory_dir={cfg.memory_dir}, but {problem} "
@@ -143,8 +142,7 @@ class MemoryCopies:
         return self.every
 
     def _send(self, header: dict | None, buffer: torch.Tensor | None) -> None:
-        """In the copy's thread: send this shard to the next node and keep the previous node's (every process takes
-        part, with an empty shard where it copied nothing)."""
+        """In the copy's thread: send this shard to the next node, keep the previous node's (all take part)."""
         to, source = self.peers
         try:
             description = json.dumps(header).encode() if header else b""
@@ -181,8 +179,7 @@ def _key(held: Held) -> tuple:
 
 
 def _newest_complete(offers: set) -> list[tuple] | None:
-    """Of offers (process, step, generation, index, count), one per shard of the newest step all of whose shards are
-    offered; None if none is."""
+    """Of offers (process, step, generation, index, count), one per shard of the newest complete step; else None."""
     for written in sorted({(step, gen, count) for _, step, gen, _, count in offers}, reverse=True):
         holders = {}
         for offer in sorted(o for o in offers if (o[1], o[2], o[4]) == written):

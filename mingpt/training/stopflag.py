@@ -14,8 +14,7 @@ log = logging.getLogger(__name__)
 
 
 class StopFlag:
-    """Set by SIGTERM or Ctrl-C; a second Ctrl-C aborts at once. No collectives here: only a flag, which the
-    step's agreement shares."""
+    """Set by SIGTERM or Ctrl-C (a second Ctrl-C aborts at once); a flag only, which the step's agreement shares."""
 
     def __init__(self):
         self.requested = False
