@@ -25,8 +25,7 @@ LIVE_HOST = "MINGPT_LIVE_HOST"  # --live: the address other nodes reach this one
 LIVE_MIN_NODES = "MINGPT_LIVE_MIN_NODES"  # --live: the fewest groups that may commit a step (--nnodes's MIN)
 WARM_WORKERS = "MINGPT_WARM_WORKERS"  # set by users: 0 starts every worker as a new Python, as under plain torchrun
 
-# Exit statuses by which a worker says its generation ended because of another process: a membership change, which
-# the agent restarts without using up --max-restarts.
+# A worker's exit statuses for a generation ended by another process: a membership change, restarted for free.
 PEER_STOPPED = 75  # another process was asked to stop (SIGTERM): its node leaves, or the job is being resized
 PEER_LOST = 76  # a collective failed: another process died, hung or was cut off
 MEMBERSHIP_EXITS = {PEER_STOPPED: "asked to stop (SIGTERM)", PEER_LOST: "lost (its processes died or were cut off)"}
@@ -214,8 +213,7 @@ def _live(env: Mapping[str, str]) -> LiveEndpoints | None:
                           "mingpt-torchrun --live") from None
 
 
-# A worker's progress mark: one pwrite of RECORD, read by its agent's watchdog (mingpt.launch.watchdog), which
-# leaves the phases starting and saving to other timeouts.
+# A worker's progress mark: one pwrite of RECORD, for its agent's watchdog (mingpt.launch.watchdog).
 PHASES = ("starting", "computing", "evaluating", "saving", "compiling")
 # step, phase, when entered (time.monotonic), hang timeout, the first step computed (-1 before), warm-up allowance
 RECORD = struct.Struct("<qqddqd")

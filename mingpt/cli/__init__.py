@@ -1,6 +1,5 @@
-"""The command-line tools. Each module parses its flags, calls the library, and turns the outcome
-into an exit status with `run_command`: a mistake of the user's or of stored data (MinGPTError) is
-one line on stderr and exit 2, Ctrl-C is exit 130 and SIGTERM exit 143, never a traceback."""
+"""The command-line tools. Each parses its flags, calls the library, and exits through `run_command`: a mistake of
+the user's or of stored data (MinGPTError) is one line and exit 2, Ctrl-C 130, SIGTERM 143, never a traceback."""
 
 from __future__ import annotations
 

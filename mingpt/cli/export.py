@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from mingpt.cli import command_parser, run_command, summary
 from mingpt.storage import redact
 

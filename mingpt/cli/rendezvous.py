@@ -12,8 +12,7 @@ from mingpt.launch.rendezvous import serve
 def main(argv: list[str] | None = None) -> int:
     """`mingpt-rendezvous`: host torchrun's c10d rendezvous store until stopped (SIGTERM or Ctrl-C).
 
-    On a machine that does not train, so that any agent may die without taking the job down (as one hosting it would).
-    """
+    On a machine that does not train, so that any agent may die without taking the job down."""
     parser = command_parser("mingpt-rendezvous", summary(main.__doc__))
     parser.add_argument("--port", type=int, default=29500, help="TCP port to listen on")
     # ("%(default).0s" prints nothing: the default is worked out from --port.)

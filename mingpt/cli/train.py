@@ -37,8 +37,7 @@ def train_job(settings: Callable[[], Config]) -> None:
     try:
         cfg = settings()
         validate(cfg)
-        # torch and the trainer: imported once the settings are known to be sound, so that --help and a bad
-        # value are quick (torch's start-up is seconds of CPU).
+        # torch and the trainer: imported once the settings are sound, so that --help and a bad value are quick.
         from mingpt.training.trainer import train
 
         log_as_this_process_should()

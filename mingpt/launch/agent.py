@@ -1,17 +1,13 @@
-"""torch's elastic agent, kept going through churn: what `mingpt-torchrun` runs on every node.
+"""torch's elastic agent, kept going through churn: what `mingpt-torchrun` runs on every node (docs/launching.md).
 
-This subclass of torchrun's LocalElasticAgent, and a wrapper of its rendezvous handler, keep a job going while nodes
-die, leave and join (see docs/launching.md, What happens on trouble):
-- workers that ended for a peer (jobenv.PEER_STOPPED, PEER_LOST) restart without using up --max-restarts, unless
-  they made no step and the next round's nodes are the same (else a script exiting 75 would restart for ever);
-- rank assignment waits at most RANKS_WAIT_S (a node may die after its round closed); a failed round goes to the next;
-- only a finished job closes the rendezvous; a node that arrives after that exits 0 (JobFinished);
-- a peer node gone from the round restarts this node's workers, even where they share no collective with it;
-- a rendezvous store that answers late, while the workers train, is waited for;
-- a hung worker (mingpt.launch.watchdog) is named and ended; up to FREE_HANG_RESTARTS such restarts are free;
-- a node waiting to join restarts a generation only once its workers took a step, or after ADMIT_AFTER_S, so that
-  nodes arriving one after another do not keep restarting workers that never step.
-Each agent tells its new workers what changed (jobenv.MEMBERSHIP); the new leader logs it.
+- restarts for a peer (jobenv.PEER_STOPPED, PEER_LOST) are free, unless no step was made and the nodes stay the same
+  (else a script exiting 75 would restart for ever); so are FREE_HANG_RESTARTS for a hang (mingpt.launch.watchdog);
+- rank assignment waits at most RANKS_WAIT_S, and a failed round goes to the next;
+- only a finished job closes the rendezvous (JobFinished); a peer node gone from the round restarts this node's workers;
+- a store that answers late, while the workers train, is waited for;
+- a joining node restarts the workers only once they took a step, or after ADMIT_AFTER_S, so that a stream of
+  arrivals cannot keep them from ever stepping.
+Each agent tells its new workers what changed (jobenv.MEMBERSHIP).
 """
 
 from __future__ import annotations

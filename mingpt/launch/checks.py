@@ -1,6 +1,5 @@
-"""What mingpt-torchrun checks before its agent starts: the node and worker counts, the rendezvous settings and
-endpoint, and the temporary folder. What torchrun would refuse with a traceback, or after a minute with two, is one
-line here (a ConfigError), and the command exits 2."""
+"""What mingpt-torchrun checks before its agent starts (counts, rendezvous settings and endpoint, temporary folder):
+what torchrun would refuse with a traceback, or only after minutes, is one line here (a ConfigError) and exit 2."""
 
 from __future__ import annotations
 

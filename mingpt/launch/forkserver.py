@@ -1,15 +1,11 @@
 """Warm workers: mingpt-torchrun's agent forks each worker from a server that has imported torch and the trainer,
 instead of starting a Python that imports them again (at every restart, and while a joining node keeps others waiting).
 
-1. `mingpt-torchrun` forks the server first thing (`Server.fork`), before any thread starts, joined to it by a socket
-   pair no other process can reach;
-2. the agent tells it the script and environment (`Server.serve`); it imports while the agent meets the others;
-3. for each worker (`Server.start`), the agent sends the arguments, environment, folder and standard streams;
-4. the server forks a child, which forks the worker and exits, so the agent (subreaper for that moment) adopts the
-   worker as its own child: waited for, signalled, told when the agent dies;
-5. the worker takes its session, streams, environment and new seeds, and runs the script (`be_the_server`).
-A worker starts as a new Python wherever a fork would differ from one (CUDA initialized, a thread started, the
-environment changed, no answer within SERVER_WAIT_S...). See docs/launching.md (Warm workers).
+`mingpt-torchrun` forks the server before any thread starts (`Server.fork`), joined by a socket pair no other process
+can reach; it imports while the agent meets the others (`Server.serve`). For each worker (`Server.start`) it forks a
+child that forks the worker and exits, so the agent (subreaper for that moment) adopts it as its own child: waited
+for, signalled, told when the agent dies. A worker starts as a new Python wherever a fork would differ from one (CUDA
+initialized, a thread started, the environment changed, no answer within SERVER_WAIT_S). See docs/launching.md.
 """
 
 from __future__ import annotations
@@ -43,8 +39,8 @@ SERVER_WAIT_S = 60.0  # how long the agent waits for the server to fork a worker
 WARM_MODULES = ("torch", "torch._dynamo", "hydra", "mingpt.training.app", "mingpt.training.trainer")
 ADOPT_WAIT_S = 5.0  # how long a forked worker waits to be adopted by the agent (its forking child to exit)
 MESSAGE_LIMIT = 1 << 24  # bytes of a request (a worker's arguments and environment)
-# What the launcher gives each worker on top of the agent's environment. Code reads them as it runs, not as it imports
-# (the worker applies OMP_NUM_THREADS itself), so a forked worker may differ from its server in these alone.
+# What the launcher gives each worker: read as code runs, not as it imports (the worker applies OMP_NUM_THREADS
+# itself), so a forked worker may differ from its server in these alone.
 PER_WORKER = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
                         "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS"})
@@ -73,10 +69,9 @@ class Server:
 
     @classmethod
     def fork(cls) -> Server | None:
-        """A copy of this process that waits for `serve`; None under MINGPT_WARM_WORKERS=0, and where threads run (a
-        lock another held would stay locked in the copy). The copy never returns: it ends when stopped, when this
-        process ends, or, in a worker it forked, as the worker's script does (its SystemExit or exception leaves
-        through the caller's frames, so nothing there may catch it)."""
+        """A copy of this process that waits for `serve`; None under MINGPT_WARM_WORKERS=0, and where threads run (their
+        locks would stay held in the copy). The copy never returns, but in a worker it forked, whose script's SystemExit
+        or exception leaves through the caller's frames: nothing there may catch it."""
         if os.environ.get(WARM_WORKERS) == "0" or threading.active_count() > 1 or not hasattr(os, "fork"):
             return None
         agent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -31,9 +31,8 @@ log = logging.getLogger(__name__)
 
 STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
-# On GPUs, NCCL's own watchdog finds a hung collective too: errors end the process instead of hanging it, a heartbeat
-# monitor ends a process whose watchdog is stuck, and on a timeout the flight recorder writes the last collectives
-# of every process. The user's own values win, under either name of a setting.
+# On GPUs, NCCL's own watchdog: errors end a process instead of hanging it, a heartbeat monitor ends one whose watchdog
+# is stuck, and the flight recorder writes the last collectives on a timeout. The user's values win, under either name.
 NCCL_WATCH = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_ENABLE_MONITORING": "1",
@@ -129,9 +128,8 @@ HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", 
 
 
 def prepare_before_joining(args: argparse.Namespace) -> None:
-    """Prepare the data and fetch HellaSwag's file before this node's agent joins: else every other node would wait
-    while its workers tokenize, and past trainer.dist_timeout_s the job would end. Only for a mingpt application
-    (mingpt-train, or a script with `conf/` beside it); a bad override is one line here, before any agent starts."""
+    """Prepare the data and fetch HellaSwag's file before this node's agent joins, not while the job waits (past
+    trainer.dist_timeout_s, ending it). Only for a mingpt application (mingpt-train, or a script with `conf/`)."""
     conf = Path(args.training_script).resolve().parent / "conf"
     if Path(args.training_script).name == "mingpt-train":
         conf = CONF_DIR

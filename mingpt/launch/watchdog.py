@@ -1,11 +1,10 @@
 """The hang watchdog of a node's agent: finds a worker that stopped making progress, logs its Python stack and ends
 it, so that torchrun restarts the workers instead of every node waiting for trainer.dist_timeout_s.
 
-A worker is hung when its last mark (mingpt.training.progress) in a judged phase is older than trainer.hang_timeout_s,
-or (auto) HANG_STEPS median steps, at least HANG_FLOOR_S. A first step and every compile are allowed
-trainer.dist_timeout_s instead. The others wait for a hung worker, so their marks age too: the one ended is the
-stopped one (SIGSTOP, a debugger), else the oldest once past 1.5 timeouts (so a hang elsewhere is left to its agent).
-Its stack comes from py-spy (which reads a stopped process from outside), else from the process itself on SIGUSR1.
+A worker is hung when its last mark (mingpt.training.progress) is older than trainer.hang_timeout_s, or (auto)
+HANG_STEPS median steps; a first step or a compile, than trainer.dist_timeout_s. The others wait for a hung worker, so
+their marks age too: the one ended is the stopped one (SIGSTOP, a debugger), else the oldest once past 1.5 timeouts
+(so a hang elsewhere is left to its agent). py-spy reads its stack, even stopped; else the process writes it on SIGUSR1.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Where the trainer's metrics go: metrics.jsonl, TensorBoard, Weights & Biases (`trainer.loggers`); only the
-leader of a job logs.
+"""Where the trainer's metrics go: metrics.jsonl, TensorBoard, Weights & Biases (`trainer.loggers`); the leader logs.
 
-A restarted job continues the same TensorBoard and W&B run. It resumes from a snapshot, perhaps older than the last
-step it logged; the steps it trains again are not logged twice (TensorBoard purges its events from that step on,
-W&B keeps the first ones).
+A restarted job continues the same TensorBoard and W&B run; the steps it trains again after resuming from an older
+snapshot are not logged twice (TensorBoard purges its events from that step on, W&B keeps the first ones).
 """
 
 from __future__ import annotations
@@ -87,15 +85,13 @@ class Logger:
 
 
 class Loggers(Logger):
-    """The loggers of `trainer.loggers`, called in turn. One that fails while training is warned about once and dropped:
-    dashboards are a convenience and must not stop a job. One failing to start (a W&B login missing) stops the job,
-    before its first step."""
+    """The loggers of `trainer.loggers`, called in turn. One that fails while training is dropped with a warning (a
+    convenience must not stop a job); one failing to start (a W&B login missing) stops it before its first step."""
 
     def __init__(self, names: Sequence[str], run: RunDir, config: dict, leader: bool):
         check_loggers(names)
         makers = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
-        # metrics.jsonl last: a process killed between two loggers leaves it claiming no step that the
-        # others lack (restarts and tools read it as the record of what was logged).
+        # metrics.jsonl last: killed between two loggers, it claims no step the others lack (restarts read it).
         ordered = sorted(names, key=lambda name: name == "jsonl")
         self.loggers: list[Logger] = [makers[name](run, config) for name in ordered] if leader else []
 

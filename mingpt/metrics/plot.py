@@ -1,7 +1,6 @@
-"""A run's loss from its metrics.jsonl, as a picture (`mingpt-plot`): train and val loss against step, tokens/s on a
-second axis, and a vertical line where the run restarted or its world size changed; below, where the run recorded them,
-HellaSwag's acc_norm with GPT-2 124M's line, and each process's own time per step (mingpt.training.stragglers), so that
-a slow one stands out. Needs matplotlib: pip install -e ".[plot]"."""
+"""A run's loss from its metrics.jsonl, as a picture (`mingpt-plot`): losses and tokens/s against step, a line at each
+restart or world-size change; below, where recorded, HellaSwag's acc_norm against GPT-2 124M's, and each process's own
+time per step (mingpt.training.stragglers), so that a slow one stands out. Needs matplotlib (the `plot` extra)."""
 
 from __future__ import annotations
 
@@ -221,8 +220,7 @@ def _draw_marks(axis, data: Curves) -> None:
                       fontsize=7, color=color[step])
 
 
-# GPT-2 124M's HellaSwag acc_norm under lm-evaluation-harness (llm.c's dev/data/hellaswag.py quotes it): the line the
-# recipe gpt2-fineweb-edu is judged by.
+# GPT-2 124M's HellaSwag acc_norm under lm-evaluation-harness (as llm.c quotes it): recipe gpt2-fineweb-edu's target.
 GPT2_124M_ACC_NORM = 0.3114
 
 

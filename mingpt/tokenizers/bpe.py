@@ -1,5 +1,4 @@
-"""Tokenizers that encode with tiktoken: a byte-level BPE learnt from the corpus with rustbpe, or a
-named tiktoken encoding (gpt2, cl100k_base, ...)."""
+"""Tiktoken-backed tokenizers: a byte-level BPE learnt with rustbpe, or a named encoding (gpt2, cl100k_base...)."""
 
 from __future__ import annotations
 

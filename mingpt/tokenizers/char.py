@@ -39,7 +39,6 @@ class CharTokenizer(Tokenizer):
         return len(self.symbols)
 
     def _encode(self, text: str) -> np.ndarray:
-        # Vectorised: look every code point up in the sorted vocabulary at once.
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         ids = np.searchsorted(self.codepoints, points)
         ids_clipped = np.minimum(ids, len(self.codepoints) - 1)

@@ -93,8 +93,7 @@ def group_options(command: Command) -> dict[str, list[str]]:
     return {group: sorted(names) for group, names in options.items()}
 
 
-# Hydra settings that would move where the job writes: relative snapshot and data folders under another folder,
-# and Hydra's own output beside them (train/conf/config.yaml sets them).
+# Hydra settings (train/conf/config.yaml's) that would move relative snapshot and data folders, and Hydra's output.
 FIXED_HYDRA = {"hydra.job.chdir", "hydra.run.dir", "hydra.output_subdir", "hydra.sweep.dir", "hydra.sweep.subdir",
                "hydra.runtime.output_dir"}
 

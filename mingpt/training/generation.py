@@ -18,9 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class Meeting:
-    """The launcher's key-value store, opened first thing so that peers wait for a process still preparing data as
-    long as it takes (the leader naming whom), instead of timing out in init_process_group; one that never shows up
-    is still an error after trainer.dist_timeout_s. `open` meets there; the constructor reaches nothing."""
+    """The launcher's key-value store, opened first so that peers wait for a process preparing data as long as it
+    takes, not timing out in init_process_group (one never started still does). The constructor reaches nothing."""
 
     def __init__(self, job: JobEnv, timeout_s: float):
         self.job, self.timeout_s = job, timeout_s

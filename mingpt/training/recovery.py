@@ -64,9 +64,8 @@ class MemoryCopies:
         self._waited = 0.0  # by the training thread, for the copy before the last optimizer step
 
     def restore(self, durable_step: int, durable_generation: int | None) -> dict | None:
-        """Restore the replica from the newest step the tiers hold whole, newer than `durable_step` and written by its
-        generation or a later one (never a tier of a generation another followed); a shard's header, or None.
-        Every process calls it."""
+        """Every process: restore the newest step the tiers hold whole, newer than `durable_step` and written by its
+        generation or a later one (never a tier of a generation another followed); a shard's header, or None."""
         usable = lambda held: (held.header.get("generation") or 0) >= (durable_generation or 0)
         held = [h for h in self.tier.shards(newer_than=durable_step) if usable(h)]
         everyone = distributed.all_gather_object(([_key(h) for h in held], self.tier.reached()), self.world)
