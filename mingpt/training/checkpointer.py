@@ -215,7 +215,7 @@ class Checkpointer:
             self._held.release()
             self._held = self.store.lease = None
         if writes and self._held is None:
-            self._held = self.store.claim(self.cfg.snapshot.lease_timeout_s, self.topology.world.job, LIVE)
+            self._held = self.store.claim(self.cfg.snapshot.lease_timeout_s, self.world.job, LIVE)
 
     def before_update(self) -> None:
         """The optimizer is about to change the state: the memory copy in flight must have read it."""
