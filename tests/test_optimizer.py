@@ -24,15 +24,22 @@ def replica(t: TrainerConfig = MUON) -> Replica:
     return Replica(model, build_optimizer(model, t), None, TrainState())
 
 
-def train(replica: Replica, steps: range) -> None:
-    """Steps of the same batches, whoever takes them: batch i is drawn from seed i."""
+def train(replica: Replica, steps: range, scaler: torch.amp.GradScaler | None = None) -> None:
+    """Steps of the same batches, whoever takes them: batch i is drawn from seed i. With `scaler`, as the trainer
+    steps under fp16."""
     for step in steps:
         set_lr(replica.optimizer, MUON, step)
         x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(step))
         replica.optimizer.zero_grad(set_to_none=True)
         _, loss = replica.model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        replica.optimizer.step()
+        if scaler is None:
+            loss.backward()
+            replica.optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(replica.optimizer)  # to clip the true gradients
+            scaler.step(replica.optimizer)
+            scaler.update()
         replica.state.advance(4, f"{step}")
 
 
@@ -94,3 +101,12 @@ def test_muons_state_goes_through_the_memory_tier_and_a_heal_and_the_steps_after
         train(each, range(3, 6))
     assert_same(from_memory, source)
     assert_same(healed, source)
+
+
+def test_the_loss_scaler_unscales_and_steps_both_as_one_optimizer():
+    """fp16's GradScaler (GPU only in the trainer; its CPU form here) takes MuonAdamW as an optimizer: a scale of a
+    power of two is exact, so the scaled steps are bitwise the plain ones."""
+    plain, scaled = replica(), replica()
+    train(plain, range(3))
+    train(scaled, range(3), torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    assert_same(scaled, plain)

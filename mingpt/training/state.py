@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from mingpt.checkpoint.store import Snapshot, SnapshotError
 from mingpt.model import GPTConfig
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
-from mingpt.training.optimizer import MuonAdamW
 from mingpt.storage import parse_json
+from mingpt.training.optimizer import MuonAdamW
 
 RECENT = 64  # steps whose samples' digests the state carries (TrainState.ledger)
 
@@ -123,7 +123,7 @@ def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tok
             f"snapshot {snapshot.url} was made with a different model: {', '.join(diffs)}. "
             "Use the settings of that run, or a new snapshot.dir to start a new run"
         )
-    saved_optimizer = snapshot.manifest.get("optimizer", "adamw")  # recorded since Muon came; AdamW before
+    saved_optimizer = snapshot.manifest.get("optimizer", "adamw")  # none recorded: made before Muon, so AdamW's
     if saved_optimizer != optimizer:
         raise SnapshotError(
             f"snapshot {snapshot.url} was trained with trainer.optimizer={saved_optimizer} (config asks for "
