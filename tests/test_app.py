@@ -6,6 +6,7 @@ itself runs once per kind of outcome: a bad value, a value of the wrong type (bo
 and Ctrl-C."""
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 from hydra.errors import HydraException
 
-from launch import MAIN, SMALL, config, env, latest_step, manifests, output, train_here, wait_for
+from launch import MAIN, SMALL, assert_equal_weights, config, env, latest_step, manifests, output, train_here, wait_for
 from mingpt.checkpoint.store import SnapshotError
 from mingpt.errors import ConfigError, DataError, MinGPTError
 
@@ -45,6 +46,11 @@ def one_line(error: BaseException) -> str:
         ("model.n_head=5", ["n_embd=48 is not divisible by n_head=5"]),
         ("model.arch=llama", ["model.arch must be one of gpt2, modern; got 'llama'"]),
         ("model.mlp=swiglu", ["model.mlp one of gelu, relu2", "mlp='swiglu'"]),
+        ("trainer.optimizer=sgd", ["trainer.optimizer must be adamw or muon; got 'sgd'"]),
+        ("trainer.muon_lr=0", ["trainer.muon_lr must be positive; got 0.0"]),
+        ("trainer.muon_momentum=1", ["trainer.muon_momentum must be in [0, 1); got 1.0"]),
+        ("trainer.muon_weight_decay=-0.1", ["trainer.muon_weight_decay must be >= 0"]),
+        ("trainer.muon_lr=nan", ["trainer.muon_lr must be a finite number"]),
         ("trainer.no_such_key=1", ["no_such_key"]),
         ("model=gpt-huge", ["gpt-huge", "gpt-mini"]),
         ("trainer.lr=inf", ["trainer.lr must be a finite number"]),
@@ -78,6 +84,16 @@ def test_bad_config_is_refused_naming_the_key(override, words):
     with pytest.raises((ConfigError, HydraException)) as refused:
         config(*SMALL, override)
     assert all(w in str(refused.value) for w in words), refused.value
+
+
+@pytest.mark.parametrize("parallelism", ["fsdp", "hsdp"])
+def test_muon_with_a_sharded_model_is_refused_in_one_line_before_any_work(parallelism):
+    """Each process would orthogonalise its shard of a matrix, not the matrix (auto: test_fsdp)."""
+    with pytest.raises(ConfigError) as refused:
+        config(*SMALL, "trainer.optimizer=muon", f"trainer.parallelism={parallelism}")
+    assert one_line(refused.value) == (
+        "trainer.parallelism must be auto or ddp with trainer.optimizer=muon: Muon orthogonalises whole matrices, "
+        "which fsdp and hsdp shard (use trainer.optimizer=adamw to shard the model); got " + repr(parallelism))
 
 
 @pytest.mark.multiproc
@@ -327,3 +343,39 @@ def test_the_modern_architecture_trains_resumes_bitwise_and_is_refused_where_its
     _, model, _ = open_model(str(tmp_path / "whole" / "snap"), torch.device("cpu"))
     with pytest.raises(ConfigError, match="rotary positions, rmsnorm, QK-norm, a relu2 MLP, which Hugging Face"):
         hf.hf_files(model, None)
+
+
+def test_muon_trains_resumes_bitwise_and_a_run_resumes_with_its_own_optimizer_only(tmp_path):
+    """trainer.optimizer=muon (with model.arch=modern) lowers the loss, and a run stopped at step 5 goes on to step
+    10 exactly as one that never stopped: weights, Muon's momentum and AdamW's moments, all in its snapshots. A run
+    resumed with the other optimizer is refused in one line, nothing overwritten, either way; a snapshot that records
+    none (made before Muon came) is AdamW's."""
+    muon = ["model.arch=modern", "trainer.optimizer=muon", "trainer.max_steps=10"]
+    whole, stopped, adamw = tmp_path / "whole", tmp_path / "stopped", tmp_path / "adamw"
+    train_here(whole, *muon)
+    train_here(stopped, *muon[:2], "trainer.max_steps=5")
+    train_here(stopped, *muon)
+    saved = lambda run, name: torch.load(run / "snap" / "step-000000010" / name, weights_only=True)
+    assert_equal_weights(saved(whole, "model.pt"), saved(stopped, "model.pt"))
+    optimizer, resumed = saved(whole, "optimizer.pt"), saved(stopped, "optimizer.pt")
+    assert optimizer["param_groups"] == resumed["param_groups"]
+    torch.testing.assert_close(optimizer["state"], resumed["state"], rtol=0, atol=0)
+    assert set(optimizer["state"]["blocks.0.mlp.c_fc.weight"]) == {"momentum_buffer"}  # Muon's
+    assert set(optimizer["state"]["wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}  # AdamW's
+    manifest = manifests(whole / "snap")[-1]
+    assert manifest["optimizer"] == "muon" and manifest["metrics"] == manifests(stopped / "snap")[-1]["metrics"]
+    # The untied head starts at zero: the first loss is ln(vocabulary) exactly.
+    assert manifest["metrics"]["train_loss"] < 0.85 * math.log(manifest["model_config"]["vocab_size"])
+
+    with pytest.raises(SnapshotError) as refused:
+        train_here(whole, "model.arch=modern", "trainer.max_steps=12")
+    assert "trained with trainer.optimizer=muon (config asks for adamw)" in one_line(refused.value)
+    assert latest_step(whole / "snap") == 10
+    train_here(adamw, "model.arch=modern", "trainer.max_steps=2")
+    manifest_file = adamw / "snap" / "step-000000002" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest.pop("optimizer") == "adamw"
+    manifest_file.write_text(json.dumps(manifest))  # as snapshots were written before Muon came
+    with pytest.raises(SnapshotError, match=r"trainer.optimizer=adamw \(config asks for muon\)"):
+        train_here(adamw, *muon)
+    assert "resumed from" in train_here(adamw, "model.arch=modern", "trainer.max_steps=3")

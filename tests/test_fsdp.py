@@ -269,6 +269,24 @@ def test_ddp_that_cannot_fit_names_the_numbers_and_fsdp():
     assert parallel.choose("fsdp", 1000, world)[0] == "fsdp"
 
 
+def test_muon_keeps_matrices_whole_auto_is_ddp_and_a_model_too_large_for_ddp_is_refused():
+    """Muon orthogonalises whole matrices: auto never shards for it, live or not (fsdp and hsdp with it are refused
+    by config.validate: test_app)."""
+    class Distributed(World):
+        distributed = True
+
+    world = Distributed(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), per_node=2)
+    params = int(parallel.memory_per_process(world) / parallel.STATE_BYTES_PER_PARAM) * 2  # twice what fits
+    fits = params // 3  # auto would shard it for AdamW, but one copy fits
+    assert parallel.choose("auto", fits, world)[0] == "fsdp"
+    for live in (False, True):
+        assert parallel.choose("auto", fits, world, live, "muon") == \
+            ("ddp", "auto: trainer.optimizer=muon needs whole matrices")
+    assert parallel.choose("ddp", 1000, world, optimizer="muon") == ("ddp", "as configured")
+    with pytest.raises(ConfigError, match=r"trainer.optimizer=muon .* \(ddp\): .* GB .* Use trainer.optimizer=adamw"):
+        parallel.choose("auto", params, world, optimizer="muon")
+
+
 def test_a_live_node_shards_within_itself_only():
     """Under mingpt-torchrun --live the world is one node, whose model the other nodes replicate: auto shards
     within the node (hsdp), and fsdp (over every node) is refused naming hsdp."""

@@ -26,7 +26,7 @@ from mingpt.training.parallel import Topology
 from mingpt.training.live import COLLECTIVE_TIMEOUT_S, NEVER, SINCE, LiveAgreement, credentials, eldest, misfit
 
 
-def test_a_group_is_of_the_job_where_its_job_data_and_layout_are_those_of_the_group_longest_in_it():
+def test_a_group_is_of_the_job_where_its_job_data_layout_and_optimizer_are_those_of_the_group_longest_in_it():
     """Every step's table carries each group's credentials, and so does the state a peer sends a healing group:
     a group whose credentials differ from those of the group longest in the job is refused, naming both."""
     job = credentials("live", "a" * 64, 2, "hsdp")
@@ -36,8 +36,13 @@ def test_a_group_is_of_the_job_where_its_job_data_and_layout_are_those_of_the_gr
         "as the node longest in the job prepared it): start every node of a job with the same data settings and "
         "corpus; to train on other data, start another job (another --rdzv-id)")
     assert str(misfit(credentials("live", "a" * 64, 1, "ddp"), job, "live")) == (
-        "this node runs 1 worker(s) per node, ddp, where live job live runs 2 worker(s) per node, hsdp (as the node "
-        "longest in the job does): start every node of a job with the same --nproc-per-node and trainer.parallelism")
+        "this node runs 1 worker(s) per node, ddp, adamw, where live job live runs 2 worker(s) per node, hsdp, adamw "
+        "(as the node longest in the job does): start every node of a job with the same --nproc-per-node, "
+        "trainer.parallelism and trainer.optimizer")
+    muon = credentials("live", "a" * 64, 1, "ddp", "muon")  # same gradients, other weights after the step
+    assert misfit(muon, muon, "live") is None
+    assert "this node runs 1 worker(s) per node, ddp, muon, where live job live runs 1 worker(s) per node, ddp, " \
+        "adamw" in str(misfit(muon, credentials("live", "a" * 64, 1, "ddp"), "live"))
     assert str(misfit(credentials("other", "a" * 64, 2, "hsdp"), job, "live")).startswith(
         "another live job trains on the Lighthouse this node met, not job live")
 

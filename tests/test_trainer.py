@@ -57,14 +57,22 @@ def test_killed_workers_cost_at_most_a_step_and_the_run_stays_bitwise_identical(
 
 
 @pytest.mark.slow
-def test_workers_run_to_the_end_and_uneven_shards_give_the_full_batch_gradient(tmp_path, procs):
+@pytest.mark.parametrize("recipe", [
+    pytest.param([], id="gpt2-adamw"),
+    # torch.optim.Muon orthogonalises in bf16: a gradient that differs in its last fp32 bit rounds otherwise there,
+    # and Newton-Schulz amplifies that along the small singular directions (weights 1e-2 apart after 20 steps).
+    # In fp32 this case passes as AdamW's does.
+    pytest.param(["model.arch=modern", "trainer.optimizer=muon"], id="muon", marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason="torch.optim.Muon's bf16 Newton-Schulz amplifies summation order")),
+])
+def test_workers_run_to_the_end_and_uneven_shards_give_the_full_batch_gradient(tmp_path, procs, recipe):
     """3 processes share 10 examples as 4+3+3, in micro-batches of 2 (accumulated under no_sync):
-    the same steps as one process taking all 10 in one pass, up to float summation order. (Strided
-    windows are sliced the same way from their own order: test_sampler checks that order.)
+    the same steps as one process taking all 10 in one pass, up to float summation order, with either optimizer.
+    (Strided windows are sliced the same way from their own order: test_sampler checks that order.)
     Launched as the README's multinode line on one node: the agent finds that --rdzv-endpoint names
     this machine and hosts the rendezvous store itself, torch's default."""
     windows = "random"
-    uneven = ["trainer.global_batch_size=10", "trainer.micro_batch_size=2", f"data.windows={windows}"]
+    uneven = ["trainer.global_batch_size=10", "trainer.micro_batch_size=2", f"data.windows={windows}", *recipe]
     node = torchrun("--nnodes=1:4", "--nproc-per-node=3", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=uneven", f"--rdzv-conf={RDZV_CONF}")
     text = run(procs, node, overrides(tmp_path, "three", 20, extra=uneven), "three")
@@ -81,7 +89,7 @@ def test_workers_run_to_the_end_and_uneven_shards_give_the_full_batch_gradient(t
     # Hydra writes nothing of its own (no outputs/ folder, none per rank) in the working directory.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "three", "three.log"]
 
-    alone = ["trainer.global_batch_size=10", "trainer.micro_batch_size=10", f"data.windows={windows}"]
+    alone = ["trainer.global_batch_size=10", "trainer.micro_batch_size=10", f"data.windows={windows}", *recipe]
     train_here(tmp_path / "alone", "trainer.max_steps=20", "snapshot.every=10", *alone)  # one process: this one
     three, one = weights(tmp_path / "three", 20), weights(tmp_path / "alone" / "snap", 20)
     for key in one:

@@ -82,8 +82,8 @@ class Checkpointer:
         return self.store.get(value)
 
     def check_fits(self, snapshot: Snapshot, replica: Replica) -> None:
-        """SnapshotError unless the run's model and tokenizer can train on from `snapshot`."""
-        check_compatible(snapshot, replica.model.config, self.tokenizer)
+        """SnapshotError unless the run's model, tokenizer and optimizer can train on from `snapshot`."""
+        check_compatible(snapshot, replica.model.config, self.tokenizer, self.cfg.trainer.optimizer)
 
     def load(self, snapshot: Snapshot, replica: Replica) -> None:
         """Restore `replica` from `snapshot` (which fits it: check_fits)."""
@@ -154,6 +154,7 @@ class Checkpointer:
         return {
             "samples_seen": replica.state.samples_seen,
             "model_config": replica.model.config.to_dict(),
+            "optimizer": self.cfg.trainer.optimizer,  # a run resumes with its own (check_compatible)
             "config": self.cfg.to_dict(),
             "world_size": self.world.world_size,
             "data_fingerprint": self.data_fingerprint,

@@ -73,6 +73,9 @@ class DataConfig(PrepareConfig):
     windows: str = "random"
 
 
+OPTIMIZERS = ("adamw", "muon")  # trainer.optimizer's values (mingpt.training.optimizer builds them)
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 1000
@@ -85,6 +88,13 @@ class TrainerConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # adamw: AdamW for every parameter. muon: Muon for the blocks' attention and MLP matrices, AdamW (trainer.lr, betas,
+    # weight_decay) for the embeddings, head, norms and biases (mingpt.training.optimizer). Muon orthogonalises whole
+    # matrices, so it trains unsharded (ddp) only. A run resumes with the optimizer it started with.
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02  # Muon's peak learning rate, on the same warm-up and decay as trainer.lr
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_weight_decay: float = 0.0  # Muon's decoupled weight decay (each step shrinks weights by lr * it)
     precision: str = "auto"  # auto (bf16 where the GPU or CPU computes it natively, else fp32), fp32, bf16, fp16
     compile: Optional[bool] = None  # torch.compile the model; null (auto): on GPUs only
     # Where it compiles, load torch.compile's caches from snapshot.dir before compiling, and save them there
@@ -155,7 +165,8 @@ LONGEST_WAIT_S = 7 * 24 * 3600
 
 # Every float setting. `inf` and `nan` pass many range checks (inf > 0), and would reach the optimizer.
 FLOAT_KEYS = ("model.dropout", "data.val_fraction", "trainer.lr", "trainer.min_lr_ratio", "trainer.weight_decay",
-              "trainer.beta1", "trainer.beta2", "trainer.grad_clip")
+              "trainer.beta1", "trainer.beta2", "trainer.grad_clip", "trainer.muon_lr", "trainer.muon_momentum",
+              "trainer.muon_weight_decay")
 
 
 def from_hydra(raw: DictConfig) -> Config:
@@ -239,7 +250,7 @@ def validate(cfg: Config) -> None:
         ("snapshot.memory", s.memory in ("auto", "on", "off"), "auto, on or off"),
         ("snapshot.memory_every", s.memory_every >= 0, ">= 0 (0 chooses it)"),
         ("snapshot.memory_dir", os.path.isabs(s.memory_dir), "an absolute path of a local folder (/dev/shm)"),
-    ]
+    ] + _optimizer_checks(t)
     for key, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
@@ -249,6 +260,21 @@ def validate(cfg: Config) -> None:
     check_loggers(t.loggers)  # known names, their packages installed
     # The model's own checks (sizes, dropout, n_embd divisible by n_head) on the resolved preset sizes.
     m.build(vocab_size=1, block_size=d.block_size)
+
+
+def _optimizer_checks(t: TrainerConfig) -> list[tuple[str, bool, str]]:
+    """(key, whether its value is good, what it must be) for trainer.optimizer and Muon's settings."""
+    return [
+        ("trainer.optimizer", t.optimizer in OPTIMIZERS, "adamw or muon"),
+        ("trainer.muon_lr", t.muon_lr > 0, "positive"),
+        ("trainer.muon_momentum", 0.0 <= t.muon_momentum < 1.0, "in [0, 1)"),
+        ("trainer.muon_weight_decay", t.muon_weight_decay >= 0, ">= 0"),
+        # Sharded, each process would orthogonalise its slice of a matrix: another update, and one that changes with
+        # the number of processes.
+        ("trainer.parallelism", t.optimizer != "muon" or t.parallelism in ("auto", "ddp"),
+         "auto or ddp with trainer.optimizer=muon: Muon orthogonalises whole matrices, which fsdp and hsdp shard "
+         "(use trainer.optimizer=adamw to shard the model)"),
+    ]
 
 
 def _whole_numbers(cfg: Config) -> Iterator[tuple[str, int]]:

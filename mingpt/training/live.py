@@ -40,6 +40,7 @@ from torch.distributed import DistError
 
 from mingpt.errors import ConfigError, DataError, MinGPTError, TrainingError, one_line
 from mingpt.training.agreement import Outcome, Share
+from mingpt.training.config import OPTIMIZERS
 from mingpt.training.distributed import World, peer_lost
 from mingpt.training.parallel import Topology
 
@@ -80,14 +81,17 @@ NEVER = float(2**52)
 MODES = ("ddp", "hsdp")  # the layouts' modes, by their number
 
 
-def credentials(job_id: str, data_fingerprint: str, workers: int, mode: str) -> tuple[int, int, int]:
-    """What every group of a live job shares: its job's id, its data's fingerprint (48 bits each), its layout."""
-    return (int(hashlib.sha256(job_id.encode()).hexdigest()[:12], 16), int(data_fingerprint[:12], 16),
-            workers * len(MODES) + MODES.index(mode))
+def credentials(job_id: str, data_fingerprint: str, workers: int, mode: str, optimizer: str = "adamw") \
+        -> tuple[int, int, int]:
+    """What every group of a live job shares: its job's id, its data's fingerprint (48 bits each), its layout (the
+    optimizer too: groups that stepped with different ones would hold different weights, and never say so)."""
+    layout = (workers * len(MODES) + MODES.index(mode)) * len(OPTIMIZERS) + OPTIMIZERS.index(optimizer)
+    return int(hashlib.sha256(job_id.encode()).hexdigest()[:12], 16), int(data_fingerprint[:12], 16), layout
 
 
 def describe_layout(number: int) -> str:
-    return f"{number // len(MODES)} worker(s) per node, {MODES[number % len(MODES)]}"
+    placement, optimizer = divmod(number, len(OPTIMIZERS))
+    return f"{placement // len(MODES)} worker(s) per node, {MODES[placement % len(MODES)]}, {OPTIMIZERS[optimizer]}"
 
 
 def misfit(mine: Sequence[float], job: Sequence[float], job_id: str) -> MinGPTError | None:
@@ -105,7 +109,7 @@ def misfit(mine: Sequence[float], job: Sequence[float], job_id: str) -> MinGPTEr
     if my_layout != its_layout:
         return ConfigError(f"this node runs {describe_layout(my_layout)}, where live job {job_id} runs "
                            f"{describe_layout(its_layout)} (as the node longest in the job does): start every node of "
-                           "a job with the same --nproc-per-node and trainer.parallelism")
+                           "a job with the same --nproc-per-node, trainer.parallelism and trainer.optimizer")
     return None
 
 
@@ -146,7 +150,7 @@ class LiveAgreement:
                                         timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
         # Checked in every step's table, and against the state a peer sends this group to heal.
         self.credentials = credentials(self.job_id, self.checkpointer.data_fingerprint, self.world.world_size,
-                                       self.mode)
+                                       self.mode, self.checkpointer.cfg.trainer.optimizer)
         self.name = group_name(self.world)
         self.manager = self._new_manager()
         return self

@@ -1,7 +1,8 @@
 """How the replica is spread over the processes (`trainer.parallelism`): ddp (whole everywhere), fsdp (1/N each:
 FSDP2's `fully_shard` per block, then the root), hsdp (sharded within a node, replicated across, so the all-gathers
-stay on the fast links), auto (ddp while the state fits comfortably, fsdp beyond). Data order and loss weighting are
-the same in every mode, so a run may change mode at a restart.
+stay on the fast links), auto (ddp while the state fits comfortably, fsdp beyond; always ddp with Muon, which
+orthogonalises whole matrices). Data order and loss weighting are the same in every mode, so a run may change mode at
+a restart.
 """
 
 from __future__ import annotations
@@ -56,12 +57,15 @@ class Topology:
         return (rank + self.per_node) % size, (rank - self.per_node) % size
 
 
-def choose(wanted: str, params: int, world: World, live: bool = False) -> tuple[str, str]:
-    """The mode to train in and why; `live`: one node of a live job, whose nodes replicate the model."""
+def choose(wanted: str, params: int, world: World, live: bool = False, optimizer: str = "adamw") -> tuple[str, str]:
+    """The mode to train in and why; `live`: one node of a live job, whose nodes replicate the model. Muon
+    (`optimizer`) orthogonalises whole matrices: auto is ddp for it, and a model too large for ddp is refused."""
     if live and wanted == "fsdp":
         raise ConfigError("mingpt-torchrun --live replicates the model across nodes, so it cannot shard it over "
                           "all of them (trainer.parallelism=fsdp): use trainer.parallelism=hsdp, which shards it "
                           "within each node")
+    if optimizer == "muon":
+        return _unsharded(wanted, params, world)
     mode, why = _choose(wanted, params, world)
     if live and mode == "fsdp":  # auto
         return "hsdp", f"{why}, within the node (--live: replicated across nodes)"
@@ -69,9 +73,8 @@ def choose(wanted: str, params: int, world: World, live: bool = False) -> tuple[
 
 
 def _choose(wanted: str, params: int, world: World) -> tuple[str, str]:
-    need = params * STATE_BYTES_PER_PARAM
-    room = memory_per_process(world)
-    fits = f"{_gb(need)} of weights, gradients and AdamW state against {_gb(room)} per process"
+    need, room = params * STATE_BYTES_PER_PARAM, memory_per_process(world)
+    fits = _fits(need, room)
     if not world.distributed:
         return "ddp", "one process: nothing to shard or replicate"
     if wanted == "auto":
@@ -87,6 +90,22 @@ def _choose(wanted: str, params: int, world: World) -> tuple[str, str]:
         raise ConfigError(f"trainer.parallelism=hsdp needs the same number of processes on every node; "
                           f"{world.world_size} processes do not divide into nodes of {world.per_node}")
     return wanted, "as configured"
+
+
+def _unsharded(wanted: str, params: int, world: World) -> tuple[str, str]:
+    """Muon's mode: ddp (auto too), where every process has room for the whole state."""
+    if not world.distributed:
+        return "ddp", "one process: nothing to shard or replicate"
+    need, room = params * STATE_BYTES_PER_PARAM, memory_per_process(world)
+    if need > room:
+        raise ConfigError(f"trainer.optimizer=muon orthogonalises whole matrices, so every process holds the whole "
+                          f"state (ddp): {params / 1e6:.0f}M parameters take {_fits(need, room)}. Use "
+                          "trainer.optimizer=adamw, whose state trainer.parallelism=fsdp can shard")
+    return "ddp", "as configured" if wanted == "ddp" else "auto: trainer.optimizer=muon needs whole matrices"
+
+
+def _fits(need: float, room: float) -> str:
+    return f"{_gb(need)} of weights, gradients and optimizer state against {_gb(room)} per process"
 
 
 def memory_per_process(world: World) -> float:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from mingpt.training.config import TrainerConfig
+from mingpt.training.optimizer import MuonAdamW, is_muon
 
 
 def lr_at(t: TrainerConfig, step: int) -> float:
@@ -18,7 +19,8 @@ def lr_at(t: TrainerConfig, step: int) -> float:
     return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, t: TrainerConfig, step: int) -> None:
+def set_lr(optimizer: torch.optim.Optimizer | MuonAdamW, t: TrainerConfig, step: int) -> None:
+    """Every group at lr_at's rate; Muon's groups at trainer.muon_lr on the same warm-up and decay."""
     lr = lr_at(t, step)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * t.muon_lr / t.lr if is_muon(group) else lr

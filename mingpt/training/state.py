@@ -16,6 +16,7 @@ from mingpt.checkpoint.store import Snapshot, SnapshotError
 from mingpt.model import GPTConfig
 from mingpt.tokenizers import Tokenizer, tokenizer_from_dict
 from mingpt.storage import parse_json
+from mingpt.training.optimizer import MuonAdamW
 
 RECENT = 64  # steps whose samples' digests the state carries (TrainState.ledger)
 
@@ -54,7 +55,7 @@ class Replica:
     """What a snapshot saves and restores, in every process (each its shard where the model is sharded)."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | MuonAdamW  # AdamW, or Muon and AdamW (mingpt.training.optimizer)
     scaler: torch.amp.GradScaler | None  # fp16 only: the loss scale it found is part of the state
     state: TrainState
 
@@ -102,8 +103,8 @@ class Replica:
         return {"model": snapshot.load_tensors("model.pt"), "optimizer": optimizer, "scaler": scaler}, True
 
 
-def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer) -> None:
-    """SnapshotError unless this run's model and tokenizer can train on from `snapshot`."""
+def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tokenizer, optimizer: str) -> None:
+    """SnapshotError unless this run's model, tokenizer and optimizer can train on from `snapshot`."""
     try:
         saved_tokenizer = tokenizer_from_dict(parse_json(snapshot.read("tokenizer.json")))
         saved = GPTConfig(**snapshot.manifest.get("model_config")).to_dict()
@@ -121,6 +122,13 @@ def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tok
         raise SnapshotError(
             f"snapshot {snapshot.url} was made with a different model: {', '.join(diffs)}. "
             "Use the settings of that run, or a new snapshot.dir to start a new run"
+        )
+    saved_optimizer = snapshot.manifest.get("optimizer", "adamw")  # none recorded: made before Muon, so AdamW's
+    if saved_optimizer != optimizer:
+        raise SnapshotError(
+            f"snapshot {snapshot.url} was trained with trainer.optimizer={saved_optimizer} (config asks for "
+            f"{optimizer}), whose state the other cannot take over. Use trainer.optimizer={saved_optimizer}, or a "
+            "new snapshot.dir to start a new run"
         )
     if saved_tokenizer.to_dict() != tokenizer.to_dict():
         raise SnapshotError(

@@ -49,6 +49,7 @@ from mingpt.training.progress import Progress
 from mingpt.training.recovery import check_memory_dir
 from mingpt.training.report import Report, describe_windows
 from mingpt.training.resume import resume
+from mingpt.training.optimizer import build_optimizer
 from mingpt.training.schedule import set_lr
 from mingpt.training.state import Replica, TrainState
 from mingpt.training.stopflag import StopFlag
@@ -172,15 +173,14 @@ class Trainer:
         precision, self.precision_reason = choose_precision(t.precision, world.device, model_config.n_embd)
         self.autocast, scaler = autocast_for(precision, world.device)
         self.live = world.job.live is not None
-        mode, self.parallelism_reason = parallel.choose(t.parallelism, model.num_params(False), world, self.live)
+        mode, self.parallelism_reason = parallel.choose(t.parallelism, model.num_params(False), world, self.live,
+                                                        t.optimizer)
         if scaler is not None and mode != "ddp":
             raise ConfigError(f"trainer.precision=fp16 works with trainer.parallelism=ddp only (it needs a loss "
                               f"scaler across shards); use bf16 with {mode}")
         self.topology = parallel.Topology(world, mode)
         parallel.place(model, self.topology, compute_dtype(self.autocast))
-        optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                      fused=True)  # one kernel for all parameters
-        self.replica = Replica(model, optimizer, scaler, TrainState())
+        self.replica = Replica(model, build_optimizer(model, t), scaler, TrainState())
         self.ddp: DDP | None = None
         self.compile_cache: CompileCache | None = None
         self.checkpointer = Checkpointer(cfg, self.topology, store, data.tokenizer, data.fingerprint, self.replica)
@@ -312,7 +312,7 @@ class Trainer:
     def _describe(self) -> list[str]:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
         return [f"torch.compile {'on' if self.compiled else 'off'} ({self.compile_reason})",
-                f"training {cfg.model.name} ({self.model.num_params() / 1e6:.2f}M parameters) on "
+                f"training {cfg.model.name} ({self.model.num_params() / 1e6:.2f}M parameters, {t.optimizer}) on "
                 f"{self.data.tokenizer.describe()}: {t.global_batch_size} examples/step over {world.world_size} "
                 f"process(es), {dtype_name(compute_dtype(self.autocast))} ({self.precision_reason}), "
                 f"{world.device.type}, {self.topology.mode} ({self.parallelism_reason})",

@@ -1,0 +1,67 @@
+"""The optimizer (`trainer.optimizer`): AdamW for every parameter, or Muon for the blocks' matrices (attention and
+MLP weights) with AdamW for the rest (embeddings, the head, norms, biases), as the modded-nanogpt speedrun and
+nanochat train.
+
+Muon orthogonalises each matrix's update as a whole, so it trains unsharded models only (ddp): config.validate
+refuses it with fsdp and hsdp, and parallel.choose resolves auto to ddp for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from mingpt.model import GPT
+from mingpt.training.config import TrainerConfig
+
+
+class MuonAdamW:
+    """Muon and AdamW as one optimizer for the trainer and the loss scaler (`param_groups`, `step`, `zero_grad`).
+    torch's state-dict API takes it as the list of the two (it iterates over them) and keys both states by
+    parameter name in one dict, so snapshots, the memory tier and a live heal carry it as they carry AdamW alone."""
+
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
+        self.muon, self.adamw = muon, adamw
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter((self.adamw, self.muon))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """AdamW's groups, then Muon's. The groups themselves, not copies: setting a group's lr sets its optimizer's
+        (loading a state replaces them, so they are looked up each time)."""
+        return self.adamw.param_groups + self.muon.param_groups
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+
+def build_optimizer(model: GPT, t: TrainerConfig) -> torch.optim.Optimizer | MuonAdamW:
+    """The optimizer `t.optimizer` names, over `model`'s parameters (placed already: sharding replaces them)."""
+    betas = (t.beta1, t.beta2)
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=betas,
+                                 fused=True)  # one kernel for all parameters
+    hidden = hidden_matrices(model)
+    taken = {id(p) for p in hidden}
+    rest = [{**group, "params": [p for p in group["params"] if id(p) not in taken]}
+            for group in model.param_groups(t.weight_decay)]
+    muon = torch.optim.Muon(hidden, lr=t.muon_lr, momentum=t.muon_momentum, weight_decay=t.muon_weight_decay)
+    return MuonAdamW(muon, torch.optim.AdamW(rest, lr=t.lr, betas=betas, fused=True))
+
+
+def hidden_matrices(model: GPT) -> list[torch.nn.Parameter]:
+    """The blocks' 2-D weights: their attention and MLP matrices, which Muon optimises. The embeddings and the head
+    map tokens, not hidden features, and norms and biases are vectors: AdamW's."""
+    return [p for p in model.blocks.parameters() if p.dim() == 2 and p.requires_grad]
+
+
+def is_muon(group: dict) -> bool:
+    """Whether a parameter group is Muon's (only Muon's groups have Newton-Schulz steps)."""
+    return "ns_steps" in group
