@@ -11,7 +11,7 @@ from mingpt.model import GPT, GPTConfig
 from mingpt.shape import ARCHS
 from mingpt.training.config import TrainerConfig
 from mingpt.training.healing import decode, encode
-from mingpt.training.optimizer import MuonAdamW, build_optimizer, is_muon
+from mingpt.training.optimizer import Muon, MuonAdamW, build_optimizer, is_muon, orthogonalise
 from mingpt.training.schedule import lr_at, set_lr
 from mingpt.training.state import Replica, TrainState, to_cpu
 
@@ -21,7 +21,7 @@ MUON = TrainerConfig(optimizer="muon", lr=3e-3, muon_lr=0.02, warmup_steps=2, ma
 def replica(t: TrainerConfig = MUON) -> Replica:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, **ARCHS["modern"]))
-    return Replica(model, build_optimizer(model, t), None, TrainState())
+    return Replica(model, build_optimizer(model, t, torch.float32), None, TrainState())
 
 
 def train(replica: Replica, steps: range, scaler: torch.amp.GradScaler | None = None) -> None:
@@ -110,3 +110,29 @@ def test_the_loss_scaler_unscales_and_steps_both_as_one_optimizer():
     train(plain, range(3))
     train(scaled, range(3), torch.amp.GradScaler("cpu", init_scale=2.0**10))
     assert_same(scaled, plain)
+
+
+def test_muon_steps_as_torchs_in_bf16_and_orthogonalises_in_fp32_where_the_model_computes_in_it():
+    """Our Muon is torch.optim.Muon with the dtype of its Newton-Schulz steps chosen: in bf16 it steps bitwise as
+    torch's does; in fp32 it moves the same weights the same way, without bf16's rounding."""
+    torch.manual_seed(0)
+    start = [torch.randn(24, 8), torch.randn(8, 24)]  # a tall matrix and a wide one
+    grads = [torch.randn_like(w) for w in start]
+    stepped = {}
+    for name, make in [("torch", lambda ps: torch.optim.Muon(ps, lr=0.02)),
+                       ("bf16", lambda ps: Muon(ps, torch.bfloat16, lr=0.02)),
+                       ("fp32", lambda ps: Muon(ps, torch.float32, lr=0.02))]:
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        optimizer = make(params)
+        for _ in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+        stepped[name] = [p.detach() for p in params]
+        assert set(optimizer.state[params[0]]) == {"momentum_buffer"}  # torch's state, as snapshots hold it
+    assert all(torch.equal(a, b) for a, b in zip(stepped["torch"], stepped["bf16"]))
+    assert not any(torch.equal(a, b) for a, b in zip(stepped["bf16"], stepped["fp32"]))
+    for a, b, w in zip(stepped["bf16"], stepped["fp32"], start):
+        assert torch.allclose(a - w, b - w, atol=2e-3), (a - b).abs().max()  # bf16 rounds to about 1e-2 of a step
+    x = orthogonalise(torch.randn(16, 48), (3.4445, -4.775, 2.0315), 5, 1e-7)
+    assert torch.linalg.svdvals(x).min() > 0.5 and torch.linalg.svdvals(x).max() < 1.5  # near-orthogonal rows

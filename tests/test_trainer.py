@@ -59,11 +59,7 @@ def test_killed_workers_cost_at_most_a_step_and_the_run_stays_bitwise_identical(
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", [
     pytest.param([], id="gpt2-adamw"),
-    # torch.optim.Muon orthogonalises in bf16: a gradient that differs in its last fp32 bit rounds otherwise there,
-    # and Newton-Schulz amplifies that along the small singular directions (weights 1e-2 apart after 20 steps).
-    # In fp32 this case passes as AdamW's does.
-    pytest.param(["model.arch=modern", "trainer.optimizer=muon"], id="muon", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError, reason="torch.optim.Muon's bf16 Newton-Schulz amplifies summation order")),
+    pytest.param(["model.arch=modern", "trainer.optimizer=muon"], id="modern-muon"),
 ])
 def test_workers_run_to_the_end_and_uneven_shards_give_the_full_batch_gradient(tmp_path, procs, recipe):
     """3 processes share 10 examples as 4+3+3, in micro-batches of 2 (accumulated under no_sync):

@@ -8,12 +8,49 @@ refuses it with fsdp and hsdp, and parallel.choose resolves auto to ddp for it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
 
 from mingpt.model import GPT
 from mingpt.training.config import TrainerConfig
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon (its settings, its state), orthogonalising in `dtype`, the dtype the model computes in. torch's
+    own always does it in bf16: emulated, several times slower than fp32, on a CPU without bf16, and its rounding makes
+    runs that sum the same gradients in another order (at another world size) drift apart, where fp32 keeps them as
+    close as AdamW keeps them."""
+
+    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, **settings):
+        super().__init__(params, **settings)
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buffer.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+                update = orthogonalise(update.to(self.dtype), group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                # torch's "original" scale: a tall matrix's update grows with its aspect.
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * math.sqrt(max(1, p.size(0) / p.size(1))))
+
+
+def orthogonalise(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+    """Newton-Schulz's quintic iteration, as torch.optim.Muon runs it: `g` with its singular values moved towards 1."""
+    a, b, c = coefficients
+    x = g.T if g.size(0) > g.size(1) else g
+    x = x / x.norm().clamp(min=eps)  # singular values at most 1, where the iteration converges
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if g.size(0) > g.size(1) else x
 
 
 class MuonAdamW:
@@ -42,8 +79,9 @@ class MuonAdamW:
         self.adamw.zero_grad(set_to_none)
 
 
-def build_optimizer(model: GPT, t: TrainerConfig) -> torch.optim.Optimizer | MuonAdamW:
-    """The optimizer `t.optimizer` names, over `model`'s parameters (placed already: sharding replaces them)."""
+def build_optimizer(model: GPT, t: TrainerConfig, dtype: torch.dtype) -> torch.optim.Optimizer | MuonAdamW:
+    """The optimizer `t.optimizer` names, over `model`'s parameters (placed already: sharding replaces them), for a
+    model that computes in `dtype`."""
     betas = (t.beta1, t.beta2)
     if t.optimizer == "adamw":
         return torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=betas,
@@ -52,7 +90,7 @@ def build_optimizer(model: GPT, t: TrainerConfig) -> torch.optim.Optimizer | Muo
     taken = {id(p) for p in hidden}
     rest = [{**group, "params": [p for p in group["params"] if id(p) not in taken]}
             for group in model.param_groups(t.weight_decay)]
-    muon = torch.optim.Muon(hidden, lr=t.muon_lr, momentum=t.muon_momentum, weight_decay=t.muon_weight_decay)
+    muon = Muon(hidden, dtype, lr=t.muon_lr, momentum=t.muon_momentum, weight_decay=t.muon_weight_decay)
     return MuonAdamW(muon, torch.optim.AdamW(rest, lr=t.lr, betas=betas, fused=True))
 
 

@@ -180,7 +180,7 @@ class Trainer:
                               f"scaler across shards); use bf16 with {mode}")
         self.topology = parallel.Topology(world, mode)
         parallel.place(model, self.topology, compute_dtype(self.autocast))
-        self.replica = Replica(model, build_optimizer(model, t), scaler, TrainState())
+        self.replica = Replica(model, build_optimizer(model, t, compute_dtype(self.autocast)), scaler, TrainState())
         self.ddp: DDP | None = None
         self.compile_cache: CompileCache | None = None
         self.checkpointer = Checkpointer(cfg, self.topology, store, data.tokenizer, data.fingerprint, self.replica)
