@@ -1,0 +1,178 @@
+"""train/slurm.sbatch submitted with sbatch to a real Slurm of two nodes on this machine (tests/slurm_cluster.py), as
+users submit it: the CPU values, a short time and the notice on the sbatch line. Marked `slurm`: the README's test
+command leaves them out, and .ci/run runs them after it (`python -m pytest -m slurm`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from launch import BIN, ENDLESS_STEPS, REPO, SMALL, env, free_port, latest_step, ledger, manifests, metrics
+from slurm_cluster import NODES, Cluster, SlurmUnavailable
+
+pytestmark = pytest.mark.slurm
+
+SCRIPT = REPO / "train" / "slurm.sbatch"
+# One CPU a node instead of the script's GPUs; the script's own time limit would be a day.
+CPU_NODES = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=5"]
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """The session's Slurm; stopped, every process of it and of its jobs, after the last test."""
+    if os.geteuid() != 0:
+        pytest.skip("a Slurm of its own needs root (its daemons run as root, and it may install Debian's packages)")
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except SlurmUnavailable as e:
+        cluster.stop()
+        pytest.fail(f"no Slurm to test with: {e}", pytrace=False)
+    except BaseException:
+        cluster.stop()
+        raise
+    yield cluster
+    cluster.stop()
+
+
+def submit(slurm: Cluster, folder: Path, overrides: list[str], *options: str, **variables: str) -> str:
+    """sbatch of train/slurm.sbatch with `options` and the trainer's `overrides`; the job's id. The job's output
+    goes to FOLDER/job-ID.out, appended to across requeues."""
+    environment = {**env(), "SLURM_CONF": str(slurm.conf), "NPROC_PER_NODE": "1", "RDZV_PORT": str(free_port()),
+                   "PATH": f"{BIN}:{os.environ['PATH']}", **variables}
+    args = ["sbatch", "--parsable", *CPU_NODES, f"--output={folder}/job-%j.out", "--open-mode=append",
+            f"--chdir={REPO}", *options, str(SCRIPT), *overrides]
+    done = slurm.run(args, environment=environment)
+    return done.strip().split(";")[0]
+
+
+def job_output(folder: Path, job_id: str) -> str:
+    path = folder / f"job-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_until(condition, timeout: float, what: str, slurm: Cluster, folder: Path, job_id: str) -> None:
+    """Poll `condition` until true; fail with the job's output (and the end of the daemons' logs) if not."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; job {job_id}: "
+                                 f"{slurm.job(job_id)}\n{job_output(folder, job_id)[-4000:]}\n{slurm.logs()}")
+        time.sleep(0.5)
+
+
+def wait_ended(slurm: Cluster, folder: Path, job_id: str, timeout: float = 240) -> dict[str, str]:
+    """The job's fields once it ended."""
+    wait_until(lambda: slurm.job(job_id)["JobState"] in ENDED, timeout, "the job's end", slurm, folder, job_id)
+    return slurm.job(job_id)
+
+
+def training(tmp_path: Path, steps: int, every: int, *extra: str) -> list[str]:
+    return [*SMALL, f"trainer.max_steps={steps}", f"snapshot.every={every}", f"snapshot.dir={tmp_path / 'snap'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
+
+
+def world_sizes(snap: Path) -> set[int]:
+    """The world sizes its steps were logged at (the live mode's snapshots hold a replica group's)."""
+    return {record["world_size"] for record in metrics(snap) if "train_loss" in record}
+
+
+def assert_every_sample_once(snap: Path, last: int) -> None:
+    """The ledger has each step from 1 to `last` with one set of samples: none lost, none trained twice."""
+    seen = ledger(snap)
+    assert sorted(seen) == list(range(1, last + 1)), sorted(seen)
+    assert all(len(samples) == 1 for samples in seen.values()), {s: d for s, d in seen.items() if len(d) > 1}
+
+
+def test_the_script_says_its_notice_once(tmp_path):
+    """The notice the workers' window is cut from is the --signal line's: Slurm does not tell the job."""
+    text = SCRIPT.read_text()
+    signal_line = re.search(r"^#SBATCH --signal=TERM@(\d+)$", text, re.M)
+    assert signal_line and f"notice=${{STOP_NOTICE_S:-{signal_line[1]}}}" in text
+
+
+@pytest.mark.parametrize("mode", ["restart", "live"])
+def test_the_script_trains_on_two_nodes_and_resumes_when_submitted_again(slurm, tmp_path, mode):
+    live = {"LIVE": "1"} if mode == "live" else {}
+    first = submit(slurm, tmp_path, training(tmp_path, 6, 3), **live)
+    assert wait_ended(slurm, tmp_path, first)["JobState"] == "COMPLETED", job_output(tmp_path, first)[-4000:]
+    text = job_output(tmp_path, first)
+    assert latest_step(tmp_path / "snap") == 6 and world_sizes(tmp_path / "snap") == {2}, text[-4000:]
+    assert "SLURM_RESTART_COUNT=0" in text and "--shutdown-timeout=110" in text
+
+    again = submit(slurm, tmp_path, training(tmp_path, 9, 3), **live)
+    assert wait_ended(slurm, tmp_path, again)["JobState"] == "COMPLETED", job_output(tmp_path, again)[-4000:]
+    assert latest_step(tmp_path / "snap") == 9
+    assert_every_sample_once(tmp_path / "snap", 9)  # it went on from step 6
+
+
+def test_a_time_limit_leaves_a_snapshot_of_the_last_step_and_exits_0(slurm, tmp_path):
+    """--time=1 with --signal=TERM@20 on the sbatch line: SIGTERM 10 to 40 s into the job (Slurm sends it up to its
+    30 s check period early). The workers finish their step and snapshot it, and the job ends before its limit."""
+    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 1000), "--time=1", "--signal=TERM@20",
+                 STOP_NOTICE_S="20")
+    fields = wait_ended(slurm, tmp_path, job, timeout=120)
+    text = job_output(tmp_path, job)
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text[-4000:]
+    stopped = [line for line in text.splitlines() if line.startswith("slurm.sbatch: job") and "SIGTERM" in line]
+    assert len(stopped) == 1 and "--shutdown-timeout=10" in text, text[-4000:]
+    last = max(ledger(tmp_path / "snap"))
+    assert latest_step(tmp_path / "snap") == last > 0  # the snapshot is of its last step
+
+
+def test_a_requeued_job_comes_back_by_itself_and_resumes_where_it_stopped_until_its_limit(slurm, tmp_path):
+    """scontrol requeue: Slurm's SIGTERM (KillWait before its SIGKILL), then the job runs again by itself, with
+    SLURM_RESTART_COUNT=1, from the snapshot of the step it stopped at. Requeued once more than MAX_REQUEUES=1,
+    it stops, naming the limit."""
+    snap = tmp_path / "snap"
+    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 1000), MAX_REQUEUES="1")
+    running = lambda: slurm.job(job)["JobState"] == "RUNNING"
+    wait_until(lambda: max(ledger(snap), default=0) >= 3, 180, "three steps", slurm, tmp_path, job)
+    requeue(slurm, tmp_path, job)
+    wait_until(lambda: "SLURM_RESTART_COUNT=1" in job_output(tmp_path, job), 180, "the requeued run", slurm,
+               tmp_path, job)
+    stopped_at = latest_step(snap)
+    wait_until(lambda: max(ledger(snap)) > stopped_at + 2, 180, "training after the requeue", slurm, tmp_path, job)
+    assert_every_sample_once(snap, max(ledger(snap)))
+    assert "resumed" in job_output(tmp_path, job).lower()
+
+    wait_until(running, 60, "the job running", slurm, tmp_path, job)
+    requeue(slurm, tmp_path, job)
+    fields = wait_ended(slurm, tmp_path, job, timeout=120)
+    text = job_output(tmp_path, job)
+    assert fields["JobState"] == "FAILED" and fields["Restarts"] == "2", text[-4000:]
+    assert "requeued 2 times, more than MAX_REQUEUES=1" in text
+
+
+def requeue(slurm: Cluster, folder: Path, job_id: str) -> None:
+    """scontrol requeue; then, once the job is pending again, the two minutes Slurm holds a requeued job before it
+    may start again (its BeginTime) are cut short."""
+    slurm.run(["scontrol", "requeue", job_id])
+    wait_until(lambda: slurm.job(job_id)["JobState"] == "PENDING", 60, "the job pending", slurm, folder, job_id)
+    slurm.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+
+
+def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(slurm, tmp_path):
+    """--no-kill (the script's): one node's slurmd and tasks are killed. Slurm sets the node DOWN and keeps the job,
+    whose other node goes on alone."""
+    snap = tmp_path / "snap"
+    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 5))
+    wait_until(lambda: latest_step(snap) >= 5, 180, "a snapshot on two nodes", slurm, tmp_path, job)
+    try:
+        slurm.kill_node(NODES[1])
+        lost_at = max(ledger(snap))
+        alone = lambda: any(m["world_size"] == 1 and m["step"] > lost_at for m in manifests(snap))
+        wait_until(alone, 180, "a snapshot on the node left", slurm, tmp_path, job)
+        wait_until(lambda: slurm.node_state(NODES[1]).startswith("down"), 60, "the node DOWN", slurm, tmp_path, job)
+        down_at = max(ledger(snap))
+        wait_until(lambda: max(ledger(snap)) > down_at + 5, 60, "training after", slurm, tmp_path, job)
+        assert slurm.job(job)["JobState"] == "RUNNING"
+    finally:
+        slurm.run(["scancel", job], check=False)
+        wait_ended(slurm, tmp_path, job, timeout=120)
+        slurm.start_node(NODES[1])
+    wait_until(lambda: slurm.idle_nodes() == set(NODES), 120, "the lost node back", slurm, tmp_path, job)
