@@ -85,7 +85,7 @@ def install() -> None:
         raise SlurmUnavailable(f"Slurm is not installed and there is no apt-get to install {' '.join(PACKAGES)}")
     quiet = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
-        done = subprocess.run(command, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, **quiet)
+        done = subprocess.run(command, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, check=False, **quiet)
         if done.returncode:
             raise SlurmUnavailable(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}")
 
@@ -180,7 +180,8 @@ class Cluster:
 
     def run(self, args: list[str], check: bool = True, timeout: float = 60, environment: dict | None = None) -> str:
         """A Slurm command's output; its failure, with what it said, is an AssertionError where `check`."""
-        done = subprocess.run(args, env=environment or self.env(), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(args, env=environment or self.env(), capture_output=True, text=True, timeout=timeout,
+                              check=False)
         if check and done.returncode:
             raise AssertionError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
         return done.stdout

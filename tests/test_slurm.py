@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from launch import BIN, ENDLESS_STEPS, REPO, SMALL, env, free_port, latest_step, ledger, manifests, metrics
 from conftest import s3_keys
+from launch import BIN, ENDLESS_STEPS, REPO, SMALL, env, free_port, latest_step, ledger, manifests, metrics
 from slurm_cluster import NODES, Cluster, SlurmUnavailable
 
 pytestmark = pytest.mark.slurm
@@ -89,13 +88,6 @@ def assert_every_sample_once(snap: Path, last: int) -> None:
     seen = ledger(snap)
     assert sorted(seen) == list(range(1, last + 1)), sorted(seen)
     assert all(len(samples) == 1 for samples in seen.values()), {s: d for s, d in seen.items() if len(d) > 1}
-
-
-def test_the_script_says_its_notice_once(tmp_path):
-    """The notice the workers' window is cut from is the --signal line's: Slurm does not tell the job."""
-    text = SCRIPT.read_text()
-    signal_line = re.search(r"^#SBATCH --signal=TERM@(\d+)$", text, re.M)
-    assert signal_line and f"notice=${{STOP_NOTICE_S:-{signal_line[1]}}}" in text
 
 
 @pytest.mark.parametrize("mode", ["restart", "live"])
