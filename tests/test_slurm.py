@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import s3_keys
-from launch import BIN, ENDLESS_STEPS, REPO, SMALL, env, free_port, latest_step, ledger, manifests, metrics
+from launch import BIN, ENDLESS_STEPS, REPO, SMALL, env, free_port, latest_step, ledger, metrics
 from slurm_cluster import NODES, Cluster, SlurmUnavailable
 
 pytestmark = pytest.mark.slurm
@@ -92,17 +92,18 @@ def assert_every_sample_once(snap: Path, last: int) -> None:
 
 @pytest.mark.parametrize("mode", ["restart", "live"])
 def test_the_script_trains_on_two_nodes_and_resumes_when_submitted_again(slurm, tmp_path, mode):
-    live = {"LIVE": "1"} if mode == "live" else {}
-    first = submit(slurm, tmp_path, training(tmp_path, 6, 3), **live)
+    """In the live mode a group trains alone until the other joins: enough steps for it to."""
+    live, steps = ({"LIVE": "1"}, 200) if mode == "live" else ({}, 6)
+    first = submit(slurm, tmp_path, training(tmp_path, steps, steps // 2), **live)
     assert wait_ended(slurm, tmp_path, first)["JobState"] == "COMPLETED", job_output(tmp_path, first)[-4000:]
     text = job_output(tmp_path, first)
-    assert latest_step(tmp_path / "snap") == 6 and world_sizes(tmp_path / "snap") == {2}, text[-4000:]
+    assert latest_step(tmp_path / "snap") == steps and 2 in world_sizes(tmp_path / "snap"), text[-4000:]
     assert "SLURM_RESTART_COUNT=0" in text and "--shutdown-timeout=110" in text
 
-    again = submit(slurm, tmp_path, training(tmp_path, 9, 3), **live)
+    again = submit(slurm, tmp_path, training(tmp_path, steps + 3, steps // 2), **live)
     assert wait_ended(slurm, tmp_path, again)["JobState"] == "COMPLETED", job_output(tmp_path, again)[-4000:]
-    assert latest_step(tmp_path / "snap") == 9
-    assert_every_sample_once(tmp_path / "snap", 9)  # it went on from step 6
+    assert latest_step(tmp_path / "snap") == steps + 3
+    assert_every_sample_once(tmp_path / "snap", steps + 3)  # it went on from the first job's last step
 
 
 def test_a_time_limit_leaves_a_snapshot_of_the_last_step_and_exits_0(slurm, tmp_path):
@@ -151,18 +152,20 @@ def requeue(slurm: Cluster, folder: Path, job_id: str) -> None:
     slurm.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
 
-def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(slurm, tmp_path):
-    """--no-kill (the script's): one node's slurmd and tasks are killed. Slurm sets the node DOWN and keeps the job,
-    whose other node goes on alone."""
+@pytest.mark.parametrize("mode", ["restart", "live"])
+def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(slurm, tmp_path, mode):
+    """--no-kill (the script's, on sbatch and srun): one node's slurmd and tasks are killed. Slurm sets the node
+    DOWN and keeps the job and the other node's task, which goes on alone."""
     snap = tmp_path / "snap"
-    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 5))
-    wait_until(lambda: latest_step(snap) >= 5, 180, "a snapshot on two nodes", slurm, tmp_path, job)
+    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 5), **({"LIVE": "1"} if mode == "live" else {}))
+    both = lambda: any(r["world_size"] == 2 for r in metrics(snap) if "train_loss" in r)
+    wait_until(both, 180, "steps on two nodes", slurm, tmp_path, job)
     try:
         slurm.kill_node(NODES[1])
         lost_at = max(ledger(snap))
-        alone = lambda: any(m["world_size"] == 1 and m["step"] > lost_at for m in manifests(snap))
-        wait_until(alone, 180, "a snapshot on the node left", slurm, tmp_path, job)
-        wait_until(lambda: slurm.node_state(NODES[1]).startswith("down"), 60, "the node DOWN", slurm, tmp_path, job)
+        alone = lambda: any(r["world_size"] == 1 and r["step"] > lost_at for r in metrics(snap) if "train_loss" in r)
+        wait_until(alone, 180, "steps on the node left", slurm, tmp_path, job)
+        wait_until(lambda: slurm.node_state(NODES[1]).startswith("down"), 90, "the node DOWN", slurm, tmp_path, job)
         down_at = max(ledger(snap))
         wait_until(lambda: max(ledger(snap)) > down_at + 5, 60, "training after", slurm, tmp_path, job)
         assert slurm.job(job)["JobState"] == "RUNNING"
