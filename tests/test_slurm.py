@@ -1,6 +1,6 @@
 """train/slurm.sbatch submitted with sbatch to a real Slurm of two nodes on this machine (tests/slurm_cluster.py), as
-users submit it: the CPU values, a short time and the notice on the sbatch line. Marked `slurm`: the README's test
-command leaves them out, and .ci/run runs them after it (`python -m pytest -m slurm`)."""
+users submit it: the CPU values, a short time and the notice on the sbatch line. Marked `slurm`, they run only where
+-m names them: .ci/run runs them after the README's test command, with `python -m pytest -q -n 0 -m slurm`."""
 
 from __future__ import annotations
 
@@ -107,15 +107,15 @@ def test_the_script_trains_on_two_nodes_and_resumes_when_submitted_again(slurm, 
 
 
 def test_a_time_limit_leaves_a_snapshot_of_the_last_step_and_exits_0(slurm, tmp_path):
-    """--time=1 with --signal=TERM@20 on the sbatch line: SIGTERM 10 to 40 s into the job (Slurm sends it up to its
+    """--time=1 with --signal=TERM@15 on the sbatch line: SIGTERM 15 to 45 s into the job (Slurm sends it up to its
     30 s check period early). The workers finish their step and snapshot it, and the job ends before its limit."""
-    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 1000), "--time=1", "--signal=TERM@20",
-                 STOP_NOTICE_S="20")
+    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 1000), "--time=1", "--signal=TERM@15",
+                 STOP_NOTICE_S="15")
     fields = wait_ended(slurm, tmp_path, job, timeout=120)
     text = job_output(tmp_path, job)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text[-4000:]
     stopped = [line for line in text.splitlines() if line.startswith("slurm.sbatch: job") and "SIGTERM" in line]
-    assert len(stopped) == 1 and "--shutdown-timeout=10" in text, text[-4000:]
+    assert len(stopped) == 1 and "--shutdown-timeout=5" in text, text[-4000:]
     last = max(ledger(tmp_path / "snap"))
     assert latest_step(tmp_path / "snap") == last > 0  # the snapshot is of its last step
 
