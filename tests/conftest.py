@@ -147,10 +147,15 @@ def bpe_run(tmp_path_factory) -> Path:
     return trained_run(tmp_path_factory.mktemp("bpe-run"), "data.tokenizer=bpe", "data.vocab_size=300")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """The marks that follow from a test's fixtures: `procs` starts processes, `s3` talks to the S3 server.
+    The tests under a real Slurm run only where -m names them (.ci/run runs them apart, after the others).
     Then the slow tests go first: pytest-xdist hands tests out in this order, so the long ones start
     early and the short ones fill in around them, instead of one long test finishing alone at the end."""
+    if "slurm" not in config.option.markexpr:
+        slurm = [item for item in items if item.get_closest_marker("slurm")]
+        config.hook.pytest_deselected(items=slurm)
+        items[:] = [item for item in items if not item.get_closest_marker("slurm")]
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if "procs" in fixtures:

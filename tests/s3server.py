@@ -1,7 +1,7 @@
 """A real S3 server on 127.0.0.1 (moto's), behind a middleware that injects faults on request.
 
 The middleware can answer chosen requests with an S3 error (503 SlowDown, ...), cut their
-connection, hold them until released (to kill a client mid-upload), or reject requests signed
+connection, hold them until released (to kill a client mid-upload), delay them (slow storage), or reject requests signed
 with another access key (403 InvalidAccessKeyId, as S3 does for wrong credentials).
 """
 
@@ -25,8 +25,9 @@ REGION = "us-east-1"
 class Rule:
     method: str
     pattern: str  # regex searched in the request path
-    action: str  # "error", "cut" or "hold"
+    action: str  # "error", "cut", "hold" or "delay"
     count: float = 1  # how many matching requests it applies to (inf: all)
+    delay_s: float = 0.0  # "delay": how long each waits (under the client's read timeout, or it retries)
     status: int = 503
     code: str = "SlowDown"
     hits: int = 0
@@ -91,7 +92,9 @@ class FaultyS3:
             rule = next((r for r in self.rules if r.matches(method, path)), None)
             if rule:
                 rule.hits += 1
-        if rule and rule.action == "hold":
+        if rule and rule.action == "delay":
+            time.sleep(rule.delay_s)
+        elif rule and rule.action == "hold":
             rule.holding.set()
             rule.released.wait(timeout=120)
         elif rule and rule.action == "cut":

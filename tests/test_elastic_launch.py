@@ -164,7 +164,8 @@ def test_a_node_that_comes_after_the_job_finished_says_so_and_exits_0(tmp_path, 
     rendezvous(procs, port)
     node = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=done-job", f"--rdzv-conf={RDZV_CONF},is_host=false")
-    assert "done: step 4" in run(procs, node, _job(tmp_path, 4), "first")
+    first = run(procs, node, _job(tmp_path, 4), "first")
+    assert "done: step 4" in first and "--shutdown-timeout=110" in first  # mingpt-torchrun's window (torch: 30 s)
     late = run(procs, node, _job(tmp_path, 4), "late", timeout=120)
     assert "mingpt-torchrun: job done-job has finished (its rendezvous is closed)" in late
     assert "starting its workers" not in late and "Traceback" not in late
@@ -195,7 +196,7 @@ def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, pro
     shims = tmp_path / "bin"
     shims.mkdir()
     (shims / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
-    (shims / "srun").write_text('#!/bin/bash\nshift  # --kill-on-bad-exit\nfor node in $(seq "$SLURM_NNODES"); do '
+    (shims / "srun").write_text('#!/bin/bash\nshift 2  # --kill-on-bad-exit=0 --no-kill\nfor node in $(seq "$SLURM_NNODES"); do '
                                 '"$@" & done\nwait\n')
     for shim in shims.iterdir():
         shim.chmod(0o755)
@@ -208,8 +209,15 @@ def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, pro
     assert job.wait(timeout=240) == 0, output(job)[-4000:]
     final = manifests(tmp_path / "snap")[-1]
     assert final["step"] == 6 and final["world_size"] == 2
-    assert "rendezvous store listening on port" in output(job)
+    assert "rendezvous store listening on port" in output(job) and "--shutdown-timeout=110" in output(job)
     assert not port_listens(port)  # the script stopped its store on the way out
+
+
+def test_the_slurm_scripts_notice_is_its_signal_lines():
+    """The notice the workers' window is cut from is the --signal line's: Slurm does not tell the job."""
+    text = (REPO / "train" / "slurm.sbatch").read_text()
+    signal_line = re.search(r"^#SBATCH --signal=TERM@(\d+)$", text, re.MULTILINE)
+    assert signal_line and f"notice=${{STOP_NOTICE_S:-{signal_line[1]}}}" in text
 
 
 def test_plain_torchrun_standalone_warns_once_and_trains_and_waits_for_a_peer_still_preparing(tmp_path, procs):

@@ -22,6 +22,7 @@ mingpt-torchrun: torch's torchrun (the same options, below), plus what an elasti
   - quick rendezvous settings, under any --rdzv-conf keys of yours, and the agents' store sharing off;
   - an agent that keeps the job going while nodes die, leave and join, without using up --max-restarts;
   - a watchdog that names a hung worker with its Python stack and restarts the workers in seconds;
+  - after SIGTERM, the workers have 110 s to save before SIGKILL (--shutdown-timeout; torch: 30 s);
   - workers forked from a server that has imported torch and the trainer, not started anew each time;
   - on GPUs, NCCL's async error handling, heartbeat monitor and flight recorder;
   - --live (before the training script): this node is one torchft replica group, and nodes dying,

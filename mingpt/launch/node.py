@@ -30,6 +30,11 @@ from mingpt.training.preparation import fetch_hellaswag, prepare_data
 log = logging.getLogger(__name__)
 
 STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# The workers' window between the agent's SIGTERM and its SIGKILL, to finish their step and snapshot: torch's 30 s
+# cuts a large snapshot short. train/slurm.sbatch's notice (--signal=TERM@120) less its margin; --shutdown-timeout
+# or this variable of the user's wins.
+STOP_WINDOW = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+STOP_WINDOW_S = 110
 
 # On GPUs, NCCL's own watchdog: errors end a process instead of hanging it, a heartbeat monitor ends one whose watchdog
 # is stuck, and the flight recorder writes the last collectives on a timeout. The user's values win, under either name.
@@ -82,9 +87,11 @@ def warm_workers(args: argparse.Namespace, server: forkserver.Server | None) -> 
 def launch(args: argparse.Namespace, server: forkserver.Server | None) -> int:
     """Run this node's agent until the job ends; its exit status. With no `server` each worker is a new Python."""
     os.environ.setdefault(STORE_SHARING, "1")
+    window = args.shutdown_timeout if args.shutdown_timeout is not None else \
+        os.environ.setdefault(STOP_WINDOW, str(STOP_WINDOW_S))
     watch_nccl(os.environ)
-    print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf}",
-          file=sys.stderr, flush=True)
+    print(f"mingpt-torchrun: {STORE_SHARING}={os.environ[STORE_SHARING]} --rdzv-conf={args.rdzv_conf} "
+          f"--shutdown-timeout={window}", file=sys.stderr, flush=True)
     agent.install()
     # Now, for a job that goes ahead, with the workers' environment set: the server's imports overlap the rendezvous.
     if warm_workers(args, server) is not None:
