@@ -12,7 +12,9 @@ downloaded:
    of the 10-step windows that hold a snapshot over the median of the others.
 2. eager: the same with trainer.compile=false, for the compile speed-up.
    fsdp: the first job with trainer.parallelism=fsdp: its tokens/s and peak memory against ddp's.
-3. kill -9: an endless run with --max-restarts=1; once it has a snapshot of step 40, one worker is
+3. modern + Muon: the first job with model.arch=modern trainer.optimizer=muon (recipe=gpt2-muon-fineweb-edu's
+   model and optimizer): its tokens/s and its train loss at the last step against GPT-2 with AdamW's.
+4. kill -9: an endless run with --max-restarts=1; once it has a snapshot of step 40, one worker is
    killed with SIGKILL. Recovery is the time from the kill to the next progress line after the
    workers resumed (the agent restarts them and they load the newest snapshot).
 """
@@ -130,6 +132,12 @@ def _against(fsdp: list[dict], ddp: list[dict]) -> str:
             f"({memory / ddp_memory:.2f}x)")
 
 
+def _recipe(modern: list[dict], gpt2: list[dict]) -> str:
+    speed = statistics.median(r["tokens_per_s"] for r in steady(modern)) / \
+        statistics.median(r["tokens_per_s"] for r in steady(gpt2))
+    return f"tokens/s {speed:.2f}x, last train loss {modern[-1]['train_loss']:.3f} against {gpt2[-1]['train_loss']:.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2")
@@ -159,6 +167,8 @@ def main() -> None:
         compiled, first_compiled, text = train(nproc, common, work, "train", [steps, "trainer.compile=true"])
         eager, first_eager, _ = train(nproc, common, work, "eager", [steps, "trainer.compile=false"])
         sharded, _, _ = train(nproc, common, work, "fsdp", [steps, "trainer.compile=true", "trainer.parallelism=fsdp"])
+        modern, _, _ = train(nproc, common, work, "modern-muon", [steps, "trainer.compile=true", "model.arch=modern",
+                                                                   "trainer.optimizer=muon"])
         recovery = kill_and_recover(nproc, common, work)
     setting = re.search(r"\d+ process\(es\), (\w+ \([^)]*\))", text)
     compile_line = re.search(r"torch.compile (\w+ \([^)]*\))", text)
@@ -174,6 +184,7 @@ def main() -> None:
         ("peak memory per process", f"{max(r['peak_memory_mb'] for r in compiled) / 1e3:.1f} GB"),
         ("compile speed-up", f"{rate / eager_rate:.2f}x ({eager_rate:,.0f} tokens/s eager)"),
         ("fsdp against ddp (compiled)", _against(sharded, compiled)),
+        ("modern + Muon against gpt2 + AdamW", _recipe(modern, compiled)),
         ("time to first progress line", f"{first_compiled:.0f} s compiled, {first_eager:.0f} s eager"),
         ("async snapshot stall", f"{stall_s(compiled, tokens_per_step):.2f} s per snapshot"),
         ("kill -9 to next step", f"{recovery:.1f} s"),

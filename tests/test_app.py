@@ -132,6 +132,14 @@ def test_the_gpt2_fineweb_edu_recipe_is_gpt2_124m_with_half_a_million_tokens_a_s
         config("recipe=gpt2-fineweb")
 
 
+def test_the_gpt2_muon_recipe_is_gpt2_124m_modern_with_muon_at_half_a_million_tokens_a_step():
+    cfg = config("recipe=gpt2-muon-fineweb-edu")
+    shape = cfg.model.build(50257, cfg.data.block_size)
+    assert (shape.n_layer, shape.n_head, shape.n_embd, shape.arch) == (12, 12, 768, "modern")
+    assert cfg.trainer.optimizer == "muon" and cfg.trainer.global_batch_size * cfg.data.block_size == 524_288
+    assert cfg.trainer.parallelism in ("auto", "ddp") and cfg.data.tokenizer == "gpt2"
+
+
 @pytest.mark.parametrize("before", [True, False])
 def test_group_options_and_settings_on_the_command_line_win_over_the_recipe(before):
     """Before the recipe or after it: what the command line says wins over what the recipe says."""
