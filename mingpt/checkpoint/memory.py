@@ -99,8 +99,6 @@ class MemoryTier:
         self.off = False  # turned off (turn_off): reads and writes nothing more
         self._lock: MachineLock | None = None  # the folder's: its holder, the first of its launcher's, writes it
         self._skipped: set[Path] = set()  # what was warned about once
-        self.copies = 0
-        self.copy_seconds: float | None = None  # of the last copy
 
     def turn_off(self, why: str) -> None:
         """Stop using the tier, with one warning: the job goes on from its snapshots."""
@@ -262,7 +260,6 @@ class MemoryTier:
             then(header, buffer)
 
     def _copy(self, tensors: list[torch.Tensor], tree: Any, step: int, info: dict) -> tuple:
-        started = time.perf_counter()
         try:
             entries, nbytes = _layout(tensors)
             slot, buffer = self._open_slot("own", nbytes)
@@ -279,9 +276,6 @@ class MemoryTier:
         except BaseException as e:  # no space left, a read-only /dev/shm: the durable tier still works
             self._error = e
             return None, None
-        finally:
-            self.copy_seconds = time.perf_counter() - started
-            self.copies += 1
 
     def receive(self, nbytes: int) -> tuple[str | None, torch.Tensor]:
         """A buffer of `nbytes` for a shard sent from another node: its older peer slot, emptied of its

@@ -97,10 +97,6 @@ class Snapshot:
         if files is None:
             self.store._good.add(self._key)
 
-    def forget(self) -> None:
-        """Drop bytes kept by `verify` that will not be read."""
-        self._verified.clear()
-
     @property
     def _key(self) -> tuple[str, str]:
         return self.name, json.dumps(self.manifest["files"], sort_keys=True)
