@@ -99,6 +99,7 @@ class MemoryTier:
         self.off = False  # turned off (turn_off): reads and writes nothing more
         self._lock: MachineLock | None = None  # the folder's: its holder, the first of its launcher's, writes it
         self._skipped: set[Path] = set()  # what was warned about once
+        self.copies = 0  # made or tried
 
     def turn_off(self, why: str) -> None:
         """Stop using the tier, with one warning: the job goes on from its snapshots."""
@@ -276,6 +277,8 @@ class MemoryTier:
         except BaseException as e:  # no space left, a read-only /dev/shm: the durable tier still works
             self._error = e
             return None, None
+        finally:
+            self.copies += 1
 
     def receive(self, nbytes: int) -> tuple[str | None, torch.Tensor]:
         """A buffer of `nbytes` for a shard sent from another node: its older peer slot, emptied of its
