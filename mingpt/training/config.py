@@ -163,12 +163,6 @@ MAX_SEED = 2**63 - 1
 # than int64 seconds, and no collective, hang or lease is worth more than a week.
 LONGEST_WAIT_S = 7 * 24 * 3600
 
-# Every float setting. `inf` and `nan` pass many range checks (inf > 0), and would reach the optimizer.
-FLOAT_KEYS = ("model.dropout", "data.val_fraction", "trainer.lr", "trainer.min_lr_ratio", "trainer.weight_decay",
-              "trainer.beta1", "trainer.beta2", "trainer.grad_clip", "trainer.muon_lr", "trainer.muon_momentum",
-              "trainer.muon_weight_decay")
-
-
 def from_hydra(raw: DictConfig) -> Config:
     """Hydra's `+key=value` adds keys the schema lacks, which would be silently ignored: each is an error here."""
     check_known(OmegaConf.to_container(raw, resolve=False))
@@ -203,9 +197,9 @@ def unknown_keys(data: dict, schema: type, prefix: str = "") -> list[tuple[str, 
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the first key whose value is out of range."""
     t, d, m, s = cfg.trainer, cfg.data, cfg.model, cfg.snapshot
-    for key in FLOAT_KEYS:
-        if not math.isfinite(_lookup(cfg, key)):
-            raise ConfigError(f"{key} must be a finite number; got {_lookup(cfg, key)!r}")
+    for key, value in _settings(cfg, float):  # inf and nan pass many range checks (inf > 0)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number; got {value!r}")
     checks = [
         ("seed", 0 <= cfg.seed <= MAX_SEED, f"an integer in [0, {MAX_SEED}] (2**63 - 1)"),
         ("model.name", m.name in PRESETS, f"one of {', '.join(PRESETS)}"),
@@ -254,7 +248,7 @@ def validate(cfg: Config) -> None:
     for key, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
-    for key, value in _whole_numbers(cfg):  # they reach torch and numpy as int64
+    for key, value in _settings(cfg, int):  # they reach torch and numpy as int64
         if abs(value) > MAX_SEED:
             raise ConfigError(f"{key} must be at most {MAX_SEED} (2**63 - 1); got {value}")
     check_loggers(t.loggers)  # known names, their packages installed
@@ -277,12 +271,13 @@ def _optimizer_checks(t: TrainerConfig) -> list[tuple[str, bool, str]]:
     ]
 
 
-def _whole_numbers(cfg: Config) -> Iterator[tuple[str, int]]:
+def _settings(cfg: Config, kind: type) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every setting whose value is a `kind` (a bool is no int here)."""
     for section in fields(cfg):
         part = getattr(cfg, section.name)
         for key, value in ([(f.name, getattr(part, f.name)) for f in fields(part)] if is_dataclass(part) else
                            [("", part)]):
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, kind) and not isinstance(value, bool):
                 yield f"{section.name}.{key}".rstrip("."), value
 
 
