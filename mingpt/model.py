@@ -8,7 +8,7 @@ positions, zero-initialised output projections and an untied head)."""
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -22,11 +22,8 @@ class KVCache:
     """Keys and values of the positions seen so far, for one attention layer, preallocated for the whole block so that
     appending a position is a copy, not a concat."""
 
-    def __init__(self, batch: int, n_head: int, block_size: int, head_dim: int, like: torch.Tensor):
-        shape = (batch, n_head, block_size, head_dim)
-        self.k = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.length = 0
+    def __init__(self, shape: tuple[int, int, int, int], like: torch.Tensor):  # (batch, n_head, block_size, head_dim)
+        self.k, self.v, self.length = like.new_empty(shape), like.new_empty(shape), 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new positions; return the keys and values of all positions so far."""
@@ -38,48 +35,72 @@ class KVCache:
 
 
 def norm(config: GPTConfig, width: int) -> nn.Module:
-    return nn.RMSNorm(width) if config.norm == "rmsnorm" else nn.LayerNorm(width, bias=config.bias)
+    return RMSNorm(width) if config.norm == "rmsnorm" else nn.LayerNorm(width, bias=config.bias)
 
 
-def rotate(x: torch.Tensor, start: int) -> torch.Tensor:
-    """Rotary position embedding of `x` (B, n_head, T, head_dim) at positions start .. start+T-1: each pair of
-    dimensions (i, i + head_dim/2) turned by an angle that grows with the position, at a frequency of its own."""
-    half = x.size(-1) // 2
-    frequencies = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = torch.arange(start, start + x.size(-2), device=x.device, dtype=torch.float32)[:, None] * frequencies
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (its weight and eps, as snapshots hold them), times another `weight` where one is given (of the shape
+    of x's last dimensions)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        normalise = _RMSNorm.apply if x.device.type == "cpu" else lambda x, eps: F.rms_norm(x, x.shape[-1:], eps=eps)
+        return (normalise(x, self.eps) * (self.weight if weight is None else weight)).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x / sqrt(mean(x**2) + eps) over the last dimension, in fp32 at least (as torch's), with a backward of its own:
+    autograd's through F.rms_norm, via pow, mean and rsqrt, takes several times as long on CPUs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float | None) -> torch.Tensor:
+        x = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        r = x.square().mean(-1, keepdim=True).add_(torch.finfo(x.dtype).eps if eps is None else eps).rsqrt_()
+        ctx.save_for_backward(y := x * r, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        y, r = ctx.saved_tensors  # the gradient less its part along y, which scaling by r removes
+        return torch.addcmul(grad, y, (grad * y).mean(-1, keepdim=True), value=-1).mul_(r), None
+
+
+def rotary(head_dim: int, start: int, length: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rotary positions start .. start+length-1, as a function that turns x (B, T, ..., head_dim) by them: each pair of
+    dimensions (i, i + head_dim/2) by an angle that grows with the position, at a frequency of its own."""
+    half = head_dim // 2
+    frequencies = 10000.0 ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.arange(start, start + length, device=device, dtype=torch.float32)[:, None, None, None] * frequencies
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    return lambda x: torch.addcmul(x * cos.type_as(x), x.roll(half, -1), sin.type_as(x))  # (x1 c - x2 s, x2 c + x1 s)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.rotary = config.n_head, config.rotary
+        self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         head = config.n_embd // config.n_head
-        self.q_norm, self.k_norm = (nn.RMSNorm(head), nn.RMSNorm(head)) if config.qk_norm else (None, None)
+        self.q_norm, self.k_norm = (RMSNorm(head), RMSNorm(head)) if config.qk_norm else (None, None)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, rope: Callable | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        # (B, T, 3C) -> three (B, n_head, T, head_dim) views, without copies
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
-        # A query attends to every cached position: all of them lie in its past. Only when
-        # several positions arrive at once (training, or the prompt) is a causal mask needed.
-        # Generation feeds the prompt into an empty cache, so the two cases never mix.
-        is_causal = T > 1
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary:  # at the positions after those cached
-            start = cache.length if cache is not None else 0
-            q, k = rotate(q, start), rotate(k, start)
+        # queries and keys (normalised and turned together) and values; a split's backward is one concat
+        qk, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).split([2, 1], dim=2)
+        if self.q_norm is not None:  # q's and k's weights, each once per head: the shape of qk's last dimensions
+            weight = torch.stack([self.q_norm.weight, self.k_norm.weight])[:, None].repeat(1, self.n_head, 1)
+            qk = self.q_norm(qk, weight)
+        if rope is not None:
+            qk = rope(qk)
+        (q, k), v = qk.permute(2, 0, 3, 1, 4).unbind(0), v.squeeze(2).transpose(1, 2)  # (B, n_head, T, head_dim) views
         if cache is not None:
             assert cache.length == 0 or T == 1, "feed several positions only into an empty cache"
             k, v = cache.append(k, v)
-        p = self.dropout if self.training else 0.0
-        y = attention(q, k, v, is_causal=is_causal, dropout_p=p)
+        # A query attends to every cached position: all of them lie in its past. Only when
+        # several positions arrive at once (training, or the prompt) is a causal mask needed.
+        # Generation feeds the prompt into an empty cache, so the two cases never mix.
+        y = attention(q, k, v, is_causal=T > 1, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return F.dropout(self.c_proj(y), self.dropout, self.training)
 
@@ -116,8 +137,8 @@ class Block(nn.Module):
         self.ln_2 = norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, rope: Callable | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -166,40 +187,29 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
         x = F.dropout(x, self.config.dropout, self.training)
-        for i, block in enumerate(self.blocks):
-            x = block(x, caches[i] if caches else None)
+        rope = rotary(self.config.n_embd // self.config.n_head, start, T, idx.device) if self.config.rotary else None
+        for i, block in enumerate(self.blocks):  # one rotary table for all layers
+            x = block(x, caches[i] if caches else None, rope)
         return self.ln_f(x)
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab) for token ids `idx` (B, T); with `targets`, also the mean cross-entropy."""
         logits = self.lm_head(self._hidden(idx))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW parameter groups: weight decay on matrices (Linear, Embedding), none on biases and norms. Use as
         `torch.optim.AdamW(model.param_groups(0.1), lr=..., betas=(0.9, 0.95))`."""
         params = [p for p in self.parameters() if p.requires_grad]  # tied weights appear once
-        return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
     @torch.inference_mode()
-    def stream(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-        use_cache: bool = True,
-    ) -> Iterator[torch.Tensor]:
+    def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, generator: torch.Generator | None = None,
+               use_cache: bool = True) -> Iterator[torch.Tensor]:
         """Yield the next token ids (B,), one step at a time, continuing the prompts `idx` (B, T).
 
         `temperature=0` picks the most likely token (greedy). With the cache each step feeds one position. The context
@@ -214,18 +224,13 @@ class GPT(nn.Module):
         try:
             block = self.config.block_size
             keep = max(1, block // 2)  # tokens kept when the window slides
-            tokens = idx[:, -block:]
-            caches = None  # built on the first step and after each slide
+            tokens, caches = idx[:, -block:], None  # caches: built on the first step and after each slide
             for _ in range(max_new_tokens):
                 if tokens.size(1) > block:
                     tokens, caches = tokens[:, -keep:], None
-                if not use_cache:
-                    hidden = self._hidden(tokens)
-                elif caches is None:
-                    caches = self._new_caches(tokens)
-                    hidden = self._hidden(tokens, caches)
-                else:
-                    hidden = self._hidden(tokens[:, -1:], caches)
+                new = caches is None  # without the cache, or with one to fill: the whole window
+                caches = self._new_caches(tokens) if use_cache and new else caches
+                hidden = self._hidden(tokens if new else tokens[:, -1:], caches)
                 logits = self.lm_head(hidden[:, -1, :]).float()
                 next_ids = sample_next(logits, temperature, top_k, top_p, generator)
                 tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
@@ -239,9 +244,8 @@ class GPT(nn.Module):
         return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
 
     def _new_caches(self, tokens: torch.Tensor) -> list[KVCache]:
-        c = self.config
-        like = self.wte.weight
-        return [KVCache(tokens.size(0), c.n_head, c.block_size, c.n_embd // c.n_head, like) for _ in self.blocks]
+        c, like = self.config, self.wte.weight
+        return [KVCache((tokens.size(0), c.n_head, c.block_size, c.n_embd // c.n_head), like) for _ in self.blocks]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -254,13 +258,8 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ConfigError(f"top_p must be in (0, 1] or None, got {top_p}")
 
 
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token id per row of `logits` (B, vocab)."""
     if temperature == 0:
         return logits.argmax(dim=-1)

@@ -192,7 +192,7 @@ def trained_like(model: GPT) -> GPT:
 
 
 def test_the_modern_architecture_has_each_of_its_parts():
-    from mingpt.model import rotate
+    from mingpt.model import rotary
     from mingpt.shape import ARCHS
 
     config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, **ARCHS["modern"])
@@ -210,8 +210,9 @@ def test_the_modern_architecture_has_each_of_its_parts():
     assert torch.allclose(mlp(h), mlp.c_proj(F.relu(mlp.c_fc(h)) ** 2))
     # Rotary: a query and a key moved by the same number of positions score alike (relative positions only).
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
-    score = lambda i, j: (rotate(q, i) * rotate(k, j)).sum()
-    assert score(3, 1) == pytest.approx(score(9, 7).item(), rel=1e-5) and rotate(q, 0).equal(q)
+    turned = lambda x, i: rotary(16, i, 1, x.device)(x)
+    score = lambda i, j: (turned(q, i) * turned(k, j)).sum()
+    assert score(3, 1) == pytest.approx(score(9, 7).item(), rel=1e-5) and turned(q, 0).equal(q)
 
 
 @pytest.mark.parametrize("part", [dict(rotary=True), dict(norm="rmsnorm"), dict(qk_norm=True), dict(mlp="relu2"),
