@@ -134,5 +134,5 @@ def test_muon_steps_as_torchs_in_bf16_and_orthogonalises_in_fp32_where_the_model
     assert not any(torch.equal(a, b) for a, b in zip(stepped["bf16"], stepped["fp32"]))
     for a, b, w in zip(stepped["bf16"], stepped["fp32"], start):
         assert torch.allclose(a - w, b - w, atol=2e-3), (a - b).abs().max()  # bf16 rounds to about 1e-2 of a step
-    x = orthogonalise(torch.randn(16, 48), (3.4445, -4.775, 2.0315), 5, 1e-7)
+    x = orthogonalise(torch.randn(2, 16, 48), (3.4445, -4.775, 2.0315), 5, 1e-7)  # a batch of two
     assert torch.linalg.svdvals(x).min() > 0.5 and torch.linalg.svdvals(x).max() < 1.5  # near-orthogonal rows

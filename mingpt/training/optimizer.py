@@ -3,12 +3,10 @@ MLP weights) with AdamW for the rest (embeddings, the head, norms, biases), as t
 nanochat train.
 
 Muon orthogonalises each matrix's update as a whole, so it trains unsharded models only (ddp): config.validate
-refuses it with fsdp and hsdp, and parallel.choose resolves auto to ddp for it.
-"""
+refuses it with fsdp and hsdp, and parallel.choose resolves auto to ddp for it."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
@@ -30,27 +28,30 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                buffer.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-                update = orthogonalise(update.to(self.dtype), group["ns_coefficients"], group["ns_steps"], group["eps"])
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                # torch's "original" scale: a tall matrix's update grows with its aspect.
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * math.sqrt(max(1, p.size(0) / p.size(1))))
+            if not (params := [p for p in group["params"] if p.grad is not None]):
+                continue  # (torch's foreach ops take no empty lists)
+            grads = [p.grad for p in params]
+            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(g)) for p, g in zip(params, grads)]
+            torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
+            updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            wide = [u.mT if u.size(0) > u.size(1) else u for u in updates]  # a tall matrix is orthogonalised as its T
+            for shape in dict.fromkeys(u.shape for u in wide):  # one batch a shape: fewer, larger matmuls
+                batch = [i for i, u in enumerate(wide) if u.shape == shape]
+                stacked = torch.stack([wide[i] for i in batch]).to(self.dtype)
+                done = orthogonalise(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                for p, x in zip([params[i] for i in batch], done):  # torch's "original" scale: it grows with the aspect
+                    p.add_(x if x.shape == p.shape else x.mT, alpha=-group["lr"] * max(1, p.size(0) / p.size(1)) ** 0.5)
 
 
 def orthogonalise(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """Newton-Schulz's quintic iteration, as torch.optim.Muon runs it: `g` with its singular values moved towards 1."""
+    """Newton-Schulz's quintic iteration, as torch.optim.Muon runs it, on a batch (n, rows, columns) of wide matrices
+    (rows <= columns): each with its singular values moved towards 1."""
     a, b, c = coefficients
-    x = g.T if g.size(0) > g.size(1) else g
-    x = x / x.norm().clamp(min=eps)  # singular values at most 1, where the iteration converges
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if g.size(0) > g.size(1) else x
+    x = g / g.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # singular values at most 1, where the iteration converges
+    for _ in range(steps):  # x <- a x + (b G + c G G) x, where G = x x^T
+        x = torch.baddbmm(x, torch.baddbmm(gram := x @ x.mT, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
 
 
 class MuonAdamW:
