@@ -28,14 +28,14 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         for group in self.param_groups:
-            if not (params := [p for p in group["params"] if p.grad is not None]):
-                continue  # (torch's foreach ops take no empty lists)
-            grads = [p.grad for p in params]
-            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(g)) for p, g in zip(params, grads)]
-            torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
-            updates = torch._foreach_lerp(grads, buffers, group["momentum"]) if group["nesterov"] else buffers
-            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-            wide = [u.mT if u.size(0) > u.size(1) else u for u in updates]  # a tall matrix is orthogonalised as its T
+            params = [p for p in group["params"] if p.grad is not None]
+            wide = []  # the updates, a tall matrix's as its transpose
+            for p in params:
+                buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buffer.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                wide.append(update.mT if update.size(0) > update.size(1) else update)
             for shape in dict.fromkeys(u.shape for u in wide):  # one batch a shape: fewer, larger matmuls
                 batch = [i for i, u in enumerate(wide) if u.shape == shape]
                 stacked = torch.stack([wide[i] for i in batch]).to(self.dtype)
