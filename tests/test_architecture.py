@@ -232,3 +232,12 @@ def test_every_module_that_a_docstring_comment_or_page_names_exists():
                       for reference in re.findall(r"\bmingpt(?:\.[A-Za-z_]\w*)+", text)
                       if not resolves(reference.removeprefix("mingpt."), names)})
     assert missing == []
+
+
+def test_torchs_private_names_are_used_in_torch_internals_alone():
+    """Every private name of torch's (`torch.x._y`, `from torch.x import _y`) is in mingpt.torch_internals, where each
+    is checked at start. The warm-worker server's list of modules to import names torch._dynamo, and uses none of it."""
+    private = re.compile(r"torch(\.[A-Za-z]\w*)*\._[A-Za-z]|from torch\S* import [^\n]*\b_[a-z]")
+    found = sorted(f"{module}: {match.group(0)}" for module, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
+                   if module != "mingpt.torch_internals" for match in private.finditer(path.read_text()))
+    assert found == ["mingpt.launch.forkserver: torch._d"]
