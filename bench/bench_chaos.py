@@ -36,6 +36,11 @@ counts as lost), and the ledger check (every step's samples, as metrics.jsonl re
 the uninterrupted run).
 --modes restart or --modes live runs one of them.
 
+--peacetime ROUNDS: no death; the two modes alternated ROUNDS times on two jobs, 2 nodes of 1 worker (gpt-micro)
+and 2 nodes of 2 workers (gpt-mini), each to --max-steps around mingpt-rendezvous. Printed per job: each run's
+seconds per step from a fifth of the way in to the end (start-up left out), and the live mode's speed against the
+restart mode's (the ratio of their mean seconds per step).
+
 --parallelism fsdp shards the model over the workers (over the nodes, under --churn, restart mode only):
 each process then keeps its shard in memory, and under --churn sends a copy to the next node.
 """
@@ -391,6 +396,47 @@ def _max(values: list[float]) -> str:
     return f"{max(values):.1f} s" if values else "-"
 
 
+def two_nodes(work: Path, mode: str, workers_per_node: int, model: str, max_steps: int) -> float:
+    """Seconds per step, from a fifth of the way in to the end, of a job of 2 nodes in `mode`, no death."""
+    bin_dir, port = Path(sys.executable).parent, free_port()
+    store = subprocess.Popen([str(bin_dir / "mingpt-rendezvous"), f"--port={port}",
+                              f"--lighthouse-port={free_port()}"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    snap, name = work / f"{mode}-{model}", f"peace-{mode}-{model}-{time.time_ns()}"
+    command = [str(bin_dir / "mingpt-torchrun"), *(["--live"] if mode == "live" else []), "--nnodes=2",
+               f"--nproc-per-node={workers_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               f"--rdzv-id={name}", "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"),
+               *[s for s in SETTINGS if not s.startswith(("model=", "snapshot.every="))], f"model={model}", f"trainer.max_steps={max_steps}", "snapshot.every=1000000",
+               f"snapshot.dir={snap}", f"data.prepared_dir={work / 'data'}"]
+    nodes = [subprocess.Popen(command, cwd=work, stdout=open(work / f"{name}-{i}.log", "wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in range(2)]
+    try:
+        for node in nodes:
+            if node.wait(timeout=1800) != 0:
+                raise SystemExit(f"a {mode} node exited {node.returncode}: see {work / name}-*.log")
+    finally:
+        for proc in [*nodes, store]:
+            stop(proc)
+    times = {r["step"]: r["time"] for r in records(snap)}
+    first = max_steps // 5
+    shutil.rmtree(snap)
+    return (times[max_steps - 1] - times[first]) / (max_steps - 1 - first)
+
+
+def peacetime(rounds: int, max_steps: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-peace-") as tmp:
+        for workers_per_node, model in [(1, "gpt-micro"), (2, "gpt-mini")]:
+            seconds = {"restart": [], "live": []}
+            for _ in range(rounds):
+                for mode in seconds:
+                    seconds[mode].append(two_nodes(Path(tmp), mode, workers_per_node, model, max_steps))
+            print(f"2 nodes of {workers_per_node} worker(s), {model}, {max_steps} steps: s/step restart "
+                  f"{', '.join(f'{s:.4f}' for s in seconds['restart'])}; live "
+                  f"{', '.join(f'{s:.4f}' for s in seconds['live'])}; live at "
+                  f"{statistics.mean(seconds['restart']) / statistics.mean(seconds['live']):.3f}x the restart "
+                  "mode's speed", flush=True)
+
+
 def churn_seeds(seeds: list[int], deaths: int, max_steps: int, modes: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
         work = Path(tmp)
@@ -426,10 +472,15 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=1500, help="trainer.max_steps of a churn job")
     parser.add_argument("--memory", default="on", choices=["on", "off"])
     parser.add_argument("--parallelism", default="ddp", choices=["ddp", "fsdp"])
+    parser.add_argument("--peacetime", type=int, default=0, metavar="ROUNDS",
+                        help="time both modes with no death instead, alternated ROUNDS times")
     parser.add_argument("--modes", default="restart,live", help="--churn: the modes to run, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     SETTINGS.append(f"trainer.parallelism={args.parallelism}")  # every job of the run, the reference's too
+    if args.peacetime:
+        peacetime(args.peacetime, args.max_steps)
+        return
     if args.churn:
         churn_seeds(list(range(args.seed, args.seed + args.churn)), args.deaths, args.max_steps,
                     args.modes.split(","))

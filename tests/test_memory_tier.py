@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,34 @@ def test_a_tier_older_than_the_generation_of_the_last_snapshot_is_never_used(tmp
                                                       writer.replica.model.parameters()))
     finally:
         writer.finish(release=True)
+
+
+def test_on_a_cpu_the_chosen_interval_counts_the_copys_own_work(tmp_path):
+    """snapshot.memory_every=0 training on the CPU: a copy's memcpy and sha256 take the cores that train, so a copy
+    of tens of ms beside a step of 20 ms that never waits for it is made every few steps, not every step."""
+    from launch import config
+    from mingpt.training.distributed import World
+    from mingpt.training.parallel import Topology
+    from mingpt.training.recovery import MEASURED_AT, OVERHEAD, MemoryCopies
+    from mingpt.training.state import Replica, TrainState
+
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model = torch.nn.Linear(2048, 4096)  # 32 MB of weights
+    copies = MemoryCopies(config("snapshot.memory=on", f"snapshot.memory_dir={tmp_path}").snapshot,
+                          Topology(world, "ddp"), "run", Replica(model, torch.optim.SGD(model.parameters()), None,
+                                                                 TrainState()))
+    copies.restore(0, None)
+    try:
+        for step in range(1, MEASURED_AT + 1):
+            copies.replica.state.step = step
+            copies.after_step()
+            copies.tier.wait()  # the copy is done before the next step, which never waits for it
+            copies.before_update()
+            time.sleep(0.02)  # the step: 20 ms in which the copy's work would have been training's
+        assert copies.tier.copy_seconds > 0 and copies.every > 1
+        assert copies.every >= copies.tier.copy_seconds / (OVERHEAD * copies._step_seconds)
+    finally:
+        copies.finish(release=True)
 
 
 @pytest.mark.parametrize("kind", ["a file", "missing", "a link to a file", "read-only"])

@@ -100,6 +100,7 @@ class MemoryTier:
         self._lock: MachineLock | None = None  # the folder's: its holder, the first of its launcher's, writes it
         self._skipped: set[Path] = set()  # what was warned about once
         self.copies = 0  # made or tried
+        self.copy_seconds = 0.0  # the CPU time of the last finished copy and what followed it, in its thread
 
     def turn_off(self, why: str) -> None:
         """Stop using the tier, with one warning: the job goes on from its snapshots."""
@@ -251,7 +252,7 @@ class MemoryTier:
             self._error = None
 
     def _copy_then(self, tensors: list[torch.Tensor], tree: Any, step: int, info: dict, then) -> None:
-        header = buffer = None
+        started, header, buffer = time.thread_time(), None, None
         try:
             if self.writes and not self.off:
                 header, buffer = self._copy(tensors, tree, step, info)
@@ -259,6 +260,7 @@ class MemoryTier:
             self._copied.set()
         if then is not None:
             then(header, buffer)
+        self.copy_seconds = time.thread_time() - started
 
     def _copy(self, tensors: list[torch.Tensor], tree: Any, step: int, info: dict) -> tuple:
         try:

@@ -11,12 +11,13 @@ The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepA
 1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch is split
    by that place (the group's position in the quorum, then the worker's within its group), so step s trains the
    same samples whichever groups commit it;
-2. exchange: first the step's table, one row per group, in one all-reduce: its loss, its stops (a group asked to
-   stop leaves; the others go on), whether the writer's saves keep failing, the writer's lease generation, and
-   what makes it a group of this job: the job's id, its data's fingerprint, its layout, and since when it takes
-   part. A group that differs from the group longest in the job leaves with one line, and the others do the step
-   again without it. Then the gradients, averaged over every process of the step (within the group, by FSDP's
-   reduce-scatter where sharded, then across groups on torchft's process group);
+2. exchange: the gradients, averaged over every process of the step bucket by bucket as the backward pass makes
+   them (DDP's communication hook; under hsdp, FSDP's all-reduce hook after its reduce-scatter): within the group,
+   then across groups on torchft's process group (NCCL on GPUs, Gloo on CPUs). Then the step's table, one row per
+   group, in one all-reduce: its loss, its stops (a group asked to stop leaves; the others go on), whether the
+   writer's saves keep failing, the writer's lease generation, and what makes it a group of this job: the job's id,
+   its data's fingerprint, its layout, and since when it takes part. A group that differs from the group longest
+   in the job leaves with one line, and the others do the step again without it;
 3. commit (`should_commit`): only a committed step updates the weights and advances the data.
 
 The checks live in every quorum, not in mingpt-rendezvous's store, which keeps nothing when it restarts. So does
@@ -158,7 +159,7 @@ class LiveAgreement:
     def _new_manager(self):
         """torchft's Manager, on a new store of the group's own, so that no key an earlier quorum left is read again."""
         # Imported in live jobs only: torchft takes a second to import, and starts threads of its own.
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         from mingpt.training.healing import VerifiedTransport
 
@@ -173,7 +174,8 @@ class LiveAgreement:
         timeout, settings = timedelta(seconds=COLLECTIVE_TIMEOUT_S), self.settings
         self.transport = VerifiedTransport(settings.host, timeout, self._peers)
         manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+            pg=(ProcessGroupNCCL if self.world.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout),
+            load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_nodes, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
             rank=self.world.rank, world_size=self.world.world_size, store_addr=settings.host, store_port=port,
@@ -239,15 +241,27 @@ class LiveAgreement:
         per_group = self.world.world_size
         return Share(self.position * per_group + self.world.rank, self.groups * per_group)
 
+    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """ddp (DDP's communication hook): one bucket of this process's gradients, as the backward pass hands it
+        over, averaged over every process of the step: within the group, then across the step's groups."""
+        tensor = bucket.buffer()
+        if self.world.distributed:
+            dist.all_reduce(tensor)
+            tensor /= self.world.world_size
+        self.reduce_shard(tensor)
+        reduced = torch.futures.Future()
+        reduced.set_result(tensor)
+        return reduced
+
+    def reduce_shard(self, tensor: torch.Tensor) -> None:
+        """hsdp (FSDP's all-reduce hook): this process's shard of a block's gradients, which FSDP's reduce-scatter
+        averaged over the group, averaged across the step's groups, in place. Once the step failed anywhere this
+        does nothing: the step is not committed."""
+        self.manager.allreduce(tensor).wait()
+
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
-        """The step's table, then the gradients, then the vote. A stop concerns this group alone: the others go on."""
-        params = [p for p in self.replica.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # no share of this step: nothing to add, but the exchange needs every process
-                p.grad = torch.zeros_like(p)
-        # hsdp: this process's shard of each gradient, which FSDP has averaged over the group already.
-        grads = [p.grad.to_local() if self.sharded else p.grad for p in params]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        """The step's table, then the vote (the gradients were reduced as the backward pass made them). A stop
+        concerns this group alone: the others go on."""
         # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one lost to
         # another job stops the writer's group when it claims the run again.
         saves_failing, _ = self.checkpointer.problems()
@@ -255,16 +269,8 @@ class LiveAgreement:
         numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing), float(lease)],
                                dtype=torch.float64)
         if self.world.distributed:  # within the group first
-            if not self.sharded:
-                dist.all_reduce(flat)
-                flat /= self.world.world_size
             dist.all_reduce(numbers)
         rows = self._table(numbers.tolist())
-        self.manager.allreduce(flat).wait()  # the mean over the step's groups (nothing, once the step failed)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
         committed = self._vote()
         self._say_what_changed(committed)
         if committed:  # (a step that cannot count may lack the group longest in the job)
@@ -280,7 +286,7 @@ class LiveAgreement:
         """Every group's row of the step; None where the step cannot count: the exchange failed, or a group of the
         quorum is not of this job (this one raises, where it is that group)."""
         since = NEVER if self.since is None else self.since
-        table = torch.zeros(max(self.groups, 1), COLUMNS, dtype=torch.float64)
+        table = torch.zeros(max(self.groups, 1), COLUMNS, dtype=torch.float64, device=self.world.device)
         if self.position is not None:
             table[self.position] = torch.tensor([*numbers, *self.credentials, since, float(self.keeps_the_run)],
                                                 dtype=torch.float64)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -142,12 +142,29 @@ def _return_large_frees_to_the_system() -> None:
         pass
 
 
-def replicate(model: GPT, topology: Topology) -> DDP | None:
-    """The DDP wrapper to train an unsharded `model` through, where there are several processes."""
+def replicate(model: GPT, topology: Topology, live: bool = False) -> DDP | None:
+    """The DDP wrapper to train an unsharded `model` through, where there are several processes (`live`: a node of a
+    live job, whose gradients the live agreement's communication hook reduces, whatever the node's size)."""
     world = topology.world
-    if not world.distributed or topology.sharded:
+    devices = [world.device] if world.device.type == "cuda" else None
+    if topology.sharded or not (world.distributed or live):
         return None
-    return DDP(model, device_ids=[world.device] if world.device.type == "cuda" else None)
+    if not live:
+        return DDP(model, device_ids=devices)
+    from torchft.process_group import ProcessGroupDummy  # a live job's only: torchft takes a second to import
+
+    # The hook does every exchange: DDP's own group only takes its start's broadcast, which every node of a live job
+    # can skip (it starts from the same seeded weights, or heals). Its buckets stay as first made (as torchft's DDP
+    # keeps them): a node that joins late must pair its buckets with the others', which DDP rebuilds after a step.
+    return DDP(model, device_ids=devices, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True)
+
+
+def reduce_across_nodes(model: GPT, reduce: Callable[[torch.Tensor], None]) -> None:
+    """hsdp in a live job: `reduce` averages each block's gradient shard across nodes, after FSDP's reduce-scatter
+    within the node, as the backward pass goes."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(reduce)
 
 
 def no_sync(model: GPT, ddp: DDP | None) -> AbstractContextManager:

@@ -27,7 +27,7 @@ from mingpt.training.state import Replica
 
 log = logging.getLogger(__name__)
 
-OVERHEAD = 0.03  # the share of the step time that the copies may take (snapshot.memory_every=0)
+OVERHEAD = 0.03  # the share of the throughput that the copies may take (snapshot.memory_every=0)
 MEASURED_AT = 4  # the step of a generation at which snapshot.memory_every=0 is chosen, from the copies before
 
 
@@ -128,16 +128,20 @@ class MemoryCopies:
             self.tier.forget_other_layouts()
 
     def _every(self) -> int:
-        """snapshot.memory_every, or (0) the fewest steps between copies that keep the wait for them within OVERHEAD
-        of the step; chosen by all processes together, as sending shards between nodes needs all to copy alike."""
+        """snapshot.memory_every, or (0) the fewest steps between copies that keep what they cost the step within
+        OVERHEAD of it; chosen by all processes together, as sending shards between nodes needs all to copy alike.
+        A copy costs the step its wait for it, and where training runs on the CPU, the copy's own CPU time too (its
+        memcpy and sha256 take the cores that train; on a GPU's host they take otherwise idle ones)."""
         if self.every or self._steps < MEASURED_AT:
             return self.every or 1
-        measured = distributed.all_gather([self._waited, self._step_seconds], self.world)
-        waited, step = max(w for w, _ in measured), max(s for _, s in measured)
-        self.every = max(1, math.ceil(waited / (OVERHEAD * step))) if step > 0 else 1
+        work = self.tier.copy_seconds if self.world.device.type == "cpu" else 0.0
+        measured = distributed.all_gather([self._waited, work, self._step_seconds], self.world)
+        waited, work, step = (max(column) for column in zip(*measured))
+        self.every = max(1, math.ceil((waited + work) / (OVERHEAD * step))) if step > 0 else 1
         if self.world.is_leader:
-            log.info("memory tier: a copy every %d step(s) (the step waits %.1f ms for one; a step takes %.0f ms)%s",
-                     self.every, 1000 * waited, 1000 * step, ", sent to the next node" if self.group else "")
+            log.info("memory tier: a copy every %d step(s) (a copy costs the step %.1f ms: %.1f ms waited for, %.1f "
+                     "ms of the training cores' time; a step takes %.0f ms)%s", self.every, 1000 * (waited + work),
+                     1000 * waited, 1000 * work, 1000 * step, ", sent to the next node" if self.group else "")
         return self.every
 
     def _send(self, header: dict | None, buffer: torch.Tensor | None) -> None:

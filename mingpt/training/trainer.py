@@ -304,10 +304,11 @@ class Trainer:
             # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor's cache and the run's
             # compile caches, loaded above, make a restart compile in seconds.
             self.model.compile()
-        # Live mode: gradients are averaged by the step's agreement, over the processes the quorum has.
-        self.ddp = None if self.live else parallel.replicate(self.model, self.topology)
+        self.ddp = parallel.replicate(self.model, self.topology, self.live)
         if self.ddp is not None:  # to time this process's own backward pass, for stragglers
             self.ddp.register_comm_hook(None, self._gradients_ready)
+        if self.live and self.topology.sharded:
+            parallel.reduce_across_nodes(self.model, self.agreement.reduce_shard)
 
     def _describe(self) -> list[str]:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
@@ -378,7 +379,8 @@ class Trainer:
     def _gradients_ready(self, group, bucket):  # no annotation: DDP checks it, and ours are strings
         """DDP hands each bucket to this hook once computed: the last ends this process's own work in the step."""
         self._own_end = time.perf_counter()
-        return allreduce_hook(group, bucket)
+        # Live mode: averaged over the processes of the step's quorum, within the node and across nodes.
+        return self.agreement.reduce_bucket(bucket) if self.live else allreduce_hook(group, bucket)
 
     def evaluate(self) -> None:
         step = self.replica.state.step
