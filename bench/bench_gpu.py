@@ -17,6 +17,11 @@ downloaded:
 4. kill -9: an endless run with --max-restarts=1; once it has a snapshot of step 40, one worker is
    killed with SIGKILL. Recovery is the time from the kill to the next progress line after the
    workers resumed (the agent restarts them and they load the newest snapshot).
+5. live: two live groups (`mingpt-torchrun --live`) around `mingpt-rendezvous`, each on half of the GPUs (both
+   on the one GPU where there is one), the model not compiled: their tokens/s against the same two nodes in the
+   restart mode; then, the groups training on, one is SIGKILLed (agent and workers): the time from the kill to
+   the survivor's next committed step; then a new group joins and heals from the survivor, every tensor checked
+   against the sha256 the survivor sent.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from jobs import free_port, stop_all, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 10  # steps per progress line (trainer.log_every)
@@ -123,6 +130,64 @@ def kill_and_recover(nproc: int, common: list[str], work: Path) -> float:
             job.wait(timeout=120)
 
 
+def two_groups(nproc: int, common: list[str], work: Path, name: str, nnodes: str, live: bool, port: int,
+               micro_batch: int, groups: int = 2) -> list[subprocess.Popen]:
+    """`groups` nodes of one job around the mingpt-rendezvous at `port`, each on half of the GPUs (all on GPU 0
+    where there is one); the global batch that of two such nodes."""
+    per_group = max(1, nproc // 2)
+    nodes = []
+    for group in range(groups):
+        devices = ",".join(str(d % max(nproc, 1)) for d in range(group * per_group, (group + 1) * per_group))
+        cmd = ["mingpt-torchrun", *(["--live"] if live else []), f"--nnodes={nnodes}", f"--nproc-per-node={per_group}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}",
+               "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"), *common, f"snapshot.dir={work / name}",
+               f"trainer.global_batch_size={2 * per_group * micro_batch}"]
+        log = (work / f"{name}-{len(list(work.glob(f'{name}-*.log')))}.log").open("w")
+        nodes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": devices}))
+    return nodes
+
+
+def live_mode(nproc: int, common: list[str], work: Path, steps: int, micro_batch: int) -> list[tuple[str, str]]:
+    """5.: the live mode's speed against the restart mode's, a group's death, and a heal."""
+    port = free_port()
+    started = [subprocess.Popen(["mingpt-rendezvous", f"--port={port}", f"--lighthouse-port={free_port()}"],
+                                stdout=(work / "rendezvous.log").open("w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)]
+    common = [*(c for c in common if not c.startswith("trainer.global_batch_size=")), "trainer.compile=false"]
+    try:
+        rates = {}
+        for mode in ("restart", "live"):
+            nodes = two_groups(nproc, [*common, f"trainer.max_steps={steps}"], work, mode, "2", mode == "live", port,
+                               micro_batch)
+            started += nodes
+            if any(node.wait(timeout=3600) for node in nodes):
+                sys.exit(f"the {mode} mode's job failed:\n{(work / f'{mode}-0.log').read_text()[-3000:]}")
+            rates[mode] = statistics.median(r["tokens_per_s"] for r in steady(records(work / mode)))
+        endless = [*common, "trainer.max_steps=100000000", "trainer.log_every=1", "snapshot.every=1000"]
+        survivor, victim = two_groups(nproc, endless, work, "churn", "1:3", True, port, micro_batch)
+        started += [survivor, victim]
+        after = lambda moment: [r for r in records(work / "churn") if r["time"] > moment]
+        wait_until(lambda: len(records(work / "churn")) >= 40, 900, "step 40 of the live job", [survivor, victim])
+        killed = time.time()
+        for pid in [victim.pid, *workers(victim.pid)]:  # a machine dies: its agent and workers at once
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: after(killed), 120, "the survivor's next step", [survivor])
+        next_step = after(killed)[0]["time"] - killed
+        newcomer = two_groups(nproc, endless, work, "churn", "1:3", True, port, micro_batch, groups=1)[0]
+        started.append(newcomer)
+        newcomer_log = work / "churn-2.log"
+        wait_until(lambda: "healed from a live peer" in newcomer_log.read_text(), 300, "the newcomer's heal",
+                   [survivor, newcomer])
+        refused = "refused the state" in newcomer_log.read_text()
+    finally:
+        stop_all(started)
+    return [("live against restart mode (2 groups, eager)", f"{rates['live'] / rates['restart']:.3f}x "
+             f"({rates['live']:,.0f} against {rates['restart']:,.0f} tokens/s)"),
+            ("live: SIGKILL of a group to the survivor's next step", f"{next_step:.1f} s"),
+            ("live: a new group heals", "a damaged state was refused" if refused else "every tensor's sha256 checked")]
+
+
 def _against(fsdp: list[dict], ddp: list[dict]) -> str:
     rate = statistics.median(r["tokens_per_s"] for r in steady(fsdp))
     ddp_rate = statistics.median(r["tokens_per_s"] for r in steady(ddp))
@@ -170,6 +235,7 @@ def main() -> None:
         modern, _, _ = train(nproc, common, work, "modern-muon", [steps, "trainer.compile=true", "model.arch=modern",
                                                                    "trainer.optimizer=muon"])
         recovery = kill_and_recover(nproc, common, work)
+        live = live_mode(nproc, common, work, args.steps, args.micro_batch)
     setting = re.search(r"\d+ process\(es\), (\w+ \([^)]*\))", text)
     compile_line = re.search(r"torch.compile (\w+ \([^)]*\))", text)
     rate = statistics.median(r["tokens_per_s"] for r in steady(compiled))
@@ -188,6 +254,7 @@ def main() -> None:
         ("time to first progress line", f"{first_compiled:.0f} s compiled, {first_eager:.0f} s eager"),
         ("async snapshot stall", f"{stall_s(compiled, tokens_per_step):.2f} s per snapshot"),
         ("kill -9 to next step", f"{recovery:.1f} s"),
+        *live,
     ]
     print("\n| | |\n| --- | --- |")
     for name, value in rows:

@@ -10,7 +10,10 @@ that failed anywhere is not committed, and is done again with the same samples b
 The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepAgreement):
 1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch is split
    by that place (the group's position in the quorum, then the worker's within its group), so step s trains the
-   same samples whichever groups commit it;
+   same samples whichever groups commit it. The quorum forms in torchft's thread while the forward pass runs: the
+   split is the last committed step's, and the step's table says whether every group's still held (else the step
+   is not committed, and the next one waits for its quorum). A group that is behind heals from a live peer in that
+   thread and loads the state at the vote; meanwhile it takes part in the exchanges with nothing to add;
 2. exchange: the gradients, averaged over every process of the step bucket by bucket as the backward pass makes
    them (DDP's communication hook; under hsdp, FSDP's all-reduce hook after its reduce-scatter): within the group,
    then across groups on torchft's process group (NCCL on GPUs, Gloo on CPUs). Then the step's table, one row per
@@ -77,7 +80,8 @@ LOSS, STOPS, FAILING, LEASE = range(4)  # the step's numbers (LEASE: the writer'
 CREDENTIALS = slice(4, 7)  # what makes the group one of the job (`credentials`)
 SINCE = 7  # the first step the group committed (NEVER: none yet)
 KEEPS_THE_RUN = 8  # 1 where the group's data is that of the snapshot it resumed from (or it resumed from none)
-COLUMNS = 9
+SPLIT_HELD = 9  # 1 where the group split the step's samples by the quorum that formed
+COLUMNS = 10
 NEVER = float(2**52)
 MODES = ("ddp", "hsdp")  # the layouts' modes, by their number
 
@@ -114,6 +118,10 @@ def misfit(mine: Sequence[float], job: Sequence[float], job_id: str) -> MinGPTEr
     return None
 
 
+class QuorumMoved(RuntimeError):
+    """A group split the step's samples by a quorum that no longer held once the step's quorum formed."""
+
+
 def eldest(table: list[list[float]]) -> int:
     """The position of the group the job's credentials are taken from: the one that has committed steps the
     longest; where none has committed yet, one whose data is the run's (a node of another corpus that resumed from
@@ -137,6 +145,10 @@ class LiveAgreement:
         self.min_groups = self.settings.min_nodes
         self.position: int | None = None  # this group's place in the step's quorum
         self.groups = 0  # groups in the step's quorum
+        self.split: tuple[int | None, int] | None = None  # the (position, groups) the step's samples were split by
+        self.committed_quorum: tuple[int | None, int] | None = None  # the last step's, where it was committed
+        self.quorum_error: Exception | None = None  # why the step's quorum failed to form (the Lighthouse is lost)
+        self.offered: dict | None = None  # what a healer receives from this group during the step (`begin`)
         self.since: int | None = None  # the first step this group committed
         self.keeps_the_run = True  # its data is that of the snapshot it resumed from (resumed_at)
         self.writes = False  # whether this group writes the run's snapshots and metrics (as of the last table)
@@ -176,13 +188,13 @@ class LiveAgreement:
         manager = Manager(
             pg=(ProcessGroupNCCL if self.world.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout),
             load_state_dict=None, state_dict=None,
-            min_replica_size=settings.min_nodes, use_async_quorum=False, timeout=timeout,
+            min_replica_size=settings.min_nodes, use_async_quorum=True, timeout=timeout,
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
             rank=self.world.rank, world_size=self.world.world_size, store_addr=settings.host, store_port=port,
             lighthouse_addr=settings.lighthouse, replica_id=self.name, hostname=settings.host,
             init_sync=False,  # every group starts from the same seeded weights: nothing to send at step 0
             checkpoint_transport=self.transport)
-        manager.register_state_dict_fn(STATE_KEY, self._heal, self._offered)
+        manager.register_state_dict_fn(STATE_KEY, self._heal, lambda: self.offered)
         try:  # where a healer whose source sent a damaged state finds this one
             self.rendezvous.append(self.healers, self.transport.metadata() + " ")
         except (DistError, OSError) as e:  # mingpt-rendezvous restarting: healers ask the source torchft chose only
@@ -201,10 +213,6 @@ class LiveAgreement:
         log.warning("healing: no other group is asked for a sound state: %s", why)
         return []
 
-    def _offered(self) -> dict:
-        """What a group that heals from this one receives: the run's state, and this group's credentials."""
-        return {**self.state(), "credentials": list(self.credentials)}
-
     def _heal(self, received: dict) -> None:
         """Load what a live peer sent, once its credentials show a group of this job: else this group leaves, before
         its state or gradients could meet the job's."""
@@ -219,27 +227,49 @@ class LiveAgreement:
         self.keeps_the_run = self.checkpointer.resumed_data in (None, self.checkpointer.data_fingerprint)
 
     def begin(self) -> Share:
-        """The step's quorum: heals this group where it is behind, then says where this process stands."""
+        """Starts the step's quorum, and says where this process stands: by the last committed step's quorum, or where
+        there is none (the first step, or one after a step that was not committed) by this one, once formed."""
+        if self.quorum_error is not None:
+            error, self.quorum_error = self.quorum_error, None
+            self._meet_again(error)
+        # What a group that heals from this one receives until the vote: the run's state and this group's
+        # credentials. Made here, on the training thread: FSDP's state-dict hooks swap the model's parameters, which a
+        # forward pass must not see. Not at step 0: no group heals to it, and the state-dict API would make the
+        # optimizer's state by taking a step.
+        step = self.manager.current_step()
+        if step > 0:
+            self.offered = {**self.state(), "credentials": list(self.credentials)}
+            offered = {"user": {STATE_KEY: self.offered}, "torchft": self.manager.state_dict()}
+            self.transport.offer(step, lambda: offered)
         while True:
             try:
                 self.manager.start_quorum()
+                if self.committed_quorum is None:
+                    self.manager.wait_quorum()
                 break
-            except MinGPTError:  # this group is not of the job (the state a peer sent it says so)
-                raise
             except Exception as e:  # the Lighthouse stopped answering (TimeoutError, or a refused connection)
                 self._meet_again(e)
-        # Until the vote, a healer whose source failed it may ask here. Made on the training thread: FSDP's state-dict
-        # hooks swap the model's parameters, which a forward pass must not see. Not at step 0: no group heals to it,
-        # and the state-dict API would make the optimizer's state by taking a step.
-        step = self.manager.current_step()
-        if step > 0:
-            offered = {"user": {STATE_KEY: self._offered()}, "torchft": self.manager.state_dict()}
-            self.transport.offer(step, lambda: offered)
-        self.position, self.groups = self.manager.participating_rank(), self.manager.num_participants()
-        if self.position is None or self.groups < self.min_groups:  # a step that cannot count: nothing to compute
+        self.split = self.committed_quorum or self._quorum()
+        position, groups = self.split
+        if position is None or groups < self.min_groups:  # a step that cannot count: nothing to add to it
             return Share(0, 0)
         per_group = self.world.world_size
-        return Share(self.position * per_group + self.world.rank, self.groups * per_group)
+        return Share(position * per_group + self.world.rank, groups * per_group)
+
+    def _quorum(self) -> tuple[int | None, int]:
+        """This group's position in the step's quorum (None: it is behind, and heals) and the number of groups."""
+        return self.manager.participating_rank(), self.manager.num_participants()
+
+    def _quorum_formed(self) -> bool:
+        """Waits for the step's quorum. Where it failed to form, the step fails (the next meets the Lighthouse again)."""
+        if self.quorum_error is None:
+            try:
+                self.manager.wait_quorum()
+                return True
+            except Exception as e:
+                self.quorum_error = e
+                self.manager.report_error(e)
+        return False
 
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """ddp (DDP's communication hook): one bucket of this process's gradients, as the backward pass hands it
@@ -255,9 +285,10 @@ class LiveAgreement:
 
     def reduce_shard(self, tensor: torch.Tensor) -> None:
         """hsdp (FSDP's all-reduce hook): this process's shard of a block's gradients, which FSDP's reduce-scatter
-        averaged over the group, averaged across the step's groups, in place. Once the step failed anywhere this
-        does nothing: the step is not committed."""
-        self.manager.allreduce(tensor).wait()
+        averaged over the group, averaged across the step's groups, in place (a group that heals adds nothing, and
+        receives the average). Once the step failed anywhere this does nothing: the step is not committed."""
+        if self._quorum_formed():
+            self.manager.allreduce(tensor).wait()
 
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
         """The step's table, then the vote (the gradients were reduced as the backward pass made them). A stop
@@ -272,6 +303,7 @@ class LiveAgreement:
             dist.all_reduce(numbers)
         rows = self._table(numbers.tolist())
         committed = self._vote()
+        self.committed_quorum = (self.position, self.groups) if committed else None
         self._say_what_changed(committed)
         if committed:  # (a step that cannot count may lack the group longest in the job)
             self.since = self.manager.current_step() if self.since is None else self.since
@@ -285,10 +317,14 @@ class LiveAgreement:
     def _table(self, numbers: list[float]) -> list[list[float]] | None:
         """Every group's row of the step; None where the step cannot count: the exchange failed, or a group of the
         quorum is not of this job (this one raises, where it is that group)."""
+        if not self._quorum_formed():
+            return None
+        self.position, self.groups = self._quorum()
         since = NEVER if self.since is None else self.since
         table = torch.zeros(max(self.groups, 1), COLUMNS, dtype=torch.float64, device=self.world.device)
         if self.position is not None:
-            table[self.position] = torch.tensor([*numbers, *self.credentials, since, float(self.keeps_the_run)],
+            table[self.position] = torch.tensor([*numbers, *self.credentials, since, float(self.keeps_the_run),
+                                                 float(self.split == (self.position, self.groups))],
                                                 dtype=torch.float64)
         self.manager.allreduce(table, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
@@ -301,10 +337,16 @@ class LiveAgreement:
         if strangers:  # it leaves with its own line: the step is done again without it
             self.manager.report_error(ConfigError(f"the group at position {strangers[0]} is not of this job"))
             return None
+        if not all(row[SPLIT_HELD] for row in rows):  # some samples were trained twice, others not at all
+            self.manager.report_error(QuorumMoved("the groups changed while the step computed"))
+            return None
         return rows
 
     def _vote(self) -> bool:
-        """Whether the step is committed: every process of every group of the step succeeded."""
+        """Whether the step is committed: every process of every group of the step succeeded. Not where the step's
+        quorum failed to form: torchft's vote would wait on the Lighthouse's timeout again."""
+        if self.quorum_error is not None:
+            return False
         try:
             return self.manager.should_commit(timeout=timedelta(seconds=COMMIT_TIMEOUT_S))
         except TimeoutError as e:  # a process of this group never voted: it died or hangs
@@ -315,6 +357,7 @@ class LiveAgreement:
         log.warning("live: the Lighthouse at %s does not answer (%s); meeting it again", self.settings.lighthouse,
                     one_line(error))
         self.manager.shutdown(wait=False)
+        self.committed_quorum = None  # the new Manager's first quorum is waited for
         deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
         while True:
             try:
@@ -337,13 +380,14 @@ class LiveAgreement:
         if self.world.rank != 0:
             return
         step = self.manager.current_step()  # after a commit: the step just committed
-        if committed and self.counted == 0:
+        took_part = committed and self.position is not None  # (a group that healed at the vote takes part next)
+        if took_part and self.counted == 0:
             log.info("live: this group takes part from step %d, at position %d of %d group(s)", step, self.position,
                      self.groups)
-        elif committed and self.groups != self.counted:
+        elif took_part and self.groups != self.counted:
             log.info("live: %d group(s) from step %d (were %d); this one at position %d", self.groups, step,
                      self.counted, self.position)
-        if committed:
+        if took_part:
             self.counted = self.groups
         now = time.monotonic()
         if not committed and self.failed_since is None:

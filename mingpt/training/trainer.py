@@ -227,7 +227,8 @@ class Trainer:
             last = state.step == t.max_steps or outcome.stops > 0
             if outcome.committed:  # (live mode: else the same step comes again, with the next quorum)
                 self.report.step(state.step, outcome.loss, self.replica.optimizer.param_groups[0]["lr"], samples,
-                                 share.count, self._split, time.perf_counter() - started, last)
+                                 share.count or self.world.world_size,  # (0: a live group that healed at the vote)
+                                 self._split, time.perf_counter() - started, last)
                 # On a stop request, skip evaluation: the snapshot must land inside the shutdown window.
                 if (t.eval_every and state.step % t.eval_every == 0) or (last and not outcome.stops):
                     self.evaluate()
@@ -266,6 +267,8 @@ class Trainer:
         if not outcome.committed:
             return outcome, share, ""
         self._update()
+        if self.live:  # the vote may have healed this replica to the step the others trained
+            starts = order.starts(state.samples_seen, t.global_batch_size)
         state.advance(t.global_batch_size, hashlib.sha256(starts.astype("<i8").tobytes()).hexdigest()[:16])
         self.checkpointer.after_step(outcome.generation)  # into the memory tier
         self.train_loss = outcome.loss
@@ -334,16 +337,18 @@ class Trainer:
         """Forward and backward over this process's share of the windows at `starts`; returns sum(loss * examples)."""
         t, world = self.cfg.trainer, self.world
         self.replica.optimizer.zero_grad(set_to_none=True)
-        if share.count == 0:
+        if share.count == 0 and not self.live:
             return 0.0
-        mine, batches = _my_micro_batches(len(starts), t.micro_batch_size, share, self.topology.sharded)
+        # Live mode: a process with no share still takes part in the backward pass's exchanges, adding nothing.
+        mine, batches = (slice(0, 0), [None]) if share.count == 0 else \
+            _my_micro_batches(len(starts), t.micro_batch_size, share, self.topology.sharded)
         # Gradients are averaged over processes; scaling each micro-batch's mean loss by (its examples * processes /
         # global batch) makes the result the full-batch gradient, also when the batch does not split evenly.
         scale = share.count / t.global_batch_size
         loss_sum = torch.zeros((), device=world.device)
         started, waited = time.perf_counter(), 0.0
         for i, batch in enumerate(batches):
-            first = mine.start + (batch or batches[0]).start
+            first = mine.start + (batch.start if batch else 0)
             count = batch.stop - batch.start if batch else 0  # a padding micro-batch: run, but weigh nothing
             fetched = time.perf_counter()
             x, y = self.train_blocks.windows(starts[first : first + max(count, 1)])
