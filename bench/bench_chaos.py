@@ -406,8 +406,9 @@ def two_nodes(work: Path, mode: str, workers_per_node: int, model: str, max_step
     command = [str(bin_dir / "mingpt-torchrun"), *(["--live"] if mode == "live" else []), "--nnodes=2",
                f"--nproc-per-node={workers_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                f"--rdzv-id={name}", "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"),
-               *[s for s in SETTINGS if not s.startswith(("model=", "snapshot.every="))], f"model={model}", f"trainer.max_steps={max_steps}", "snapshot.every=1000000",
-               f"snapshot.dir={snap}", f"data.prepared_dir={work / 'data'}"]
+               *[s for s in SETTINGS if not s.startswith(("model=", "snapshot.every="))], f"model={model}",
+               f"trainer.max_steps={max_steps}", "snapshot.every=1000000", f"snapshot.dir={snap}",
+               f"data.prepared_dir={work / 'data'}"]
     nodes = [subprocess.Popen(command, cwd=work, stdout=open(work / f"{name}-{i}.log", "wb"), stderr=subprocess.STDOUT,
                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in range(2)]
     try:

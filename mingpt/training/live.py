@@ -261,7 +261,8 @@ class LiveAgreement:
         return self.manager.participating_rank(), self.manager.num_participants()
 
     def _quorum_formed(self) -> bool:
-        """Waits for the step's quorum. Where it failed to form, the step fails (the next meets the Lighthouse again)."""
+        """Waits for the step's quorum. Where it failed to form, the step fails (the next meets the Lighthouse
+        again)."""
         if self.quorum_error is None:
             try:
                 self.manager.wait_quorum()

@@ -153,9 +153,9 @@ def replicate(model: GPT, topology: Topology, live: bool = False) -> DDP | None:
         return DDP(model, device_ids=devices)
     from torchft.process_group import ProcessGroupDummy  # a live job's only: torchft takes a second to import
 
-    # The hook does every exchange: DDP's own group only takes its start's broadcast, which every node of a live job
-    # can skip (it starts from the same seeded weights, or heals). Its buckets stay as first made (as torchft's DDP
-    # keeps them): a node that joins late must pair its buckets with the others', which DDP rebuilds after a step.
+    # The live agreement's hook makes every exchange, so DDP gets a group of one: no broadcast at the start, which a
+    # live job needs not (its nodes start from the same seeded weights, or heal). Its buckets stay as first made (as
+    # in torchft's DDP): DDP rebuilds them after a step, and a node that joins late must pair its buckets with ours.
     return DDP(model, device_ids=devices, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True)
 
 

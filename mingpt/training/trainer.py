@@ -252,7 +252,6 @@ class Trainer:
         t, state = self.cfg.trainer, self.replica.state
         self.progress.mark(state.step, "starting")  # live mode: the quorum waits for the Lighthouse's timeouts
         share = self.agreement.begin()  # live mode: the quorum, which heals this replica where it is behind
-        set_lr(self.replica.optimizer, t, state.step)
         self.progress.mark(state.step, "computing")
         starts = order.starts(state.samples_seen, t.global_batch_size)
         try:
@@ -369,6 +368,7 @@ class Trainer:
 
     def _update(self) -> None:
         t, updating = self.cfg.trainer, time.perf_counter()
+        set_lr(self.replica.optimizer, t, self.replica.state.step)  # (live mode: of the step this replica healed to)
         self.checkpointer.before_update()  # the memory tier's copy of the last step must be complete
         if self.replica.scaler:
             self.replica.scaler.unscale_(self.replica.optimizer)  # clip the true gradients, not the scaled ones
