@@ -93,10 +93,12 @@ def latest_snapshot(run: Path) -> int:
 
 
 def workers(agent: int) -> list[int]:
+    """The agent's workers (not its warm-worker server, a child of it too)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == agent:
+            fields = stat.read_text().rsplit(")", 1)
+            if int(fields[1].split()[1]) == agent and "(mingpt-worker" in fields[0]:
                 found.append(int(stat.parent.name))
         except (OSError, ValueError):
             pass
