@@ -107,7 +107,7 @@ def workers(agent: int) -> dict[int, int]:
         return found
     for pid in map(int, children):
         try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()  # mingpt-workerN (launcher.name_this_worker)
+            name = Path(f"/proc/{pid}/comm").read_text().strip()  # mingpt-workerN (mingpt.jobenv.worker_name)
         except OSError:  # the worker has just ended
             continue
         if name.startswith("mingpt-worker") and name[len("mingpt-worker"):].isdigit():

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from jobs import free_port, stop_all, wait_until
+from jobs import free_port, stop_all, wait_until, workers
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 10  # steps per progress line (trainer.log_every)
@@ -90,19 +90,6 @@ def train(nproc: int, common: list[str], work: Path, name: str, extra: list[str]
 def latest_snapshot(run: Path) -> int:
     steps = [int(p.name.split("-")[1]) for p in run.glob("step-*") if (p / "manifest.json").exists()]
     return max(steps, default=-1)
-
-
-def workers(agent: int) -> list[int]:
-    """The agent's workers (not its warm-worker server, a child of it too)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)
-            if int(fields[1].split()[1]) == agent and "(mingpt-worker" in fields[0]:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            pass
-    return found
 
 
 def kill_and_recover(nproc: int, common: list[str], work: Path) -> float:

@@ -24,29 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from jobs import records, stop_all, wait_until
+from jobs import records, stop_all, wait_until, workers
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 JOB = ["model=gpt-nano", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
        "trainer.eval_every=0", "trainer.log_every=1", "trainer.precision=fp32", "snapshot.every=5",
        "snapshot.memory=on", "snapshot.memory_every=1"]
-
-
-def workers(agent: int) -> list[int]:
-    """The pids of the agent's workers (named mingpt-workerN: mingpt.training.launcher.name_this_worker)."""
-    try:
-        children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
-    except OSError:
-        return []
-    found = []
-    for pid in children:
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().startswith("mingpt-worker"):
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 def one_job(snap: Path, prepared: Path, n_workers: int, kills: int, warm: bool) -> tuple[list[float], float, float]:

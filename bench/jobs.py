@@ -1,5 +1,5 @@
-"""What the benches that start whole jobs share: a free port, the steps a job's metrics.jsonl records, and
-waiting for a condition while the job's processes live, and ending them."""
+"""What the benches that start whole jobs share: a free port, an agent's workers, the steps a job's metrics.jsonl
+records, and waiting for a condition while the job's processes live, and ending them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def workers(agent: int) -> list[int]:
+    """The pids of the agent's workers (named mingpt-workerN: mingpt.jobenv.worker_name), not its warm-worker server,
+    a child of it too."""
+    try:
+        children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+    except OSError:
+        return []
+    found = []
+    for pid in children:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("mingpt-worker"):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def records(metrics: Path) -> list[dict]:

@@ -136,7 +136,7 @@ class LiveAgreement:
     def __init__(self, topology: Topology, replica, checkpointer, global_batch_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None]):
         """`start` joins the job."""
-        world, self.sharded, self.mode = topology.world, topology.sharded, topology.mode
+        world, self.mode = topology.world, topology.mode
         self.settings = world.job.live
         self.world, self.replica, self.checkpointer = world, replica, checkpointer
         self.global_batch_size, self.state, self.load = global_batch_size, state, load
