@@ -1,13 +1,10 @@
-"""Holding something among processes that may die, on machines whose clocks disagree: the one claim behind the run's
-lease (mingpt.checkpoint.lease) and the prepared data's claim (mingpt.data.remote), and the lock of a folder among the
-processes of one machine.
+"""Holding something among processes that may die, on machines whose clocks disagree: the claim behind the run's
+lease (mingpt.checkpoint.lease) and the prepared data's (mingpt.data.remote), and the lock of a folder on one machine.
 
-A claim is a folder of numbered generations (gen-000000001.json, ...), each created exclusively (O_EXCL, a conditional
-PUT on S3): taking over creates the next one, never deletes the holder's, so of claimants at once exactly one wins. The
-holder rewrites its own at an interval (a `Beat`) and marks it released when done; a newer one fences it off
-(`overtaken`). A holder on another machine is gone only once its claim `stood_still` for its timeout on the claimant's
-own monotonic clock (no two machines' clocks are compared); one on this machine once none of its processes runs, known
-by pid and start time so that a reused pid is never taken for it. Whom to take over is each policy's decision."""
+A claim is a folder of numbered generations, each created exclusively (O_EXCL, a conditional PUT on S3), so of
+claimants at once exactly one wins; the holder rewrites its own at a `Beat`, and a newer one fences it off
+(`overtaken`). A holder elsewhere is gone once its claim `stood_still` for its timeout on the claimant's own monotonic
+clock (no two machines' clocks are compared); one here once none of its processes (pid and start time) runs."""
 
 from __future__ import annotations
 

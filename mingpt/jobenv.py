@@ -1,7 +1,6 @@
 """The contract between a node's agent (mingpt.launch) and its workers (mingpt.training), in one place: the job's
 environment (`JobEnv`, read once per worker), the exit statuses of a membership change, the progress marks the
-watchdog reads, and the Lighthouse's key and timeouts. No torch: the agent and `mingpt-rendezvous` read it first.
-"""
+watchdog reads, and the Lighthouse's key and timeouts. No torch: the agent and `mingpt-rendezvous` read it first."""
 
 from __future__ import annotations
 

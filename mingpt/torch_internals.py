@@ -1,12 +1,10 @@
 """Every private name of torch that mingpt uses, in one place, and `check()`, which confirms them.
 
-torch promises nothing about names that start with an underscore, and mingpt needs a few: torchrun's agent, dynamic
-rendezvous, command line and worker launch (which mingpt's agent and forkserver change), where a DTensor's shard lies
-(the memory tier and healing carry shards without DCP), DCP's fsspec classes and the private classes its pickled
-index names, Inductor's caches (mingpt.training.compile_cache) and Dynamo's compile callbacks
-(mingpt.training.progress). `check()` looks each up, on a real agent and rendezvous handler where they are fields,
-and fails in one line naming torch's version and what is missing: mingpt-torchrun checks the launcher's names (not
-DCP's: slow to import), a worker DCP's, a compiling worker Dynamo's, the tests all. Nothing degrades in silence."""
+torch promises nothing about names that start with an underscore; mingpt needs a few: for its agent, rendezvous and
+forkserver, DTensor shards, DCP's fsspec classes and pickled index, Inductor's caches and Dynamo's compile callbacks.
+`check()` looks each up, on a real agent and rendezvous handler where they are fields, and fails in one line naming
+torch's version and what is missing: mingpt-torchrun checks the launcher's names (not DCP's: slow to import), a worker
+DCP's, a compiling worker Dynamo's, the tests all. Nothing degrades in silence."""
 
 from __future__ import annotations
 

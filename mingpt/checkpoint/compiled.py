@@ -1,11 +1,8 @@
-"""torch.compile's caches in the run folder, so that a worker on any machine compiles from them:
-
-    <dir>/compile-cache/<key>.<sha256 prefix>.zip   the caches of one key (opaque bytes here)
-    <dir>/compile-cache/manifest.json               written last: key, file, bytes, sha256, writer
-
-The key (mingpt.training.compile_cache makes it) names what makes the caches valid. Only the lease holder writes, and
-only the newest key's caches stay. Compiled caches are code, and loading them runs it: a blob is trusted only through a
-manifest that names a writer (its lease), and only when its size and sha256 match."""
+"""torch.compile's caches in the run folder, so that a worker on any machine compiles from them: `compile-cache/` holds
+`<key>.<sha256 prefix>.zip` and, written last, `manifest.json` (key, file, bytes, sha256, writer). The key
+(mingpt.training.compile_cache makes it) names what makes the caches valid. Only the lease holder writes, and only the
+newest key's caches stay. Compiled caches are code, and loading them runs it: a blob is trusted only through a manifest
+that names a writer (its lease), and only when its size and sha256 match."""
 
 from __future__ import annotations
 

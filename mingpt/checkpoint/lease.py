@@ -1,15 +1,11 @@
 """Run ownership: one job at a time writes to a snapshot folder, so that two jobs started into one `snapshot.dir` by
 mistake never delete each other's saves nor resume from each other's state (docs/snapshots.md, "Run ownership").
 
-    <dir>/owner/gen-000000007.json    job, host, pids, since, renewed, beat, released, timeout, token
-
-The claim itself is mingpt.claim's (exclusive generations, the beat, the release, the watch, the fence); this module
-decides whom the run may be taken from, and what a commit says of its writer. Every manifest names the job and
-generation that wrote it, so the run's history survives the loss of `owner/` (a hand, a bucket expiry rule). A silent
-holder on another host is judged gone on this process's monotonic clock: no other host's timestamp is ever compared
-with ours, so clock skew cannot hand over a live holder's run. Every generation of one torchrun job shares its identity
-and takes over at once, except in the other mode (restart or `--live`: the two never meet). A worker left over from an
-older generation finds a newer generation file before it commits or deletes anything (`check`), and stops."""
+The claim itself (`<dir>/owner/gen-NNNNNNNNN.json`) is mingpt.claim's; this module decides whom the run may be taken
+from, and what a commit says of its writer. Every manifest names the job and generation that wrote it, so the run's
+history survives the loss of `owner/`. Every generation of one torchrun job shares its identity and takes over at once,
+except in the other mode (restart or `--live`: the two never meet). A worker left over from an older generation finds a
+newer generation file before it commits or deletes anything (`check`), and stops."""
 
 from __future__ import annotations
 

@@ -1,18 +1,15 @@
-"""The memory tier: the run state after every step (or every few), kept in shared memory that outlives the worker
-processes, so that a restart resumes from it rather than from the last snapshot (docs/snapshots.md#the-memory-tier).
+"""The memory tier: the run state after every step (or every few), kept in shared memory that outlives the workers,
+so that a restart resumes from it rather than from the last snapshot (docs/snapshots.md#the-memory-tier).
 
     <snapshot.memory_dir>/mingpt-<hash of snapshot.dir>-<pid of the launcher>-<shard>of<shards>/
-        own-0.bin, own-1.bin      this process's shard of the state, two buffers written in turn
-        own-0.json, own-1.json    what a buffer holds (job, run, step, shard, where each tensor lies)
-        peer-0.*, peer-1.*        the shard of a process on another node (mingpt.training.recovery)
-        reached                   the last step its writer finished, for steps_lost
+        own-0.*, own-1.*      this process's shard: two buffers (.bin) written in turn, each described (.json)
+        peer-0.*, peer-1.*    the shard of a process on another node (mingpt.training.recovery)
+        reached               the last step its writer finished, for steps_lost
 
-A slot's description is removed before its buffer is written, and written again once the copy is complete: a copy cut
-short is never read, and the other slot holds the step before. /dev/shm is writable by every user and these names can be
-worked out, so a folder is used only if it is this user's alone (0700, not a link), every file only if it is a regular
-file of this user's, opened without following links, and a buffer only if it and its description (checked for types and
-bounds) match the sha256 recorded with them. Anything else is skipped with a warning; a tier that cannot be written
-turns itself off with one warning, and the job goes on from its snapshots."""
+A description is written only once its buffer is complete, so a copy cut short is never read. /dev/shm is every user's,
+so only this user's own folders (0700, no link) and regular files are used, and a buffer only where it and its checked
+description match their sha256; anything else is skipped with a warning. A tier that cannot be written turns itself
+off, and the job goes on from its snapshots."""
 
 from __future__ import annotations
 

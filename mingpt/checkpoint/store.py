@@ -1,6 +1,5 @@
 """Snapshots of a run, in a local folder or any fsspec URL, one folder per snapshot: files, their hashes, and an opaque
-info dict that the store's user fills and checks. What the trainer's hold: docs/snapshots.md; what a model's snapshot
-must hold: mingpt.checkpoint.load (`expects`); a sharded job's `state/`: mingpt.checkpoint.sharded.
+info dict that the store's user fills and checks (docs/snapshots.md; mingpt.checkpoint.load, mingpt.checkpoint.sharded).
 
 The manifest (mingpt.checkpoint.manifest) is the commit marker: a folder without one is debris from an interrupted save
 and is never loaded. A committed snapshot is never overwritten. Files are loaded only after their checksum matches, with

@@ -1,7 +1,6 @@
 """`mingpt-eval hellaswag SNAPSHOT`: a snapshot's HellaSwag accuracy, scored as lm-evaluation-harness scores it.
 
-Prints acc and acc_norm (mingpt.metrics.scoring) and the count of examples. See docs/evaluation.md.
-"""
+Prints acc and acc_norm (mingpt.metrics.scoring) and the count of examples. See docs/evaluation.md."""
 
 from __future__ import annotations
 

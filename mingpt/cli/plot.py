@@ -1,7 +1,6 @@
 """`mingpt-plot RUN`: a picture of a run's loss from its metrics.jsonl (see mingpt.metrics.plot).
 
-Needs matplotlib: pip install -e ".[plot]".
-"""
+Needs matplotlib: pip install -e ".[plot]"."""
 
 from __future__ import annotations
 

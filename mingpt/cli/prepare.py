@@ -1,7 +1,6 @@
 """`mingpt-prepare`: tokenize a corpus into train/val token files, or check that prepared data is current.
 
-See docs/data.md.
-"""
+See docs/data.md."""
 
 from __future__ import annotations
 

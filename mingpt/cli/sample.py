@@ -1,7 +1,6 @@
 """`mingpt-sample SNAPSHOT`: sample text from a snapshot, local or in S3, streaming it to stdout. No corpus needed.
 
---max-new-tokens 0 prints the prompt alone: a quick check that the snapshot loads and encodes it.
-"""
+--max-new-tokens 0 prints the prompt alone: a quick check that the snapshot loads and encodes it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`mingpt-snapshot list|verify URL`: each snapshot's step, time, size and state, and who holds the run.
 
-Exit status: 0 when every snapshot is fine, 1 when one is damaged or none is committed, 2 when URL cannot be read.
-"""
+Exit status: 0 when every snapshot is fine, 1 when one is damaged or none is committed, 2 when URL cannot be read."""
 
 from __future__ import annotations
 

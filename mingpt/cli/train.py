@@ -1,6 +1,5 @@
 """`mingpt-train`: the training application, the same that `python train/main.py` runs, with its Hydra configs
-(train/conf, installed as mingpt/conf). Hydra's multirun (-m) is refused: one job per command. See docs/launching.md.
-"""
+(train/conf, installed as mingpt/conf). Hydra's multirun (-m) is refused: one job per command. See docs/launching.md."""
 
 import logging
 import os

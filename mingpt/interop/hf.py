@@ -1,10 +1,7 @@
-"""Hugging Face's GPT-2 format: weights in (`model.init_from=FOLDER`, a local or fsspec folder, never downloaded;
-its tokenizer: mingpt.tokenizers.huggingface) and out (`mingpt-export SNAPSHOT OUT`, which transformers' Auto classes
-load). See docs/huggingface.md.
-
-GPT-2's layers map one to one onto mingpt.model's (HF's Conv1D weights transposed), with the same tanh GELU; a model
-trained without biases is exported with zero biases, which compute the same.
-"""
+"""Hugging Face's GPT-2 format: weights in (`model.init_from=FOLDER`, a local or fsspec folder, never downloaded; its
+tokenizer: mingpt.tokenizers.huggingface) and out (`mingpt-export SNAPSHOT OUT`, which transformers' Auto classes load).
+See docs/huggingface.md. GPT-2's layers map one to one onto mingpt.model's (HF's Conv1D weights transposed), with the
+same tanh GELU; a model trained without biases is exported with zero biases, which compute the same."""
 
 from __future__ import annotations
 

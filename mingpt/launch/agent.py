@@ -1,14 +1,12 @@
 """torch's elastic agent, kept going through churn: what `mingpt-torchrun` runs on every node (docs/launching.md).
 
-- restarts for a peer (jobenv.PEER_STOPPED, PEER_LOST) are free, unless no step was made and the nodes stay the same
-  (else a script exiting 75 would restart for ever); so are FREE_HANG_RESTARTS for a hang (mingpt.launch.watchdog);
-- rank assignment waits at most RANKS_WAIT_S, and a failed round goes to the next;
-- only a finished job closes the rendezvous (JobFinished); a peer node gone from the round restarts this node's workers;
-- a store that answers late, while the workers train, is waited for;
-- a joining node restarts the workers only once they took a step, or after ADMIT_AFTER_S, so that a stream of
-  arrivals cannot keep them from ever stepping.
-Each agent tells its new workers what changed (jobenv.MEMBERSHIP).
-"""
+Restarts for a peer (jobenv.PEER_STOPPED, PEER_LOST) are free unless no step was made and the nodes stay the same (else
+a script exiting 75 would restart for ever), and so are FREE_HANG_RESTARTS for a hang (mingpt.launch.watchdog). Rank
+assignment waits at most RANKS_WAIT_S, and a failed round goes to the next; only a finished job closes the rendezvous
+(JobFinished), and a peer node gone from the round restarts this node's workers. A store that answers late, while the
+workers train, is waited for. A joining node restarts the workers only once they took a step, or after ADMIT_AFTER_S,
+so that a stream of arrivals cannot keep them from ever stepping. Each agent tells its new workers what changed
+(jobenv.MEMBERSHIP)."""
 
 from __future__ import annotations
 

@@ -3,10 +3,9 @@ instead of starting a Python that imports them again (at every restart, and whil
 
 `mingpt-torchrun` forks the server before any thread starts (`Server.fork`), joined by a socket pair no other process
 can reach; it imports while the agent meets the others (`Server.serve`). For each worker (`Server.start`) it forks a
-child that forks the worker and exits, so the agent (subreaper for that moment) adopts it as its own child: waited
-for, signalled, told when the agent dies. A worker starts as a new Python wherever a fork would differ from one (CUDA
-initialized, a thread started, the environment changed, no answer within SERVER_WAIT_S). See docs/launching.md.
-"""
+child that forks the worker and exits, so the agent (subreaper for that moment) adopts it as its own child. A worker
+starts as a new Python wherever a fork would differ from one (CUDA initialized, a thread started, the environment
+changed, no answer within SERVER_WAIT_S). See docs/launching.md."""
 
 from __future__ import annotations
 

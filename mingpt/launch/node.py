@@ -3,8 +3,7 @@ joining, and the agent, which starts the workers (forked from the warm server wh
 
 Why a wrapper around torchrun: torchrun's agents share their rendezvous store with the workers by default, and then
 a multi-node job never trains, a late joiner deadlocks it, and restarted workers can hang in `init_process_group`.
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids it, but the agent reads it, so the launcher must set it.
-"""
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids it, but the agent reads it, so the launcher must set it."""
 
 from __future__ import annotations
 

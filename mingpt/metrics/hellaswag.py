@@ -3,8 +3,7 @@ reads them (`preprocess`, `to_example`); mingpt.metrics.scoring scores them. See
 
 A URL is fetched once into a folder only this user can write (`cache_folder`), checked against the known sha256,
 and kept only once its examples parsed. Every input is bounded before it costs much: MAX_BYTES a file, MAX_LINE_CHARS
-a line (refused before it is parsed or reaches a tokenizer), FETCH_TIMEOUT_S a whole fetch.
-"""
+a line (refused before it is parsed or reaches a tokenizer), FETCH_TIMEOUT_S a whole fetch."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Where the trainer's metrics go: metrics.jsonl, TensorBoard, Weights & Biases (`trainer.loggers`); the leader logs.
-
 A restarted job continues the same TensorBoard and W&B run; the steps it trains again after resuming from an older
-snapshot are not logged twice (TensorBoard purges its events from that step on, W&B keeps the first ones).
-"""
+snapshot are not logged twice (TensorBoard purges its events from that step on, W&B keeps the first ones)."""
 
 from __future__ import annotations
 

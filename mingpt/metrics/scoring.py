@@ -2,8 +2,7 @@
 (lm_eval/api/task.py, `process_results`; lm_eval/models/huggingface.py, `_encode_pair` and `_loglikelihood_tokens`):
 a choice's score is the sum of the log-probabilities of its tokens as the continuation " " + choice of the query,
 the query cut on the left to fit the block; `acc_norm` divides it by len(choice) in characters, as the harness does.
-See docs/evaluation.md (The score).
-"""
+See docs/evaluation.md (The score)."""
 
 from __future__ import annotations
 

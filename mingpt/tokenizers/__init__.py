@@ -1,10 +1,9 @@
 """Tokenizers: characters, a byte-level BPE trained on the corpus, or a named tiktoken encoding; and the tokenizer of a
 folder (a Hugging Face one, or a mingpt snapshot's). All share mingpt.tokenizers.base's interface.
 
-A saved tokenizer is a small JSON file, never a pickle (loading one could run code), so a snapshot or prepared data
-carries its vocabulary. Each reserves an end-of-text token (`eot_id`) that ends every document of prepared data, so
-documents never run into each other; text is encoded as plain text, so a corpus saying "<|endoftext|>" cannot make it.
-"""
+A saved tokenizer is a small JSON file, never a pickle (loading one could run code). Each reserves an end-of-text token
+(`eot_id`) that ends every document of prepared data; text is encoded as plain text, so a corpus saying
+"<|endoftext|>" cannot make it."""
 
 from __future__ import annotations
 

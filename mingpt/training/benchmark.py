@@ -1,7 +1,6 @@
 """HellaSwag during training (`trainer.hellaswag_every`): the examples, read and tokenized once per start, scored
 by every process together, in fixed batches by their place in the file, so that any world size gives the same
-accuracy on the same weights.
-"""
+accuracy on the same weights."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The trainer's snapshots: which state to resume from, when to save it, and the rescue of a failed step.
-
-The state of a run (mingpt.training.state) has three homes: the durable store (mingpt.checkpoint.store: local or
-S3), the memory tier of each node and its copy on another node (mingpt.training.recovery). This component decides
-which of them to read and when to write.
-"""
+"""The trainer's snapshots: which state to resume from, when to save it, and the rescue of a failed step. A run's state
+has three homes: the durable store (mingpt.checkpoint.store), each node's memory tier and its copy on another node
+(mingpt.training.recovery); this component decides which to read and when to write."""
 
 from __future__ import annotations
 
@@ -206,10 +203,9 @@ class Checkpointer:
         return self.store.lease.generation if self.store.lease is not None else None
 
     def hold_the_run(self, writes: bool) -> None:
-        """Live mode: whether this process writes the run's snapshots now. A new writer claims the run's lease, which
-        takes the run over at once (every group is one job). A writer whose lease another group took, or that no
-        longer writes, lets it go once its snapshot in flight is committed or fenced off; a save fenced off by the
-        new writer is not a failure of this one."""
+        """Live mode: whether this process writes the run's snapshots now. A new writer claims the run's lease at once
+        (every group is one job); an old one lets it go once its snapshot in flight is committed or fenced off (by the
+        new writer: not a failure of this one)."""
         if self._held is not None and (self._held.lost or not writes):
             self.writer.wait()
             self.writer.failures = 0
@@ -254,14 +250,11 @@ class Checkpointer:
             self._held.release()
 
     def rescue(self, replica: Replica, metrics: dict) -> None:
-        """A step failed (most often: a peer died mid-collective). The optimizer had not stepped, or the state already
-        counts the step, so this replica is consistent: the leader snapshots it, no collectives involved. If a newer
-        generation holds the run already, the store's fence refuses the save.
-
-        Only with gloo, and unsharded: NCCL reports a peer's death late, possibly after the optimizer stepped on
-        partly reduced gradients; a sharded replica is saved by all processes together, which a dead one cannot
-        join (there the memory tiers hold the step reached). Only the holder of the run's lease writes one: a group
-        that never wrote, such as one whose data is not the job's, leaves nothing behind."""
+        """A step failed (most often: a peer died mid-collective), yet this replica is consistent (the optimizer had not
+        stepped, or the state counts the step): the leader snapshots it without collectives, unless a newer generation's
+        lease fences it off. Only with gloo (NCCL reports a death late, maybe after a step on partly reduced gradients),
+        unsharded (a dead process cannot join a sharded save; the memory tiers hold its step), and by the lease's holder
+        (a group that never wrote, such as one of other data, leaves nothing behind)."""
         if not self.world.is_leader or (self.world.distributed and dist.get_backend() != "gloo") or self.sharded \
                 or self.store.lease is None:
             return

@@ -1,11 +1,9 @@
 """torch.compile's caches travel with the run (`trainer.compile_cache`): a worker on a machine that never compiled
 this model (a node that joins, a restart elsewhere) starts from what another worker compiled.
 
-One zip per key (mingpt.checkpoint.compiled keeps it) holds torch's portable caches (`mega-cache.bin`) and the C++
-libraries and Inductor's CPU probes that those leave out (`kernels/`, each named after a hash of source and compiler
-command, so another compiler builds its own). The key digests what makes them valid (`describe`). Loading runs what
-they hold: they are code (docs/snapshots.md, Compile caches).
-"""
+One zip per key (mingpt.checkpoint.compiled keeps it) holds torch's portable caches (`mega-cache.bin`) and what those
+leave out (`kernels/`: C++ libraries and Inductor's CPU probes, each named after a hash of source and compiler command).
+The key digests what makes them valid (`describe`). They are code (docs/snapshots.md, Compile caches)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Typed configuration of a training job, one dataclass per component.
-
-Hydra composes these from YAML and the command line; OmegaConf rejects a wrong type, and `validate` a wrong value,
-naming the key, before any process group or data work starts.
-"""
+"""Typed configuration of a training job, one dataclass per component. Hydra composes these from YAML and the command
+line; OmegaConf rejects a wrong type, and `validate` a wrong value, naming the key, before any process group or data
+work starts."""
 
 from __future__ import annotations
 

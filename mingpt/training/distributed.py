@@ -1,8 +1,6 @@
-"""The current generation of workers: who this process is in it, and its collectives.
-
-torchrun may restart any worker with a new RANK, LOCAL_RANK and WORLD_SIZE, so they serve only device placement and
-picking the leader, and nothing derived from them is stored. The generation forms in mingpt.training.generation.
-"""
+"""The current generation of workers: who this process is in it, and its collectives. torchrun may restart any worker
+with a new RANK, LOCAL_RANK and WORLD_SIZE, so they serve only device placement and picking the leader, and nothing
+derived from them is stored. The generation forms in mingpt.training.generation."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """How a replica that joins a live job gets the state from a live peer: torchft's checkpoint transport, over HTTP,
 in a format that cannot run code and with every tensor checked.
 
-torchft's own transports unpickle what a peer sends (torch.load with weights_only=False): any process that can
-reach the port could run code in the joiner. Here the state travels as safetensors, each tensor with the sha256 the
-sender computed. The receiver refuses the whole state on a mismatch (HealingError), then asks the other groups of
-the step, each of which serves the same state while its step lasts (`offer`). Where none sends a sound one, torchft
-counts the step as failed, and the joiner heals again at the next one.
-"""
+torchft's own transports unpickle what a peer sends: any process that can reach the port could run code in the joiner.
+Here the state travels as safetensors, each tensor with the sha256 the sender computed. On a mismatch the receiver
+refuses the whole state (HealingError) and asks the step's other groups, which serve the same state (`offer`); where
+none sends a sound one, the step fails, and the joiner heals again at the next."""
 
 from __future__ import annotations
 

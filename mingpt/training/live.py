@@ -1,32 +1,12 @@
 """The live mode (`mingpt-torchrun --live`): a node's death or arrival restarts nobody else.
 
-Each node is one torchft replica group: its own torchrun with K workers, which hold the whole model (ddp) or shard
-it among themselves (hsdp); across groups the model is replicated, each worker exchanging with the worker of its
-place in every other group. torchft's Manager, in every worker, forms a quorum of the groups at every step through
-the Lighthouse that mingpt-rendezvous serves, reconfigures the cross-group process group in place when the quorum
-changes, heals a group that is behind from a live peer (mingpt.training.healing), and votes on every step: a step
-that failed anywhere is not committed, and is done again with the same samples by the next quorum.
-
-The step's protocol, as `LiveAgreement` (the live counterpart of agreement.StepAgreement):
-1. quorum (`begin`): who takes part in this step, and this process's place among them. The global batch is split
-   by that place (the group's position in the quorum, then the worker's within its group), so step s trains the
-   same samples whichever groups commit it. The quorum forms in torchft's thread while the forward pass runs: the
-   split is the last committed step's, and the step's table says whether every group's still held (else the step
-   is not committed, and the next one waits for its quorum). A group that is behind heals from a live peer in that
-   thread and loads the state at the vote; meanwhile it takes part in the exchanges with nothing to add;
-2. exchange: the gradients, averaged over every process of the step bucket by bucket as the backward pass makes
-   them (DDP's communication hook; under hsdp, FSDP's all-reduce hook after its reduce-scatter): within the group,
-   then across groups on torchft's process group (NCCL on GPUs, Gloo on CPUs). Then the step's table, one row per
-   group, in one all-reduce: its loss, its stops (a group asked to stop leaves; the others go on), whether the
-   writer's saves keep failing, the writer's lease generation, and what makes it a group of this job: the job's id,
-   its data's fingerprint, its layout, and since when it takes part. A group that differs from the group longest
-   in the job leaves with one line, and the others do the step again without it;
-3. commit (`should_commit`): only a committed step updates the weights and advances the data.
-
-The checks live in every quorum, not in mingpt-rendezvous's store, which keeps nothing when it restarts. So does
-the choice of the writer (the group that writes the snapshots and metrics and holds the run's lease): the group
-that has taken part longest, ties going to the first position; a later group never takes the writing over.
-"""
+Each node is one torchft replica group (its own torchrun; ddp or hsdp within it), replicated across groups. torchft's
+Manager forms a quorum of the groups at every step through the Lighthouse that mingpt-rendezvous serves, heals a group
+that is behind from a live peer (mingpt.training.healing), and votes: a step that failed anywhere is not committed, and
+is done again with the same samples (the global batch is split by each process's place in the quorum). `LiveAgreement`
+is the step's protocol; docs/ARCHITECTURE.md walks through it. The job's checks and the choice of the writer (the group
+that has taken part longest) live in every quorum, not in mingpt-rendezvous's store, which keeps nothing when it
+restarts."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The optimizer (`trainer.optimizer`): AdamW for every parameter, or Muon for the blocks' matrices (attention and
 MLP weights) with AdamW for the rest (embeddings, the head, norms, biases), as the modded-nanogpt speedrun and
-nanochat train.
-
-Muon orthogonalises each matrix's update as a whole, so it trains unsharded models only (ddp): config.validate
-refuses it with fsdp and hsdp, and parallel.choose resolves auto to ddp for it."""
+nanochat train. Muon orthogonalises each matrix's update as a whole, so it trains unsharded models only (ddp):
+config.validate refuses it with fsdp and hsdp, and parallel.choose resolves auto to ddp for it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """How the replica is spread over the processes (`trainer.parallelism`): ddp (whole everywhere), fsdp (1/N each:
 FSDP2's `fully_shard` per block, then the root), hsdp (sharded within a node, replicated across, so the all-gathers
-stay on the fast links), auto (ddp while the state fits comfortably, fsdp beyond; always ddp with Muon, which
-orthogonalises whole matrices). Data order and loss weighting are the same in every mode, so a run may change mode at
-a restart.
-"""
+stay on the fast links), auto (ddp while the state fits comfortably, fsdp beyond; always ddp with Muon). Data order and
+loss weighting are the same in every mode, so a run may change mode at a restart."""
 
 from __future__ import annotations
 

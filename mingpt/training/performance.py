@@ -1,8 +1,6 @@
-"""How fast training runs against what the hardware can do: throughput, model FLOPs, MFU, memory.
-
-MFU = model FLOPs per token x tokens per second / peak FLOP/s, the FLOPs counted as in the PaLM paper and nanoGPT.
-The peak comes from NVIDIA's data sheets for known GPUs, else from a matmul probe in the training precision.
-"""
+"""How fast training runs against what the hardware can do: throughput, model FLOPs, MFU, memory. MFU = model FLOPs
+per token x tokens per second / peak FLOP/s, the FLOPs counted as in the PaLM paper and nanoGPT; the peak comes from
+NVIDIA's data sheets for known GPUs, else from a matmul probe in the training precision."""
 
 from __future__ import annotations
 

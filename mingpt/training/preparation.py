@@ -1,6 +1,5 @@
 """The data a job trains on (with model.init_from's tokenizer where data.tokenizer is left at its default); the
-launcher imports this module rather than the trainer, whose imports an agent does not need.
-"""
+launcher imports this module rather than the trainer, whose imports an agent does not need."""
 
 from __future__ import annotations
 

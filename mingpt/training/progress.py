@@ -1,10 +1,8 @@
 """This process's progress, for its agent's watchdog (mingpt.launch.watchdog): the step, the phase and when it entered
 it, in a small file of the agent's private folder (MINGPT_PROGRESS_DIR), so that no hung collective can hide it. Any
-compile is marked `compiling` while it lasts (allowed trainer.dist_timeout_s, as a first step).
-
-A folder that is not this user's alone (mode 0700, not a link) is not used: others could plant a FIFO or a link in
-it. The process then trains on unwatched, with one warning.
-"""
+compile is marked `compiling` while it lasts (allowed trainer.dist_timeout_s, as a first step). A folder that is not
+this user's alone (mode 0700, not a link) is not used (others could plant a FIFO or a link in it): the process then
+trains on unwatched, with one warning."""
 
 from __future__ import annotations
 

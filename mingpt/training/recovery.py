@@ -1,10 +1,7 @@
-"""The memory tiers of every node, used together: a copy of the run state after every step (or every few), so that
-a failure costs at most the step in flight, under every parallelism. See docs/snapshots.md (The memory tier).
-
-Each process keeps its shard (mingpt.checkpoint.memory); where no other node holds it (fsdp across nodes), it also
-sends it to the next node, so the state outlives any one machine. After a restart the processes load the newest
-step whose shards the surviving tiers all hold.
-"""
+"""The memory tiers of every node, used together, so that a failure costs at most the step in flight, under every
+parallelism (docs/snapshots.md, The memory tier). Each process keeps its shard (mingpt.checkpoint.memory); where no
+other node holds it (fsdp across nodes), it also sends it to the next node. After a restart the processes load the
+newest step whose shards the surviving tiers all hold."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The run state: model, optimizer, loss scaler, step and examples seen, one object for every kind of replica. Its
 tensors go only through torch's state-dict API, which knows whole replicas and shards alike, so that every
-parallelism takes one path. What a snapshot must match to be trained on is here too.
-"""
+parallelism takes one path. What a snapshot must match to be trained on is here too."""
 
 from __future__ import annotations
 

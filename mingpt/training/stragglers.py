@@ -1,9 +1,8 @@
 """Slow processes. Every step waits for the slowest at its collectives, so step times look alike; what differs is
-the time a process spends on its own (its data, computing, the optimizer), the rest being synchronising. Every
-WINDOW steps one all-gather compares them; the leader logs them (`process_times`) and names, once per episode, a
-process at least SLOWER times the others' median. (On GPUs the host's clock sees kernel launches, not their end: a
-slow device shows in everyone's synchronising time.)
-"""
+the time a process spends on its own (its data, computing, the optimizer), the rest being synchronising. Every WINDOW
+steps one all-gather compares them; the leader logs them (`process_times`) and names, once per episode, a process at
+least SLOWER times the others' median. (On GPUs the host's clock sees kernel launches, not their end: a slow device
+shows in everyone's synchronising time.)"""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The elastic training loop.
-
-Every start (the first, a restart after a crash, or after nodes left or joined) runs the same steps: prepare (or
-reuse) the data, join the process group, load the newest complete snapshot, and train from its step to `max_steps`.
-The state of a run is the replica's state alone, so any single process can snapshot it and any number of processes
-can resume it (see checkpointer).
-"""
+"""The elastic training loop. Every start (the first, a restart after a crash, or after nodes left or joined) runs the
+same steps: prepare (or reuse) the data, join the process group, load the newest complete snapshot, and train from its
+step to `max_steps`. The state of a run is the replica's state alone, so any single process can snapshot it and any
+number of processes can resume it (see checkpointer)."""
 
 from __future__ import annotations
 
