@@ -19,8 +19,7 @@ from mingpt.shape import PRESETS, GPTConfig  # noqa: F401  (the model's shape, i
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, for one attention layer, preallocated for the whole block so that
-    appending a position is a copy, not a concat."""
+    """Keys and values of the positions seen so far, for one attention layer, preallocated: appending is a copy."""
 
     def __init__(self, shape: tuple[int, int, int, int], like: torch.Tensor):  # (batch, n_head, block_size, head_dim)
         self.k, self.v, self.length = like.new_empty(shape), like.new_empty(shape), 0
@@ -39,8 +38,7 @@ def norm(config: GPTConfig, width: int) -> nn.Module:
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (its weight and eps, as snapshots hold them), times another `weight` where one is given (of the shape
-    of x's last dimensions)."""
+    """nn.RMSNorm (its weight and eps, as snapshots hold them), times another `weight` (x's last dims) where given."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         normalise = _RMSNorm.apply if x.device.type == "cpu" else lambda x, eps: F.rms_norm(x, x.shape[-1:], eps=eps)
@@ -170,8 +168,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; by default without the embeddings' lookup tables (a tied token embedding counts, as the
-        head)."""
+        """Parameter count; by default without the embeddings' lookup tables (a tied token embedding counts: a head)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.wpe.weight.numel() if self.wpe is not None else 0
@@ -210,12 +207,10 @@ class GPT(nn.Module):
     def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, generator: torch.Generator | None = None,
                use_cache: bool = True) -> Iterator[torch.Tensor]:
-        """Yield the next token ids (B,), one step at a time, continuing the prompts `idx` (B, T).
-
-        `temperature=0` picks the most likely token (greedy). With the cache each step feeds one position. The context
-        is a window of at most `block_size` tokens; when it is full it slides forward by half a block, so the cache is
-        refilled only once every `block_size // 2` tokens. `use_cache=False` runs the same windows without the cache
-        (for testing and benchmarks) and yields the same tokens."""
+        """Yield the next token ids (B,), one step at a time, continuing the prompts `idx` (B, T); `temperature=0` is
+        greedy. The context is a window of at most `block_size` tokens; once full it slides forward by half a block, so
+        the cache is refilled only once every `block_size // 2` tokens. `use_cache=False` runs the same windows without
+        it (for tests and benchmarks) and yields the same tokens."""
         check_sampling(temperature, top_k, top_p)
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError("prompt must be a (batch, length) tensor with at least one token")

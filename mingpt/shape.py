@@ -77,8 +77,7 @@ class GPTConfig:
         return next((name for name, named in ARCHS.items() if named == parts), "custom")
 
     def least_parameters(self) -> int:
-        """A lower bound of the parameter count, from the shape alone (nothing is allocated): the token
-        embedding and each layer's attention and MLP matrices."""
+        """A lower bound of the parameter count, from the shape alone: token embedding, attention and MLP matrices."""
         return self.vocab_size * self.n_embd + self.n_layer * 12 * self.n_embd**2
 
     @classmethod

@@ -174,8 +174,7 @@ class MemoryTier:
 
     def start(self) -> None:
         """Make this process's folder, once every process has read what it needed, and write it if no other process of
-        its launcher does. A folder of this run that holds another job's state is removed: this job holds the run
-        (mingpt.checkpoint.lease), so that job ended or died. So is any tier whose launcher has ended."""
+        its launcher does. Other jobs' tiers of this run (they ended: this job holds it) and ended tiers are removed."""
         if self.off:
             return
         remove_ended_tiers(self.root)
@@ -387,9 +386,8 @@ def _whole(value: Any) -> bool:
 
 
 def remove_ended_tiers(root: str | Path) -> None:
-    """Remove this user's tiers under `root` whose launcher on this machine has ended (never another user's): a
-    SIGKILLed job's memory, which nothing else frees. A job with a tier does it once its restore has read what it
-    needs (a restarted job resumes from its dead launcher's tier); a job without, as it starts."""
+    """Remove this user's tiers under `root` whose launcher on this machine has ended: a SIGKILLed job's memory, which
+    nothing else frees. A job with a tier calls it once its restore read what it needs; one without, as it starts."""
     for folder in Path(root).glob("mingpt-*"):
         if private_folder(folder) and _launcher_gone(folder):
             log.info("removing %s, the memory tier of a job that ended", folder)

@@ -135,8 +135,7 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 class _PlainDataPlanner(DefaultLoadPlanner):
-    """DCP's load planner, except that the small values it stores by torch.save (learning rates, betas,
-    step counts) must load with weights_only=True before DCP loads them."""
+    """DCP's load planner, except that the small values it torch.saves (lrs, betas, steps) load with weights_only."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:

@@ -63,8 +63,7 @@ def prepare(config: PrepareConfig) -> Path:
 
 
 def check_outside_the_corpus(out: Path, corpus: str | Sequence[str]) -> None:
-    """DataError where `out` is inside a local folder of the corpus: its files would be read as corpus the next
-    time, and the tokens change at every preparation."""
+    """DataError where `out` is inside a local folder of the corpus: the next preparation would read it as corpus."""
     where = out.resolve()
     for entry in as_list(corpus):
         folder = Path(entry).expanduser()

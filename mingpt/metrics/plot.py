@@ -84,10 +84,9 @@ def curves(records: list[dict]) -> Curves:
 
 
 def find_marks(records: list[dict]) -> list[Mark]:
-    """Restarts and world-size changes, seen in the progress records (those with a train loss). A restart shows as a
-    step that does not move forward (resumed from an older snapshot), a record off the usual stride (a process logs
-    where it stops), or a pause the throughput does not account for (labelled with its length). Each line is drawn
-    where training went on from."""
+    """Restarts and world-size changes, seen in the progress records (those with a train loss): a step that does not
+    move forward (resumed from an older snapshot), a record off the usual stride (a process logs where it stops), or a
+    pause the throughput does not account for (labelled with its length). Each is drawn where training went on from."""
     progress = [r for r in records if "train_loss" in r]
     steps = [r["step"] for r in progress]
     strides = [b - a for a, b in zip(steps, steps[1:]) if b > a]

@@ -56,8 +56,7 @@ class _TiktokenBacked(Tokenizer):
 
 
 class BPETokenizer(_TiktokenBacked):
-    """Byte-level BPE trained on the corpus with rustbpe, encoded with tiktoken. The first 256 tokens are the bytes,
-    so any text round-trips."""
+    """Byte-level BPE trained on the corpus with rustbpe, encoded with tiktoken; tokens 0-255 are the bytes."""
 
     kind = "bpe"
 

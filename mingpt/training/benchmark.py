@@ -30,8 +30,7 @@ class HellaSwag:
     batch_examples: int
 
     def score(self, model: GPT, topology: Topology, autocast, tick: Callable[[], None] = lambda: None) -> Tally:
-        """A sharded model's forward is a collective: there every process runs as many batches as the one with the
-        most, the extra ones counting nothing."""
+        """A sharded model's forward is a collective: every process runs as many batches as the most, extras weigh 0."""
         world = topology.world
         batches = micro_batches(len(self.examples), self.batch_examples)
         mine = batches[shard(len(batches), world.world_size, world.rank)]

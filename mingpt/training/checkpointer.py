@@ -29,9 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Resume, saves, the memory copies, and the rescue save of a failed step, for one generation. An unsharded
-    replica (ddp) is saved by the leader alone; a sharded one by every process, each its shard
-    (mingpt.checkpoint.sharded). Either kind loads into either kind of replica, at any world size."""
+    """Resume, saves, the memory copies and the rescue save of a failed step, for one generation. ddp saves by the
+    leader alone, fsdp and hsdp by every process, its shard (mingpt.checkpoint.sharded); either loads into either."""
 
     def __init__(self, cfg: Config, topology: Topology, store: SnapshotStore, tokenizer: Tokenizer,
                  data_fingerprint: str, replica: Replica):
@@ -107,8 +106,7 @@ class Checkpointer:
                                    writer.get("generation") if isinstance(writer, dict) else None)
 
     def _check_shared(self) -> None:
-        """Every process must see what the leader writes: any may lead the next generation. A local folder that is
-        not shared between nodes would silently restart a run."""
+        """Every process must see what the leader writes (any may lead the next generation): else a run restarts."""
         world, store = self.world, self.store
         if not world.distributed:
             return

@@ -49,8 +49,7 @@ class ModelConfig:
                                      **sizes, **self.parts())
 
     def parts(self) -> dict:
-        """The architecture's parts, as GPTConfig names them: model.arch's, with those set on their own. (GPTConfig
-        checks their values.)"""
+        """The architecture's parts, as GPTConfig names (and checks) them: model.arch's, with those set on their own."""
         if self.arch not in ARCHS:
             raise ConfigError(f"model.arch must be one of {', '.join(ARCHS)}; got {self.arch!r}")
         chosen = {"rotary": self.rotary, "norm": self.norm, "qk_norm": self.qk_norm, "mlp": self.mlp,

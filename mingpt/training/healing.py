@@ -81,7 +81,6 @@ def _digest(tensor: torch.Tensor) -> str:
 
 class VerifiedTransport(CheckpointTransport):
     """torchft's checkpoint transport, as `encode` and `decode` above, served over HTTP on `host`.
-
     A source serves one step's state between `send_checkpoint` and `disallow_checkpoint` (which waits for the
     transfers under way: the state may change once it returns); every other group of the step serves it too, made
     when first asked, from `offer`. `peers()` gives the addresses a healer asks when its source's state is refused."""

@@ -103,9 +103,8 @@ class QuorumMoved(RuntimeError):
 
 
 def eldest(table: list[list[float]]) -> int:
-    """The position of the group the job's credentials are taken from: the one that has committed steps the
-    longest; where none has committed yet, one whose data is the run's (a node of another corpus that resumed from
-    the run's snapshot is not); ties: the first."""
+    """The position of the group the job's credentials are taken from: the one that has committed steps the longest;
+    else one whose data is the run's (not one of another corpus that resumed from the run's snapshot); ties: first."""
     return min(range(len(table)), key=lambda position: (table[position][SINCE], -table[position][KEEPS_THE_RUN],
                                                          position))
 
@@ -194,8 +193,7 @@ class LiveAgreement:
         return []
 
     def _heal(self, received: dict) -> None:
-        """Load what a live peer sent, once its credentials show a group of this job: else this group leaves, before
-        its state or gradients could meet the job's."""
+        """Load what a live peer sent once its credentials show this job's; else this group leaves before they mix."""
         theirs = received.pop("credentials")
         if (why := misfit(self.credentials, theirs, self.job_id)) is not None:
             raise why
@@ -241,8 +239,7 @@ class LiveAgreement:
         return self.manager.participating_rank(), self.manager.num_participants()
 
     def _quorum_formed(self) -> bool:
-        """Waits for the step's quorum. Where it failed to form, the step fails (the next meets the Lighthouse
-        again)."""
+        """Waits for the step's quorum; where it failed to form, the step fails (the next meets the Lighthouse anew)."""
         if self.quorum_error is None:
             try:
                 self.manager.wait_quorum()
@@ -272,8 +269,7 @@ class LiveAgreement:
             self.manager.allreduce(tensor).wait()
 
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
-        """The step's table, then the vote (the gradients were reduced as the backward pass made them). A stop
-        concerns this group alone: the others go on."""
+        """The step's table, then the vote (the backward pass reduced the gradients). A stop concerns this group."""
         # A lease lost to another group of the job is taken back by the writer (Checkpointer.hold_the_run); one lost to
         # another job stops the writer's group when it claims the run again.
         saves_failing, _ = self.checkpointer.problems()

@@ -14,10 +14,9 @@ from mingpt.training.config import TrainerConfig
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon (its settings, its state), orthogonalising in `dtype`, the dtype the model computes in. torch's
-    own always does it in bf16: emulated, several times slower than fp32, on a CPU without bf16, and its rounding makes
-    runs that sum the same gradients in another order (at another world size) drift apart, where fp32 keeps them as
-    close as AdamW keeps them."""
+    """torch.optim.Muon (its settings, its state), orthogonalising in `dtype`, the model's compute dtype. torch's own
+    always uses bf16: emulated and slow on a CPU without it, and its rounding makes runs that sum the same gradients in
+    another order (at another world size) drift apart, where fp32 keeps them as close as AdamW does."""
 
     def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype, **settings):
         super().__init__(params, **settings)
@@ -79,8 +78,7 @@ class MuonAdamW:
 
 
 def build_optimizer(model: GPT, t: TrainerConfig, dtype: torch.dtype) -> torch.optim.Optimizer | MuonAdamW:
-    """The optimizer `t.optimizer` names, over `model`'s parameters (placed already: sharding replaces them), for a
-    model that computes in `dtype`."""
+    """`t.optimizer` over `model`'s parameters (placed already: sharding replaces them), computing in `dtype`."""
     betas = (t.beta1, t.beta2)
     if t.optimizer == "adamw":
         return torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=betas,

@@ -158,8 +158,7 @@ def replicate(model: GPT, topology: Topology, live: bool = False) -> DDP | None:
 
 
 def reduce_across_nodes(model: GPT, reduce: Callable[[torch.Tensor], None]) -> None:
-    """hsdp in a live job: `reduce` averages each block's gradient shard across nodes, after FSDP's reduce-scatter
-    within the node, as the backward pass goes."""
+    """hsdp in a live job: `reduce` averages each block's gradient shard across nodes, after FSDP's reduce-scatter."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_all_reduce_hook(reduce)

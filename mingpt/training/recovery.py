@@ -38,8 +38,7 @@ def check_memory_dir(cfg: SnapshotConfig) -> None:
 
 
 class MemoryCopies:
-    """This process's part in the memory tiers of a generation: made by every process or none, as the copies and
-    their exchange are collective."""
+    """This process's part in the memory tiers of a generation: made by every process or none (they are collective)."""
 
     def __init__(self, cfg: SnapshotConfig, topology: Topology, run: str, replica: Replica):
         self.world, self.replica = topology.world, replica
@@ -125,10 +124,9 @@ class MemoryCopies:
             self.tier.forget_other_layouts()
 
     def _every(self) -> int:
-        """snapshot.memory_every, or (0) the fewest steps between copies that keep what they cost the step within
-        OVERHEAD of it; chosen by all processes together, as sending shards between nodes needs all to copy alike.
-        A copy costs the step its wait for it, and where training runs on the CPU, the copy's own CPU time too (its
-        memcpy and sha256 take the cores that train; on a GPU's host they take otherwise idle ones)."""
+        """snapshot.memory_every, or (0) the fewest steps between copies that keep their cost within OVERHEAD of the
+        step, chosen by all processes together (sending shards between nodes needs all to copy alike). A copy costs
+        its wait, and where training runs on the CPU its own CPU time (its memcpy and sha256 use the training cores)."""
         if self.every or self._steps < MEASURED_AT:
             return self.every or 1
         work = self.tier.copy_seconds if self.world.device.type == "cpu" else 0.0

@@ -43,8 +43,7 @@ class TrainState:
         return asdict(self)
 
     def restore(self, saved: dict) -> None:
-        """From `saved()`'s, or a snapshot's manifest, which has no ledger (it is committed after its steps are
-        logged)."""
+        """From `saved()`'s, or a snapshot's manifest, which has no ledger (it commits after its steps are logged)."""
         self.step, self.samples_seen = saved["step"], saved["samples_seen"]
         self.ledger = [(int(step), str(digest)) for step, digest in saved.get("ledger", ())]
 
@@ -61,9 +60,8 @@ class Replica:
     _tensors: tuple[dict, dict] | None = field(default=None, init=False, repr=False)
 
     def state_dict(self) -> dict:
-        """{model, optimizer, scaler}, keyed by parameter name. The live tensors, not copies: made once (on the
-        training thread: FSDP's state-dict hooks swap the model's parameters), they stay current until `load`
-        replaces them."""
+        """{model, optimizer, scaler}, keyed by parameter name: the live tensors, made once (on the training thread:
+        FSDP's state-dict hooks swap the model's parameters) and current until `load` replaces them."""
         if self._tensors is None:
             self._tensors = get_state_dict(self.model, self.optimizer)
         model, optimizer = self._tensors
@@ -85,8 +83,7 @@ class Replica:
         return _apply_configured(self.optimizer, configured)
 
     def read(self, snapshot: Snapshot) -> tuple[dict, bool]:
-        """(state, whole) for `load`. Shards are read as DCP plans it, in this process's layout; model.pt and
-        optimizer.pt are read whole by every process."""
+        """(state, whole) for `load`: shards as DCP plans, in this process's layout; model.pt and optimizer.pt whole."""
         if snapshot.sharded:
             from mingpt.checkpoint.sharded import read_shards  # DCP: imported where it is used
 

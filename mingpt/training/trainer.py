@@ -243,9 +243,8 @@ class Trainer:
         return TrainResult(state.step, self.train_loss, self.val_loss)
 
     def step(self, order: WindowOrder, stop: StopFlag) -> tuple[Outcome, Share, str]:
-        """One optimizer step over the next global batch, and the agreement on it. A failed step (most often: a peer
-        died mid-collective) is rescued into a snapshot where it can be, then raised; an uncommitted step changes
-        nothing."""
+        """One optimizer step over the next global batch, and the agreement on it. A failed step is rescued into a
+        snapshot where it can be, then raised; an uncommitted step changes nothing."""
         t, state = self.cfg.trainer, self.replica.state
         self.progress.mark(state.step, "starting")  # live mode: the quorum waits for the Lighthouse's timeouts
         share = self.agreement.begin()  # live mode: the quorum, which heals this replica where it is behind
