@@ -95,9 +95,8 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             assert cache.length == 0 or T == 1, "feed several positions only into an empty cache"
             k, v = cache.append(k, v)
-        # A query attends to every cached position: all of them lie in its past. Only when
-        # several positions arrive at once (training, or the prompt) is a causal mask needed.
-        # Generation feeds the prompt into an empty cache, so the two cases never mix.
+        # Every cached position lies in a query's past: a causal mask is needed only where several positions arrive at
+        # once (training, or the prompt), and generation feeds the prompt into an empty cache, so the two never mix.
         y = attention(q, k, v, is_causal=T > 1, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return F.dropout(self.c_proj(y), self.dropout, self.training)
@@ -269,8 +268,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    # Inverse-CDF sampling: one uniform number per row. Same distribution as
-    # torch.multinomial, at a fraction of its fixed cost, which dominates a cached step.
+    # Inverse-CDF sampling, one uniform number per row: torch.multinomial's distribution, without its fixed cost.
     probs = logits.softmax(dim=-1)
     cdf = probs.cumsum(dim=-1)
     u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device) * cdf[:, -1:]

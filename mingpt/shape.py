@@ -8,9 +8,8 @@ from dataclasses import asdict, dataclass
 from mingpt.errors import ConfigError
 
 # The architectures by name, each part a field of GPTConfig of its own. gpt2: learned positions, LayerNorm, a GELU
-# MLP, GPT-2's initialisation and a head tied to the token embedding. modern: what the modded-nanogpt speedrun's
-# records showed to pay: rotary positions (no position table), RMSNorm, QK-norm, a ReLU-squared MLP, output
-# projections and head that start at zero, and a head of its own.
+# MLP, GPT-2's initialisation and a head tied to the token embedding. modern (as in the modded-nanogpt speedrun):
+# rotary positions, RMSNorm, QK-norm, a ReLU-squared MLP, zero-initialised output projections and an untied head.
 ARCHS: dict[str, dict[str, object]] = {
     "gpt2": {"rotary": False, "norm": "layernorm", "qk_norm": False, "mlp": "gelu", "zero_init": False,
              "tie_weights": True},

@@ -29,8 +29,7 @@ class ModelConfig:
     n_embd: Optional[int] = None
     dropout: float = 0.0
     bias: bool = False
-    # The architecture (mingpt.shape.ARCHS): gpt2 (the presets' default, the one Hugging Face's GPT-2 holds) or modern.
-    # Each part of it may be set on its own (null: as model.arch has it), e.g. model.arch=modern model.qk_norm=false.
+    # gpt2 (the presets' default, Hugging Face's GPT-2) or modern (mingpt.shape.ARCHS); null parts: as arch has them.
     arch: str = "gpt2"
     rotary: Optional[bool] = None  # rotary positions instead of a learned position table
     norm: Optional[str] = None  # layernorm or rmsnorm
@@ -85,17 +84,15 @@ class TrainerConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    # adamw: AdamW for every parameter. muon: Muon for the blocks' attention and MLP matrices, AdamW (trainer.lr, betas,
-    # weight_decay) for the embeddings, head, norms and biases (mingpt.training.optimizer). Muon orthogonalises whole
-    # matrices, so it trains unsharded (ddp) only. A run resumes with the optimizer it started with.
+    # adamw; or muon: Muon for the blocks' attention and MLP matrices, AdamW for the rest (mingpt.training.optimizer),
+    # ddp only (it orthogonalises whole matrices). A run resumes with the optimizer it started with.
     optimizer: str = "adamw"
     muon_lr: float = 0.02  # Muon's peak learning rate, on the same warm-up and decay as trainer.lr
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_weight_decay: float = 0.0  # Muon's decoupled weight decay (each step shrinks weights by lr * it)
     precision: str = "auto"  # auto (bf16 where the GPU or CPU computes it natively, else fp32), fp32, bf16, fp16
     compile: Optional[bool] = None  # torch.compile the model; null (auto): on GPUs only
-    # Where it compiles, load torch.compile's caches from snapshot.dir before compiling, and save them there
-    # (mingpt.training.compile_cache): a worker on a new machine starts warm. They are code: see snapshots.md.
+    # Keep torch.compile's caches in snapshot.dir, so that a worker on a new machine starts warm (code: snapshots.md).
     compile_cache: bool = True
     # ddp (every process holds the whole state), fsdp (sharded over all), hsdp (sharded within a node,
     # replicated across nodes), auto (ddp while it fits comfortably); see mingpt.training.parallel.
@@ -122,8 +119,7 @@ class SnapshotConfig:
     keep: int = 3  # committed snapshots kept, newest first
     async_save: bool = True  # serialise and upload in the background while training goes on
     max_failures: int = 3  # consecutive failed saves after which the job stops
-    # The writing job renews its claim on the folder every lease_timeout_s / 4; another may take the folder over once
-    # the claim has not been renewed for this long (see mingpt.checkpoint.lease).
+    # Another job may take the folder over once the writer's claim (renewed every lease_timeout_s / 4) is this old.
     lease_timeout_s: float = 60.0
     # The memory tier (mingpt.checkpoint.memory): a copy of the state in this node's shared memory, which a restart
     # resumes from when it is newer than the last snapshot. auto: on where /dev/shm has room for two copies; on; off.
@@ -260,8 +256,7 @@ def _optimizer_checks(t: TrainerConfig) -> list[tuple[str, bool, str]]:
         ("trainer.muon_lr", t.muon_lr > 0, "positive"),
         ("trainer.muon_momentum", 0.0 <= t.muon_momentum < 1.0, "in [0, 1)"),
         ("trainer.muon_weight_decay", t.muon_weight_decay >= 0, ">= 0"),
-        # Sharded, each process would orthogonalise its slice of a matrix: another update, and one that changes with
-        # the number of processes.
+        # Sharded, each process would orthogonalise its slice of a matrix: another update, varying with the world size.
         ("trainer.parallelism", t.optimizer != "muon" or t.parallelism in ("auto", "ddp"),
          "auto or ddp with trainer.optimizer=muon: Muon orthogonalises whole matrices, which fsdp and hsdp shard "
          "(use trainer.optimizer=adamw to shard the model)"),

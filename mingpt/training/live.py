@@ -210,10 +210,9 @@ class LiveAgreement:
         if self.quorum_error is not None:
             error, self.quorum_error = self.quorum_error, None
             self._meet_again(error)
-        # What a group that heals from this one receives until the vote: the run's state and this group's
-        # credentials. Made here, on the training thread: FSDP's state-dict hooks swap the model's parameters, which a
-        # forward pass must not see. Not at step 0: no group heals to it, and the state-dict API would make the
-        # optimizer's state by taking a step.
+        # What a group that heals from this one receives until the vote. Made here, on the training thread: FSDP's
+        # state-dict hooks swap the model's parameters, which a forward pass must not see. Not at step 0: no group heals
+        # to it, and the state-dict API would make the optimizer's state by taking a step.
         step = self.manager.current_step()
         if step > 0:
             self.offered = {**self.state(), "credentials": list(self.credentials)}

@@ -71,8 +71,7 @@ def train(cfg: Config) -> TrainResult:
     torch_internals.check(launcher=False)  # DCP's private names, which snapshots rely on
     _check_batch(cfg, job.world_size)
     distributed.check_store_sharing(job)
-    # SIGTERM (torchrun's, at every membership change) stops preparation at once, through its cleanups; the loop has
-    # its own StopFlag.
+    # SIGTERM (torchrun's, at every membership change) stops preparation at once, through its cleanups.
     previous = signal.signal(signal.SIGTERM, raise_stopped)
     forget_stops()
     try:
@@ -299,8 +298,7 @@ class Trainer:
             self.compile_cache.load()
         if self.compiled:
             self.progress.watch_compiles()  # a compile at any step is work, not a hang (training.watchdog)
-            # In place, so state-dict keys keep their names (no _orig_mod. prefix). Inductor's cache and the run's
-            # compile caches, loaded above, make a restart compile in seconds.
+            # In place, so state-dict keys keep their names (no _orig_mod. prefix).
             self.model.compile()
         self.ddp = parallel.replicate(self.model, self.topology, self.live)
         if self.ddp is not None:  # to time this process's own backward pass, for stragglers
