@@ -41,21 +41,10 @@ class RunDir:
         """What to show a user for `names` under the run folder."""
         return "/".join([self.url, *names])
 
-    @property
-    def owner(self) -> str:
-        return self.join(self.OWNER)
-
-    @property
-    def compile_cache(self) -> str:
-        return self.join(self.COMPILE_CACHE)
-
-    @property
-    def metrics(self) -> str:
-        return self.join(self.METRICS)
-
-    @property
-    def wandb_state(self) -> str:
-        return self.join(self.WANDB_STATE)
+    owner = property(lambda self: self.join(self.OWNER))
+    compile_cache = property(lambda self: self.join(self.COMPILE_CACHE))
+    metrics = property(lambda self: self.join(self.METRICS))
+    wandb_state = property(lambda self: self.join(self.WANDB_STATE))
 
     def tensorboard(self) -> str:
         """A local folder for TensorBoard's event files, which it appends to (object stores cannot)."""

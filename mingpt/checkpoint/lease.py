@@ -100,8 +100,7 @@ class RunLease:
         try:
             claim = self.claims.take(lambda holder: self._may_take(holder, last_commit),
                                      fields={"job": self.job, "mode": self.mode, "timeout_s": self.timeout_s},
-                                     pids=self.pids,
-                                     newest=lambda: self._holder(last_commit))
+                                     pids=self.pids, newest=lambda: self._holder(last_commit))
         except FileExistsError:  # where owner/ should be
             raise RunOwnedError(f"{self.claims.folder} is not a folder: move it away, then run this again") from None
         if claim is None:

@@ -153,8 +153,7 @@ def write_shards(state: dict[str, Any], fs, folder: str, fence: Callable[[], Non
     try:
         with warnings.catch_warnings():  # without a process group DCP warns that it writes alone: as asked
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(state, storage_writer=writer, process_group=group,
-                     no_dist=not torch.distributed.is_initialized())
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=not torch.distributed.is_initialized())
     except CheckpointException as e:  # a BaseException, holding every process's failure
         raise _first_failure(e, "could not write its shard") from None
     return {f"{STATE_DIR}/{name}": entry for name, entry in writer.written().items()}

@@ -25,8 +25,7 @@ def join_live(args: argparse.Namespace) -> None:
     host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=C10D_PORT)
     try:  # (where the endpoint is this machine's, check_endpoint took this node for the store's host: not here)
         socket.create_connection((host, port), timeout=STORE_ANSWER_S).close()
-        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S),
-                         wait_for_workers=False)
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_ANSWER_S), wait_for_workers=False)
         serves = store.check([LIGHTHOUSE_KEY])
     except (OSError, DistError) as e:
         check = CHECK.format(host=host, port=port)

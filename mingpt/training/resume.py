@@ -60,8 +60,7 @@ def resume(checkpointer: Checkpointer, replica: Replica, world: World, pretraine
          state.samples_seen, now)
     if checkpointer.reached:  # known where a memory tier recorded the steps
         resumed.steps_lost = max(0, checkpointer.reached - state.step)
-        _log(world, "steps lost: %d (step %d was reached before the restart)", resumed.steps_lost,
-             checkpointer.reached)
+        _log(world, "steps lost: %d (step %d was reached before the restart)", resumed.steps_lost, checkpointer.reached)
     resumed.events.append(("restart", f"resumed from step {state.step} with {now} process(es)"))
     if before is not None and before != now:
         resumed.events.append(("world_size_change", f"{before} -> {now} processes at step {state.step}"))

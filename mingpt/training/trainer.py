@@ -59,7 +59,6 @@ class TrainResult:
     step: int
     train_loss: float | None
     val_loss: float | None
-    stopped_early: bool = False
     peer_stopped: bool = False  # stopped because a process on another node was asked to, not this one
 
 
@@ -324,7 +323,7 @@ class Trainer:
         else:
             self.report.say("%d other process(es) were asked to stop: step %d is saved; the job goes on without "
                             "them", stops, step)
-        return TrainResult(step, self.train_loss, self.val_loss, stopped_early=True, peer_stopped=not stop.requested)
+        return TrainResult(step, self.train_loss, self.val_loss, peer_stopped=not stop.requested)
 
     def _gradients(self, starts: np.ndarray, share: Share) -> float:
         """Forward and backward over this process's share of the windows at `starts`; returns sum(loss * examples)."""
