@@ -34,9 +34,6 @@ _ATTEMPTS = 10  # how often claimants that keep losing the race for the next gen
 Write = Callable[[AbstractFileSystem, str, bytes], None]
 
 
-# -- the holder and its liveness ---------------------------------------------------------------------------
-
-
 def holder(pids: list[int]) -> dict:
     """What a claim says of its holder: this machine (host, boot) and its processes (pid, start time)."""
     return {"host": socket.gethostname(), "boot_id": boot_id(), "pids": [[pid, start_time(pid)] for pid in pids]}
@@ -130,9 +127,6 @@ class Beat:
                 return
 
 
-# -- the generational claim --------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Claim:
     """One generation of a claim: its number, and what its file says."""
@@ -161,8 +155,6 @@ class GenerationalClaim:
         self.held: Claim | None = None
         self.lost = False  # taken over (or, the policy says, otherwise lost): this process writes nothing more
         self._beat: Beat | None = None
-
-    # -- looking --------------------------------------------------------------------------------------------
 
     def newest(self) -> Claim | None:
         """The newest valid claim (held, silent or released), or None where there is none. Entries of the folder
@@ -193,8 +185,6 @@ class GenerationalClaim:
         except (FileNotFoundError, NotADirectoryError):
             return []
         return sorted(int(m[1]) for m in map(_GENERATION.match, names) if m)
-
-    # -- claiming -------------------------------------------------------------------------------------------
 
     def take(self, may_take: Callable[[Claim], bool], fields: dict | None = None, pids: list[int] | None = None,
              newest: Callable[[], Claim | None] | None = None) -> Claim | None:
@@ -245,8 +235,6 @@ class GenerationalClaim:
                     self.fs.rm_file(self.path(old))
                 except OSError:  # gone meanwhile, or not a file: left alone
                     pass
-
-    # -- holding --------------------------------------------------------------------------------------------
 
     def overtaken(self) -> Claim | None:
         """The fence: the claim that took over from this process's (a newer generation, or its own generation
@@ -328,9 +316,6 @@ def _read_small(files: Files, path: str) -> bytes | None:
     except OSError:  # gone meanwhile, a link (ELOOP), unreadable, an empty object (whose range S3 cannot satisfy)
         return None
     return data if len(data) <= MAX_CLAIM_BYTES else None
-
-
-# -- the machine lock --------------------------------------------------------------------------------------
 
 
 class MachineLock:

@@ -178,7 +178,6 @@ def read_head(fs: AbstractFileSystem, path: str, limit: int) -> bytes:
         raise
 
 
-# -- durable writes ------------------------------------------------------------------------------
 # Locally a file is durable once it and its folder entry are fsynced, and a rename or link makes it appear at once.
 # Object stores: every PUT is atomic and durable when it returns; `If-None-Match: *` is their O_EXCL.
 

@@ -91,8 +91,6 @@ class RunLease:
         lease.claims.held = claim
         return lease
 
-    # -- claiming ------------------------------------------------------------------------------
-
     def acquire(self, last_commit: LastCommit = lambda: None) -> Claim:
         """Claim the run, or raise RunOwnedError naming its holder and what to do. `last_commit` gives the newest
         commit: where the claim files are gone its writer stands for the holder, and a holder that commits is alive."""
@@ -189,8 +187,6 @@ class RunLease:
             "several nodes: give every node the same --rdzv-id.)"
         )
 
-    # -- holding -------------------------------------------------------------------------------
-
     def check(self, found: Commit | None = None) -> None:
         """The fence before this process writes or deletes anything: LeaseLostError once a newer generation claimed the
         run, or where `found` (a commit at a step this job saves, newer than the one it resumed from) is another's."""
@@ -241,8 +237,6 @@ class RunLease:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-    # -- reading -------------------------------------------------------------------------------
 
     def current(self) -> Claim | None:
         """The newest valid claim (held, expired or released) or None; entries that are not claims are skipped."""

@@ -105,8 +105,6 @@ class MemoryTier:
             log.warning("memory tier off: %s; a failure resumes from the last snapshot", why)
         self.off = True
 
-    # -- reading ---------------------------------------------------------------------------------
-
     def folders(self) -> list[Path]:
         """The run's tier folders on this machine: folders of this user's alone."""
         found = []
@@ -169,8 +167,6 @@ class MemoryTier:
         """The state (nested containers of tensors, Chunks of sharded ones, plain values) `buffer` and `header` hold."""
         views = [_view(buffer, entry).clone() for entry in header["tensors"]]
         return unpack(header["tree"], views)
-
-    # -- writing ---------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Make this process's folder, once every process has read what it needed, and write it if no other process of

@@ -200,8 +200,6 @@ class SnapshotStore:
         committed = self.committed()
         return _as_commit(committed[-1].name, committed[-1].manifest) if committed else None
 
-    # -- listing -------------------------------------------------------------------------------
-
     def committed(self) -> list[Snapshot]:
         """Committed snapshots (those with a valid manifest), oldest first. Payloads unchecked."""
         return self.scan().committed
@@ -277,8 +275,6 @@ class SnapshotStore:
             return None, None
         problem = manifest_problem(manifest, step_of(name)) or self.expects(manifest)
         return (None, problem) if problem else (manifest, None)
-
-    # -- writing -------------------------------------------------------------------------------
 
     def save(self, step: int, tensors: dict[str, Any], files: dict[str, bytes], info: dict) -> Snapshot:
         """Commit a snapshot of `step`: each of `tensors` (on the CPU) as NAME.pt, each of `files` as is, then the

@@ -82,9 +82,6 @@ class ZstdReader(io.RawIOBase):
         super().close()
 
 
-# -- Parquet -------------------------------------------------------------------------------------
-
-
 def parquet_batches(f: BinaryIO, name: str, text_field: str, piece_bytes: int,
                     chosen: Callable[[int], bool] | None = None) -> Iterator[tuple[int, bytes, bytes]]:
     """The text column of Parquet file `f` in batches of about `piece_bytes`: (the batch's first row, its documents'
@@ -172,8 +169,6 @@ def _reason(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {redact(first.split('. ')[0].rstrip('.'))}"
 
-
-# -- Hugging Face Hub ----------------------------------------------------------------------------
 
 HUB_URL = re.compile(r"^hf://(?P<kind>datasets|spaces)/(?P<repo>[^/@]+/[^/@]+)(@(?P<revision>[^/]+))?(/(?P<path>.*))?$")
 

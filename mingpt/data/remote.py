@@ -64,8 +64,6 @@ class RemoteFolder:
                                 f"{FORMAT_VERSION}: upgrade it)") from None
             raise  # not a description of ours, or a damaged one: not this node's to replace
 
-    # -- the claim -------------------------------------------------------------------------------
-
     def claim(self, published: Callable[[], bool]) -> GenerationalClaim | None:
         """This process's renewed claim, waiting while a live node holds it; None once `published()`."""
         gone = None
@@ -133,8 +131,6 @@ class RemoteFolder:
     def _claims(self) -> GenerationalClaim:
         files = Files(self.fs, is_local(self.fs), create_exclusive, replace_atomically, redact)
         return GenerationalClaim(files, self._join(CLAIMS), redact(self.url))
-
-    # -- copies ----------------------------------------------------------------------------------
 
     def upload(self, folder: Path, meta: dict) -> None:
         """Publish `folder`, its description removed first and written last: no reader mixes new files with old."""

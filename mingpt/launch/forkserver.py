@@ -51,9 +51,6 @@ def per_worker(name: str) -> bool:
     return name in PER_WORKER or name.startswith(PER_WORKER_PREFIXES)
 
 
-# -- the agent's side ----------------------------------------------------------------------------------------
-
-
 class Server:
     """The server an agent forks its workers from; `may_differ`: the variables no import reads."""
 
@@ -225,9 +222,6 @@ def _read_exactly(channel: socket.socket, size: int) -> bytes:
             raise ConnectionError(f"the other end closed after {len(data)} of {size} bytes")
         data += chunk
     return data
-
-
-# -- the server's side -----------------------------------------------------------------------------------------
 
 
 def _wait_for_orders(channel: socket.socket) -> None:

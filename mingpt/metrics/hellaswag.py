@@ -86,9 +86,6 @@ def _read_local(source: str) -> bytes:
     return data
 
 
-# -- the examples of the file ----------------------------------------------------------------------------------------
-
-
 def parse_examples(data: bytes, source: str, advice: str = GIVE_THE_FILE) -> list[Example]:
     """The examples of a HellaSwag JSONL file, blank lines skipped; MinGPTError naming the first bad line."""
     examples = []

@@ -57,8 +57,6 @@ class Checkpointer:
         """The furthest step any node's memory tier recorded before this start (0: unknown)."""
         return self.memory.reached if self.memory else 0
 
-    # -- resuming ------------------------------------------------------------------------------
-
     def latest(self) -> Snapshot | None:
         """The newest verified snapshot, chosen by the leader: every process loads that same one."""
         self._check_shared()
@@ -125,8 +123,6 @@ class Checkpointer:
                 "processes cannot see the files the first one writes there. Use storage every node reaches "
                 "(s3://, NFS)"
             )
-
-    # -- saving --------------------------------------------------------------------------------
 
     def save(self, replica: Replica, metrics: dict) -> None:
         """Snapshot the replica while training goes on."""
