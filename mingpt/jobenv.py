@@ -77,8 +77,7 @@ class JobEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnv:
-        """The job that `environ` (os.environ) describes. Inconsistent values are a ConfigError, in one line each: a
-        wrong value would otherwise surface much later, as a hang or a misleading error."""
+        """The job `environ` (os.environ) describes; inconsistent values are a ConfigError now, not a hang later."""
         env = os.environ if environ is None else environ
         world_size, rank = _int(env, "WORLD_SIZE", 1, 1), _int(env, "RANK", 0, 0)
         if rank >= world_size:

@@ -1,9 +1,7 @@
 """The GPT language model: a decoder-only Transformer with a key/value cache for generation.
 
-Pre-norm blocks and causal self-attention through `F.scaled_dot_product_attention`, in one of two architectures
-(mingpt.shape.ARCHS) or any mix of their parts: GPT-2's (LayerNorm, a GELU MLP, learned position embeddings, a head
-tied to the token embedding, initialised as GPT-2 was) or a modern one (RMSNorm, QK-norm, a ReLU-squared MLP, rotary
-positions, zero-initialised output projections and an untied head)."""
+Pre-norm blocks and causal self-attention through `F.scaled_dot_product_attention`, in either architecture of
+mingpt.shape.ARCHS (GPT-2's, or a modern one) or any mix of their parts."""
 
 from __future__ import annotations
 
@@ -196,8 +194,7 @@ class GPT(nn.Module):
         return logits, loss
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW parameter groups: weight decay on matrices (Linear, Embedding), none on biases and norms. Use as
-        `torch.optim.AdamW(model.param_groups(0.1), lr=..., betas=(0.9, 0.95))`."""
+        """AdamW parameter groups: weight decay on matrices (Linear, Embedding), none on biases and norms."""
         params = [p for p in self.parameters() if p.requires_grad]  # tied weights appear once
         return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

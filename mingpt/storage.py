@@ -103,8 +103,7 @@ def _scheme(url: str) -> str:
 
 
 class RedactingFilter(logging.Filter):
-    """A logging filter that passes every record through `redact`: whatever a library logs (a storage
-    client echoing a URL, a traceback), no credential reaches the screen or a log file."""
+    """Passes every record, traceback included, through `redact`, so that no credential a library logs is shown."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

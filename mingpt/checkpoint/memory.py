@@ -84,8 +84,7 @@ class MemoryTier:
                  launcher: int | None = None):
         self.job, self.shard = job, shard
         self.root, self.prefix = Path(root), f"mingpt-{hashlib.sha256(run.encode()).hexdigest()[:16]}"
-        # Named after the process it outlives workers with: torchrun's agent (restarted workers resume from it). A job
-        # without one is its own launcher, so that a SIGKILLed one's tier goes at the next job's start.
+        # Named after the process it outlives workers with: torchrun's agent, else this one; it goes when that one ends.
         self.launcher = f"{self.prefix}-{launcher or os.getpid()}"
         self.folder = self.root / f"{self.launcher}-{shard[0]}of{shard[1]}"  # what this process writes
         self._thread: threading.Thread | None = None

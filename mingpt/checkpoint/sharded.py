@@ -1,9 +1,8 @@
 """Sharded snapshots: every process writes its own shard of the state into the snapshot's `state/`, and any number of
 processes reads it back, through torch.distributed.checkpoint (DCP), which plans who reads which bytes. The commit
-protocol is the store's (docs/snapshots.md): each file is created exclusively after the lease's fence and hashed as it
-is written; the leader writes the manifest last. Every file, `.metadata` included, is checked against its sha256 before
-DCP sees a byte of it. DCP unpickles `.metadata` and the small values in shards: neither is unpickled with more than
-DCP's own classes or plain data, so a planted file, even with a manifest to match, cannot run code."""
+protocol is the store's (docs/snapshots.md), and every file, `.metadata` included, is checked against its sha256 before
+DCP sees a byte of it. DCP unpickles `.metadata` and the small values in shards with nothing beyond its own classes and
+plain data, so a planted file, even with a manifest to match, cannot run code."""
 
 from __future__ import annotations
 

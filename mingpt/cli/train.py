@@ -63,8 +63,7 @@ def log_as_this_process_should() -> None:
 
 
 def exit_now(code: int) -> None:
-    """Exit with `code` once the logs are out. os._exit, not sys.exit: a background snapshot upload may
-    still be inside a C++ call, and interpreter teardown under it aborts the process (SIGABRT)."""
+    """Exit with `code` once the logs are out, by os._exit: teardown during a snapshot upload's C++ call aborts it."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -72,8 +71,7 @@ def exit_now(code: int) -> None:
 
 
 def refuse_multirun(args: list[str]) -> None:
-    """Exit 2 on Hydra's -m/--multirun, before Hydra writes ./multirun/: its jobs would run in this one process, the
-    first's process group and snapshot folder in the next's way."""
+    """Exit 2 on Hydra's -m/--multirun, before it writes ./multirun/: its jobs would share this one process."""
     for arg in args:
         if arg in ("-m", "--multirun") or arg.replace(" ", "").lower() == "hydra.mode=multirun":
             print(f"error: {arg} (Hydra multirun) is not supported: run one command per setting instead, e.g. "

@@ -54,8 +54,7 @@ class Source:
 
     @property
     def local_plain(self) -> bool:
-        """A seekable local file: any process on this machine can read a piece of it. Not one of a Hugging Face
-        cache, which is opened only after checking where its link leads (`open_hub_file`)."""
+        """A seekable local file any process here can read pieces of; not a Hugging Face cache's (`open_hub_file`)."""
         return self.seekable and self.url.startswith("/") and not in_hub_cache(self.url)
 
     def to_dict(self) -> dict:

@@ -66,8 +66,7 @@ def read_pieces(sources: Sequence[Source], text_field: str, digests: dict[int, s
 
 
 def _check_rows(ends: bytes, first_row: int, name: str) -> None:
-    """DataError naming the first row of a Parquet batch (its rows' `ends`) whose text is longer than a JSONL record
-    may be: the same bound on a document's memory in every format."""
+    """DataError naming the first row of a Parquet batch (its rows' `ends`) longer than a JSONL record may be."""
     lengths = np.diff(np.frombuffer(ends, dtype=np.int64), prepend=0)
     if len(lengths) and lengths.max() > MAX_RECORD_BYTES:
         row = first_row + int(lengths.argmax())

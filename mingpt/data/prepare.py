@@ -152,8 +152,7 @@ def default_copy_dir(url: str, root: str = "data/copies") -> Path:
 
 
 def default_out_dir(corpus: str | Sequence[str], tokenizer: str, vocab_size: int | None, root: str = "data") -> Path:
-    """`data/<corpus name>[-<hash of its location>]-<tokenizer>[-<vocab size>]`, e.g. data/python-docs-char. The hash
-    keeps two corpora of the same name (./input.txt, s3://b/input.txt) apart."""
+    """`data/<corpus name>[-<location hash>]-<tokenizer>[-<vocab size>]`: the hash keeps same-named corpora apart."""
     entries = as_list(corpus)
     first = redact(entries[0]).rstrip("/").split("://")[-1].replace("***@", "")  # never a secret in a folder name
     if re.search(r"[*?[]", first):  # a glob: name it after its folder

@@ -1,9 +1,9 @@
 """Prepared data in an object store (data.prepared_dir=s3://...): prepared once, by the node that claims it first, and
 copied by every other node into a local folder that it memory-maps (the layout: docs/data.md). The claim is
-mingpt.claim's: of nodes claiming at once one prepares, and the others wait for meta.json, written last. A waiter takes
-the claim over from a holder that released it, one of this machine whose process ended, or one whose beat stood still
-for CLAIM_TIMEOUT_S on the waiter's own clock (a dead node). A copy checks each file's sha256 against meta.json in a
-scratch folder before renaming it into place, so a damaged upload, or one replaced during the copy, is never used."""
+mingpt.claim's: one node prepares, and the others wait for meta.json, written last, taking the claim over from a holder
+that released it, ended on their machine, or whose beat stood still for CLAIM_TIMEOUT_S on their own clock. A copy
+checks each file's sha256 against meta.json in a scratch folder before renaming it into place, so a damaged upload, or
+one replaced during the copy, is never used."""
 
 from __future__ import annotations
 

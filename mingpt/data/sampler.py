@@ -1,9 +1,8 @@
 """Data order as a pure function of (seed, global position), sliced over whatever ranks exist now. The trainer keeps
 one cursor, the examples consumed so far: a step of global batch `G` reads positions `[cursor, cursor + G)` of an
 endless stream, each process a contiguous slice, so the same examples are read in the same steps at any world size. An
-example is a window of `block_size + 1` tokens, named by its start offset. `data.windows` picks RandomWindows (any
-offset may begin one, so a small corpus is not cut into a few fixed blocks seen again and again) or StridedWindows
-(blocks `stride` apart, one permutation per epoch: each epoch reads every block once)."""
+example is a window of `block_size + 1` tokens at a start offset: RandomWindows (any offset, so a small corpus is not
+cut into a few fixed blocks) or StridedWindows (blocks `stride` apart, each read once per epoch), by `data.windows`."""
 
 from __future__ import annotations
 

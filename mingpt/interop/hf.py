@@ -87,8 +87,7 @@ def _safetensors(data: bytes) -> dict[str, torch.Tensor]:
 
 
 def _weights_only(data: bytes) -> dict[str, torch.Tensor]:
-    """A torch.save file of tensors alone; anything else is refused, as unpickling it could run its code (which
-    torch's own message, suggesting weights_only=False, would do)."""
+    """A torch.save file of tensors alone; anything else is refused (unpickling it, as torch suggests, runs code)."""
     try:
         with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
             warnings.simplefilter("ignore")

@@ -63,8 +63,7 @@ def use_c10d(args: argparse.Namespace, options: list[str]) -> None:
 BACKENDS = ("c10d",)  # the rendezvous backends the agent runs on (torch's others: static, etcd, etcd-v2)
 
 
-# The --rdzv-conf keys that are numbers, and the least of each (a heartbeat every 0 s is a busy loop; 0 attempts
-# declares every node dead).
+# The --rdzv-conf keys that are numbers, and the least of each (a 0 s heartbeat busy-loops; 0 attempts kill every node).
 NUMERIC_CONF = {"join_timeout": 1, "last_call_timeout": 0, "close_timeout": 1, "keep_alive_interval": 1,
                 "keep_alive_max_attempt": 1, "read_timeout": 1, "timeout": 1}
 

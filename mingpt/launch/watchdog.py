@@ -4,8 +4,7 @@ it, so that torchrun restarts the workers instead of every node waiting for trai
 A worker is hung when its last mark (mingpt.training.progress) is older than trainer.hang_timeout_s, or (auto)
 HANG_STEPS median steps; a first step or a compile, than trainer.dist_timeout_s. The others wait for a hung worker, so
 their marks age too: the one ended is the stopped one (SIGSTOP, a debugger), else the oldest once past 1.5 timeouts
-(so a hang elsewhere is left to its agent). py-spy reads its stack, even stopped; else the process writes it on SIGUSR1.
-"""
+(so a hang elsewhere is left to its agent). py-spy reads its stack, even stopped; else it writes it on SIGUSR1."""
 
 from __future__ import annotations
 

@@ -168,8 +168,7 @@ def cache_path(url: str) -> Path:
 
 
 def _examples_at(url: str, fetch: bool) -> list[Example]:
-    """The examples of the file at `url`: cached, else fetched (where `fetch`) and cached once they parsed, so that a
-    page that is not the file (an HTML error page) is never kept."""
+    """The examples of the file at `url`: cached, else fetched (where `fetch`) and cached once they parse."""
     path = cache_path(url)
     _check_cache_folder(path.parent)
     cached = _read_cached(path)

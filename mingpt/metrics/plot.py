@@ -107,16 +107,14 @@ def find_marks(records: list[dict]) -> list[Mark]:
 
 
 def _tokens_per_step(progress: list[dict]) -> float | None:
-    """Tokens one step trains, from each record's tokens/s over the time since the one before, less its `other_s`
-    (evaluations and snapshots); the median, so restarts do not count."""
+    """Tokens one step trains: the median (unmoved by restarts) of tokens/s times each record's time less `other_s`."""
     estimates = [(b["time"] - a["time"] - _other(b)) * b["tokens_per_s"] / (b["step"] - a["step"])
                  for a, b in zip(progress, progress[1:]) if b["step"] > a["step"] and _timed(a, b)]
     return statistics.median(estimates) if estimates else None
 
 
 def _unexplained_pause(before: dict, after: dict, per_step: float | None) -> float:
-    """Seconds between two records that training at the later one's rate does not account for, else 0 (a machine
-    merely slow lowers the rate as much as it lengthens the time)."""
+    """Seconds between two records that training at the later one's rate does not explain (slowness does), else 0."""
     if per_step is None or after["step"] <= before["step"] or not _timed(before, after):
         return 0.0
     elapsed = after["time"] - before["time"]

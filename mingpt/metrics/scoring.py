@@ -75,8 +75,7 @@ class Tally:
 
 
 def encode(example: Example, tokenizer: Tokenizer, block_size: int, index: int = 0) -> Encoded | None:
-    """`example` in tokens for a model of `block_size` positions; None where a text cannot be encoded (a character a
-    char vocabulary lacks) or a choice is longer than the block."""
+    """`example` in tokens for `block_size` positions; None where a text will not encode or a choice overflows."""
     windows, continuations = [], []
     try:
         query = tokenizer.encode(example.query)

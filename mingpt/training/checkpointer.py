@@ -154,8 +154,7 @@ class Checkpointer:
         }
 
     def _commit_shards(self, step: int, state: dict, info: dict) -> None:
-        """In every process's writer thread: the leader clears the way (or finds this step committed already), every
-        process writes its shard, the leader commits the hashes of all."""
+        """In every writer thread: the leader clears the way (or keeps a commit), all write shards, it commits."""
         store, group, leader = self.store, self.save_group, self.world.is_leader
         decision = [None]
         if leader:
@@ -229,8 +228,7 @@ class Checkpointer:
             raise SnapshotError("the process writing snapshots could not write them; see its log")
 
     def finish(self, release_memory: bool = True) -> None:
-        """Wait for the snapshot in flight: the job must not end before it is committed, nor end "done" when it was
-        not. Every process learns the outcome, so all exit alike."""
+        """Wait for the snapshot in flight (no job ends "done" before it is committed); every process exits alike."""
         self.writer.wait()
         failed = float(self.world.is_leader and self.writer.failures > 0)
         failed, lost = distributed.all_reduce_sum([failed, float(self.problems()[1])], self.world)

@@ -205,8 +205,7 @@ def install(blob: bytes) -> dict[str, int]:
 
 
 def _put_kernel(root: str, name: str, data: bytes) -> int:
-    """1 where the kernel was added, 0 where one was there, or a folder is not this user's alone (no link, writable by
-    no one else: it is code this process will load)."""
+    """1 where the kernel was added, 0 where one was there or a folder is not this user's alone (it is code to load)."""
     match = _KERNEL.match(name)
     sub, filename = match[1], match[2]
     folder = os.path.join(root, sub)

@@ -351,8 +351,7 @@ class LiveAgreement:
         log.info("live: met the Lighthouse again")
 
     def _say_what_changed(self, committed: bool) -> None:
-        """One line (from each group's first worker) when this group first takes part, when the number of groups
-        changes, when steps stop being committed (why), and when they are again."""
+        """One line (from each group's first worker) when this group joins, groups change, or commits stop or resume."""
         if self.world.rank != 0:
             return
         step = self.manager.current_step()  # after a commit: the step just committed

@@ -42,8 +42,7 @@ class Muon(torch.optim.Muon):
 
 
 def orthogonalise(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """Newton-Schulz's quintic iteration, as torch.optim.Muon runs it, on a batch (n, rows, columns) of wide matrices
-    (rows <= columns): each with its singular values moved towards 1."""
+    """torch.optim.Muon's quintic Newton-Schulz on wide matrices (n, rows <= cols): singular values moved towards 1."""
     a, b, c = coefficients
     x = g / g.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # singular values at most 1, where the iteration converges
     for _ in range(steps):  # x <- a x + (b G + c G G) x, where G = x x^T

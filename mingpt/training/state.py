@@ -28,8 +28,7 @@ SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias",
 class TrainState:
     step: int = 0  # optimizer steps taken
     samples_seen: int = 0  # the data cursor: examples consumed from the global stream (mingpt.data.sampler)
-    # (step, digest of its samples) of the last RECENT steps. They travel with the state, so that whoever resumes
-    # from it can log the steps the metrics' writer committed just before it died.
+    # (step, digest of its samples) of the last RECENT steps: whoever resumes logs what a dead metrics writer did not.
     ledger: list[tuple[int, str]] = field(default_factory=list)
 
     def advance(self, examples: int, digest: str) -> None:

@@ -86,9 +86,8 @@ def _train(cfg: Config, job: JobEnv) -> TrainResult:
     store.check_writable()
     check_memory_dir(cfg.snapshot)
     remove_ended_agents_folders()  # what this user's killed agents left in /tmp: the next job removes it, agent or not
-    # The leader claims the run before any data work: a second job started into the same snapshot.dir stops here, and
-    # a worker left from an older generation can no longer commit (see mingpt.checkpoint.lease). Live mode: the
-    # writer's group claims it when it becomes the writer; every group refuses a run held in the restart mode.
+    # The leader claims the run before any data work: a second job in the same snapshot.dir stops here, and a worker of
+    # an older generation can no longer commit (mingpt.checkpoint.lease). Live mode: the writer's group claims it.
     leads, timeout = job.rank == 0, cfg.snapshot.lease_timeout_s
     if leads and job.live:
         store.refuse_the_other_mode(timeout, job, LIVE)
@@ -126,8 +125,7 @@ def _a_lost_peer_ends_the_generation() -> Iterator[None]:
 
 
 def _check_architecture(cfg: Config, pretrained: Pretrained | None) -> None:
-    """model.init_from's weights come with their architecture: a model.arch (or a part of it) set to another one is
-    refused, before any data work, rather than ignored."""
+    """model.init_from's weights come with their architecture: another model.arch (or part) is refused, not ignored."""
     if pretrained is None or not cfg.model.sets_parts():
         return
     ours = cfg.model.parts()
@@ -417,8 +415,7 @@ class Trainer:
 @torch.no_grad()
 def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.Topology, autocast,
              tick=lambda: None) -> float:
-    """Mean loss over the first `eval_samples` validation blocks: fixed, whatever `data.windows` says, so that
-    evaluations of one run, and of runs that sample windows differently, compare."""
+    """Mean loss over the first `eval_samples` validation blocks, whatever `data.windows` says: evaluations compare."""
     count = min(cfg.trainer.eval_samples, len(blocks))
     world = topology.world
     mine, batches = _my_micro_batches(count, cfg.trainer.micro_batch_size, Share(world.rank, world.world_size),
