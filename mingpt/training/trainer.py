@@ -415,7 +415,7 @@ class Trainer:
 @torch.no_grad()
 def evaluate(model: GPT, blocks: TokenBlocks, cfg: Config, topology: parallel.Topology, autocast,
              tick=lambda: None) -> float:
-    """Mean loss over the first `eval_samples` validation blocks, whatever `data.windows` says: evaluations compare."""
+    """Mean loss over the first `eval_samples` validation blocks, whatever `data.windows` says, so that runs compare."""
     count = min(cfg.trainer.eval_samples, len(blocks))
     world = topology.world
     mine, batches = _my_micro_batches(count, cfg.trainer.micro_batch_size, Share(world.rank, world.world_size),
