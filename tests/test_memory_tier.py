@@ -324,15 +324,52 @@ def test_a_tier_whose_folder_vanishes_turns_itself_off_once_and_training_goes_on
     assert caplog.text.count("memory tier off") == 1 and newest(tier) is None
 
 
+def small_tmpfs(folder: Path, size: str) -> Path:
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root and a machine that allows it")
+    return folder
+
+
 @pytest.fixture
 def full_memory(tmp_path):
     """A tmpfs of 256 KiB: shared memory with less room than the state."""
-    folder = tmp_path / "tiny"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True).returncode:
-        pytest.skip("mounting a small tmpfs needs root and a machine that allows it")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+    yield small_tmpfs(tmp_path / "tiny", "256k")
+    subprocess.run(["umount", str(tmp_path / "tiny")], check=True)
+
+
+@pytest.fixture
+def room_for_one(tmp_path):
+    """A tmpfs of 1.5 MiB: room for one copy of a 1 MiB state, not two."""
+    yield small_tmpfs(tmp_path / "small", "1536k")
+    subprocess.run(["umount", str(tmp_path / "small")], check=True)
+
+
+def test_a_tier_keeps_one_copy_where_two_do_not_fit_and_none_where_one_does_not(room_for_one, tmp_path, caplog):
+    state = lambda step: {"w": torch.full((2**18,), float(step))}  # 1 MiB
+    tier = MemoryTier("run", "job-1", root=str(room_for_one))
+    tier.start()
+    tier.fit(state(0), kinds=1, writers=1)
+    assert tier.slots == 1 and not tier.off
+    for step in (1, 2, 3):
+        tier.save(state(step), step, {})
+        tier.wait()
+    assert not tier.off and sorted(p.name for p in tier.folder.iterdir()) == ["own-0.bin", "own-0.json"]
+    held = newest(tier)
+    assert held.step == 3 and torch.equal(MemoryTier.unpack(tier.read(held), held.header)["w"], state(3)["w"])
+    tier.release()  # its buffers are mapped until then
+
+    crowded = MemoryTier("another run", "job-2", root=str(room_for_one))  # two writers here: half the room each
+    crowded.start()
+    crowded.fit(state(0), kinds=1, writers=2)
+    assert crowded.off and caplog.text.count("memory tier off") == 1 and "no room for one copy" in caplog.text
+    crowded.release()
+
+    roomy = MemoryTier("run", "job-1", root=str(tmp_path))  # and a peer's shard (fsdp across nodes)
+    roomy.start()
+    roomy.fit(state(0), kinds=2, writers=1)
+    assert roomy.slots == 2 and not roomy.off
 
 
 def test_a_tier_with_no_room_left_turns_itself_off_instead_of_killing_the_process(full_memory):

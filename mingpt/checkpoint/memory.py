@@ -31,7 +31,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from mingpt.checkpoint.packing import pack, unpack
-from mingpt.checkpoint.shm import allocate
+from mingpt.checkpoint.shm import allocate, available_memory
 from mingpt.claim import MachineLock, process_alive
 from mingpt.storage import (others_may_replace_in, own_file, parse_json, private_folder, read_own_file,
                             replace_atomically)
@@ -46,6 +46,7 @@ ALIGN = 64  # bytes: every tensor starts at a multiple, so any dtype can be view
 MAX_HEADER = 64 * 2**20  # bytes: a larger description is not ours
 DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
 SLOTS = ("own-0", "own-1", "peer-0", "peer-1")
+MEMORY_SHARE = 0.5  # of this machine's available memory, the most a node's tiers take: the rest is the job's
 
 
 def unusable(root: str) -> str | None:
@@ -95,6 +96,7 @@ class MemoryTier:
         self.off = False  # turned off (turn_off): reads and writes nothing more
         self._lock: MachineLock | None = None  # the folder's: its holder, the first of its launcher's, writes it
         self._skipped: set[Path] = set()  # what was warned about once
+        self.slots = 2  # buffers per kind, written in turn (fit)
         self.copies = 0  # made or tried
         self.copy_seconds = 0.0  # the CPU time of the last finished copy and what followed it, in its thread
 
@@ -201,16 +203,30 @@ class MemoryTier:
         except OSError as e:  # the folder was deleted under the job (systemd's RemoveIPC), or the memory is full
             self.turn_off(f"cannot write in {self.folder} ({e.strerror or e})")
 
-    def has_room(self, state: Any, copies: int = 2) -> bool:
-        """Whether the shared memory has room for `copies` buffers of `state`."""
+    def fit(self, state: Any, kinds: int, writers: int) -> None:
+        """Keep as many copies of `state` per kind (two in turn, else one) as fit the room of `writers` tiers like this
+        one on this machine, `kinds` each (its own shard, and another node's); where not even one fits, turn off with
+        one warning, rather than let a full /dev/shm (SIGBUS) or the OOM killer end the job."""
         tensors: list[torch.Tensor] = []
         pack(state, tensors)
+        nbytes = _layout(tensors)[1]
         try:
-            held = sum(path.lstat().st_size for path in self.folder.glob("*.bin"))
+            held = sum(path.lstat().st_size for path in self.folder.glob("*.bin"))  # counted as used: ours to reuse
             free = os.statvfs(self.folder)
-        except OSError:
-            return False
-        return free.f_bavail * free.f_frsize + held >= copies * _layout(tensors)[1]
+        except OSError as e:
+            self.turn_off(f"cannot read the room left in {self.folder} ({e.strerror or e})")
+            return
+        room = min(free.f_bavail * free.f_frsize, MEMORY_SHARE * available_memory()) / writers + held
+        self.slots = next((slots for slots in (2, 1) if slots * kinds * nbytes <= room), 0)
+        need = f"{kinds * nbytes / 2**20:.0f} MiB a copy, {room / 2**20:.0f} MiB of room per tier ({writers} on this " \
+               f"machine, at most {MEMORY_SHARE:.0%} of its available memory)"
+        if self.slots == 0:
+            self.turn_off(f"no room for one copy of the state in {self.root}: {need}")
+        elif self.slots == 1:
+            for path in self.folder.glob("*-1.*"):  # an earlier start's second buffers: their memory is wanted
+                path.unlink(missing_ok=True)
+            log.info("memory tier: one copy, not two in turn (%s): a failure during a copy resumes from the snapshot",
+                     need)
 
     def save(self, state: Any, step: int, info: dict,
              then: Callable[[dict | None, torch.Tensor | None], None] | None = None) -> None:
@@ -292,7 +308,10 @@ class MemoryTier:
 
     def _open_slot(self, kind: str, nbytes: int) -> tuple[str, torch.Tensor]:
         """The older slot of `kind`, emptied of its description, and its buffer of `nbytes`, mapped."""
-        slot = f"{kind}-{1 - int(self._newest[kind][-1])}" if kind in self._newest else self._oldest(kind)
+        if self.slots == 1:
+            slot = f"{kind}-0"
+        else:
+            slot = f"{kind}-{1 - int(self._newest[kind][-1])}" if kind in self._newest else self._oldest(kind)
         (self.folder / f"{slot}.json").unlink(missing_ok=True)  # from here until the new one, it holds nothing
         buffer = self._mapped.get(slot)
         if buffer is None or buffer.numel() != nbytes:

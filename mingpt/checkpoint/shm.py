@@ -63,3 +63,9 @@ def allocate(path: Path, nbytes: int) -> None:
         os.posix_fallocate(fd, 0, nbytes)
     finally:
         os.close(fd)
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give its processes (MemAvailable): files in /dev/shm take from it too."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

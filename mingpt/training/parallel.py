@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mingpt.checkpoint.shm import available_memory
 from mingpt.errors import ConfigError
 from mingpt.model import GPT
 from mingpt.training.distributed import World
@@ -110,9 +111,7 @@ def memory_per_process(world: World) -> float:
     """Bytes one process may fill: its GPU's memory, or the machine's available memory shared by its processes."""
     if world.device.type == "cuda":
         return torch.cuda.get_device_properties(world.device).total_memory
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    return available / world.per_node
+    return available_memory() / world.per_node
 
 
 def place(model: GPT, topology: Topology, compute_dtype: torch.dtype) -> None:

@@ -106,8 +106,8 @@ class MemoryCopies:
         if step % self._every() != 0 or not (self.tier.writes or self.group):
             return
         state = self.replica.state_dict()
-        if not self._room_checked and self.tier.writes and not self.tier.has_room(state, 4 if self.group else 2):
-            self.tier.turn_off(f"{self.tier.root} has no room for the copies of the state")
+        if not self._room_checked and self.tier.writes:
+            self.tier.fit(state, 2 if self.group else 1, min(self.world.per_node, self.tier.shard[1]))
         self._room_checked = True
         started = time.monotonic()
         self.tier.save(state, step, {**self.replica.state.saved(), "world_size": self.world.world_size,
