@@ -13,8 +13,9 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
-from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, assert_equal_weights, env, free_port, kill_node,
-                    latest_step, ledger, output, overrides, rendezvous, stop, torchrun, wait_for, weights, worker)
+from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, SMALL, assert_equal_weights, env, free_port,
+                    kill_node, latest_step, ledger, metrics, output, overrides, rendezvous, standalone, stop, torchrun,
+                    wait_for, weights, worker)
 
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.packing import pack
@@ -36,13 +37,15 @@ def test_a_group_is_of_the_job_where_its_job_data_layout_and_optimizer_are_those
         "as the node longest in the job prepared it): start every node of a job with the same data settings and "
         "corpus; to train on other data, start another job (another --rdzv-id)")
     assert str(misfit(credentials("live", "a" * 64, 1, "ddp"), job, "live")) == (
-        "this node runs 1 worker(s) per node, ddp, adamw, where live job live runs 2 worker(s) per node, hsdp, adamw "
-        "(as the node longest in the job does): start every node of a job with the same --nproc-per-node, "
-        "trainer.parallelism and trainer.optimizer")
+        "this node runs ddp, adamw, where live job live runs 2 worker(s) per node, hsdp, adamw (as the node longest in "
+        "the job does): start every node of a job with the same trainer.parallelism and trainer.optimizer, and under "
+        "hsdp the same --nproc-per-node")
+    assert "this node runs 1 worker(s) per node, hsdp" in str(misfit(credentials("live", "a" * 64, 1, "hsdp"), job,
+                                                                     "live"))  # hsdp: nodes shard alike
     muon = credentials("live", "a" * 64, 1, "ddp", "muon")  # same gradients, other weights after the step
     assert misfit(muon, muon, "live") is None
-    assert "this node runs 1 worker(s) per node, ddp, muon, where live job live runs 1 worker(s) per node, ddp, " \
-        "adamw" in str(misfit(muon, credentials("live", "a" * 64, 1, "ddp"), "live"))
+    assert "this node runs ddp, muon, where live job live runs ddp, adamw" in \
+        str(misfit(muon, credentials("live", "a" * 64, 1, "ddp"), "live"))
     assert str(misfit(credentials("other", "a" * 64, 2, "hsdp"), job, "live")).startswith(
         "another live job trains on the Lighthouse this node met, not job live")
 
@@ -312,6 +315,35 @@ def test_hsdp_nodes_shard_within_and_heal_shard_by_shard(tmp_path, procs, refere
     uninterrupted = reference.at(compared)
     seen, expected = ledger(snap), ledger(uninterrupted)
     assert [step for step in range(1, compared + 1) if seen.get(step) != expected[step]] == []
+
+
+@pytest.mark.slow
+def test_a_node_of_two_workers_and_a_node_of_one_train_as_three_workers_do(tmp_path, procs):
+    """Under ddp each process is a replica group of its own, so nodes of any size make one live job: every step's
+    samples are split among its processes, whichever node they are on, and the run is that of three processes (to
+    rounding: the groups average in another order than DDP). --nnodes's minimum counts nodes, not groups: the node
+    of two commits nothing alone."""
+    job = [*SMALL, "trainer.max_steps=20", "snapshot.every=10", f"data.prepared_dir={tmp_path / 'prepared'}"]
+    three = procs.start(standalone(3) + job + [f"snapshot.dir={tmp_path / 'three'}"], "three")
+    assert three.wait(timeout=180) == 0, output(three)[-3000:]
+
+    port, lighthouse = free_port(), free_port()
+    rendezvous(procs, port, lighthouse)
+    nodes = []
+    for name, workers in (("two", 2), ("one", 1)):
+        (tmp_path / name).mkdir()
+        nodes.append(procs.start(torchrun("--live", "--nnodes=2:4", f"--nproc-per-node={workers}", "--max-restarts=0",
+                                          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=uneven")
+                                 + job + [f"snapshot.dir={tmp_path / 'live'}", f"snapshot.memory_dir={tmp_path / name}"],
+                                 name))
+        if workers == 2:  # alone for a while: two groups, one node
+            wait_for(lambda: "fewer than --nnodes's 2" in output(nodes[0]), 120, "a step of the node alone", nodes)
+    for node in nodes:
+        assert node.wait(timeout=180) == 0, output(node)[-3000:]
+    assert "3 group(s)" in output(nodes[0]), output(nodes[0])[-3000:]  # a group of each process
+    assert ledger(tmp_path / "live") == ledger(tmp_path / "three")
+    val_loss = lambda snap: [record["val_loss"] for record in metrics(snap) if "val_loss" in record][-1]
+    assert val_loss(tmp_path / "live") == pytest.approx(val_loss(tmp_path / "three"), abs=1e-3)
 
 
 @pytest.mark.slow

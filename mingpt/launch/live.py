@@ -1,5 +1,6 @@
 """The launching side of the live mode (mingpt-torchrun --live; the workers' side is mingpt.training.live): a node
-finds the Lighthouse that mingpt-rendezvous serves beside its store, and runs its workers as one replica group."""
+finds the Lighthouse that mingpt-rendezvous serves beside its store, and runs its workers, which meet the other nodes'
+there."""
 
 from __future__ import annotations
 

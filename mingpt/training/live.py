@@ -1,7 +1,7 @@
 """The live mode (`mingpt-torchrun --live`): a node's death or arrival restarts nobody else.
 
-Each node is one torchft replica group (its own torchrun; ddp or hsdp within it), replicated across groups. torchft's
-Manager forms a quorum of the groups at every step through the Lighthouse that mingpt-rendezvous serves, heals a group
+Each replica of the model is one torchft replica group: under ddp each process (a node of any size holds as many),
+under hsdp each node (its own torchrun, sharding within). torchft's Manager forms a quorum of the groups at every step through the Lighthouse that mingpt-rendezvous serves, heals a group
 that is behind from a live peer (mingpt.training.healing), and votes: a step that failed anywhere is not committed, and
 is done again with the same samples (the global batch is split by each process's place in the quorum). `LiveAgreement`
 is the step's protocol; docs/ARCHITECTURE.md walks through it. The job's checks and the choice of the writer (the group
@@ -45,8 +45,8 @@ STATE_KEY = "mingpt"  # the name of the run's state among what torchft sends a h
 HEALERS_KEY = "mingpt/live/healers/"  # + job id / local rank: the addresses groups serve their state at
 
 
-def group_name(world: World) -> str:
-    """This group's name in the quorum: its host and agent (torchft adds a uuid: a restarted group is a new one)."""
+def node_name(world: World) -> str:
+    """This node's name: its host and agent, as its first process sees them."""
     name = f"{socket.gethostname()}-{os.getppid()}"
     if world.distributed:
         box = [name]
@@ -55,28 +55,36 @@ def group_name(world: World) -> str:
     return name
 
 
+def node_number(name: str) -> float:
+    """A node's name as a number of the step's table (48 bits: exact in float64)."""
+    return float(int(hashlib.sha256(name.encode()).hexdigest()[:12], 16))
+
+
 # The step's table: one row per group of the quorum, in float64 (whole numbers below 2**53 stay exact in a sum).
 LOSS, STOPS, FAILING, LEASE = range(4)  # the step's numbers (LEASE: the writer's lease generation, 0 elsewhere)
 CREDENTIALS = slice(4, 7)  # what makes the group one of the job (`credentials`)
 SINCE = 7  # the first step the group committed (NEVER: none yet)
 KEEPS_THE_RUN = 8  # 1 where the group's data is that of the snapshot it resumed from (or it resumed from none)
 SPLIT_HELD = 9  # 1 where the group split the step's samples by the quorum that formed
-COLUMNS = 10
+NODE = 10  # the group's node (node_number): the writer's node writes, and --nnodes's minimum counts nodes
+COLUMNS = 11
 NEVER = float(2**52)
 MODES = ("ddp", "hsdp")  # the layouts' modes, by their number
 
 
 def credentials(job_id: str, data_fingerprint: str, workers: int, mode: str, optimizer: str = "adamw") \
         -> tuple[int, int, int]:
-    """What every group of a live job shares: its job's id, its data's fingerprint (48 bits each), its layout (the
-    optimizer too: groups that stepped with different ones would hold different weights, and never say so)."""
+    """What every group of a live job shares: its job's id, its data's fingerprint (48 bits each), its layout (its
+    processes, the mode, and the optimizer: groups that stepped with different ones would hold different weights, and
+    never say so)."""
     layout = (workers * len(MODES) + MODES.index(mode)) * len(OPTIMIZERS) + OPTIMIZERS.index(optimizer)
     return int(hashlib.sha256(job_id.encode()).hexdigest()[:12], 16), int(data_fingerprint[:12], 16), layout
 
 
 def describe_layout(number: int) -> str:
     placement, optimizer = divmod(number, len(OPTIMIZERS))
-    return f"{placement // len(MODES)} worker(s) per node, {MODES[placement % len(MODES)]}, {OPTIMIZERS[optimizer]}"
+    workers, mode = divmod(placement, len(MODES))
+    return f"{f'{workers} worker(s) per node, ' if MODES[mode] == 'hsdp' else ''}{MODES[mode]}, {OPTIMIZERS[optimizer]}"
 
 
 def misfit(mine: Sequence[float], job: Sequence[float], job_id: str) -> MinGPTError | None:
@@ -94,12 +102,17 @@ def misfit(mine: Sequence[float], job: Sequence[float], job_id: str) -> MinGPTEr
     if my_layout != its_layout:
         return ConfigError(f"this node runs {describe_layout(my_layout)}, where live job {job_id} runs "
                            f"{describe_layout(its_layout)} (as the node longest in the job does): start every node of "
-                           "a job with the same --nproc-per-node, trainer.parallelism and trainer.optimizer")
+                           "a job with the same trainer.parallelism and trainer.optimizer, and under hsdp the same "
+                           "--nproc-per-node")
     return None
 
 
 class QuorumMoved(RuntimeError):
     """A group split the step's samples by a quorum that no longer held once the step's quorum formed."""
+
+
+class TooFewNodes(RuntimeError):
+    """The step's groups are on fewer nodes than --nnodes's minimum."""
 
 
 def eldest(table: list[list[float]]) -> int:
@@ -116,12 +129,14 @@ class LiveAgreement:
                  state: Callable[[], dict], load: Callable[[dict], None]):
         """`start` joins the job."""
         world, self.mode = topology.world, topology.mode
+        # A group holds one replica: under hsdp a node's processes share one; under ddp each process holds its own.
+        self.group_rank, self.group_size = (world.rank, world.world_size) if self.mode == "hsdp" else (0, 1)
         self.settings = world.job.live
         self.world, self.replica, self.checkpointer = world, replica, checkpointer
         self.global_batch_size, self.state, self.load = global_batch_size, state, load
         self.job_id = world.job.run_id or ""
-        self.healers = f"{HEALERS_KEY}{self.job_id}/{world.rank}"
-        self.min_groups = self.settings.min_nodes
+        self.healers = f"{HEALERS_KEY}{self.job_id}/{self.group_rank}"
+        self.min_nodes = self.settings.min_nodes
         self.position: int | None = None  # this group's place in the step's quorum
         self.groups = 0  # groups in the step's quorum
         self.split: tuple[int | None, int] | None = None  # the (position, groups) the step's samples were split by
@@ -141,9 +156,10 @@ class LiveAgreement:
         self.rendezvous = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                         timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
         # Checked in every step's table, and against the state a peer sends this group to heal.
-        self.credentials = credentials(self.job_id, self.checkpointer.data_fingerprint, self.world.world_size,
+        self.credentials = credentials(self.job_id, self.checkpointer.data_fingerprint, self.group_size,
                                        self.mode, self.checkpointer.cfg.trainer.optimizer)
-        self.name = group_name(self.world)
+        node = node_name(self.world)  # (torchft adds a uuid to a group's name: a restarted group is a new one)
+        self.name, self.node = node if self.group_size > 1 else f"{node}-{self.world.rank}", node_number(node)
         self.manager = self._new_manager()
         return self
 
@@ -155,10 +171,10 @@ class LiveAgreement:
         from mingpt.training.healing import VerifiedTransport
 
         port = None
-        if self.world.rank == 0:
+        if self.group_rank == 0:
             self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
             port = self._store.port
-        if self.world.distributed:
+        if self.group_size > 1:
             box = [port]
             dist.broadcast_object_list(box, src=0)
             port = box[0]
@@ -169,7 +185,7 @@ class LiveAgreement:
             load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_nodes, use_async_quorum=True, timeout=timeout,
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
-            rank=self.world.rank, world_size=self.world.world_size, store_addr=settings.host, store_port=port,
+            rank=self.group_rank, world_size=self.group_size, store_addr=settings.host, store_port=port,
             lighthouse_addr=settings.lighthouse, replica_id=self.name, hostname=settings.host,
             init_sync=False,  # every group starts from the same seeded weights: nothing to send at step 0
             checkpoint_transport=self.transport)
@@ -228,10 +244,9 @@ class LiveAgreement:
                 self._meet_again(e)
         self.split = self.committed_quorum or self._quorum()
         position, groups = self.split
-        if position is None or groups < self.min_groups:  # a step that cannot count: nothing to add to it
+        if position is None or groups < self.min_nodes:  # a step that cannot count: nothing to add to it
             return Share(0, 0)
-        per_group = self.world.world_size
-        return Share(position * per_group + self.world.rank, groups * per_group)
+        return Share(position * self.group_size + self.group_rank, groups * self.group_size)
 
     def _quorum(self) -> tuple[int | None, int]:
         """This group's position in the step's quorum (None: it is behind, and heals) and the number of groups."""
@@ -252,9 +267,9 @@ class LiveAgreement:
         """ddp (DDP's communication hook): one bucket of this process's gradients, as the backward pass hands it
         over, averaged over every process of the step: within the group, then across the step's groups."""
         tensor = bucket.buffer()
-        if self.world.distributed:
+        if self.group_size > 1:
             dist.all_reduce(tensor)
-            tensor /= self.world.world_size
+            tensor /= self.group_size
         self.reduce_shard(tensor)
         reduced = torch.futures.Future()
         reduced.set_result(tensor)
@@ -275,7 +290,7 @@ class LiveAgreement:
         lease = self.checkpointer.lease_generation() or 0  # its leader's alone: the group's sum is its value
         numbers = torch.tensor([loss_sum, float(stop_requested), float(saves_failing), float(lease)],
                                dtype=torch.float64)
-        if self.world.distributed:  # within the group first
+        if self.group_size > 1:  # within the group first
             dist.all_reduce(numbers)
         rows = self._table(numbers.tolist())
         committed = self._vote()
@@ -283,7 +298,7 @@ class LiveAgreement:
         self._say_what_changed(committed)
         if committed:  # (a step that cannot count may lack the group longest in the job)
             self.since = self.manager.current_step() if self.since is None else self.since
-            self.writes = self.position == eldest(rows)
+            self.writes = rows[eldest(rows)][NODE] == self.node  # its first process writes (Trainer)
         loss, stops, failing, lease = numbers.tolist()
         if rows:  # every group's loss, and the newest lease (while the writer changes hands, the old one may hold on)
             loss = sum(row[LOSS] for row in rows)
@@ -300,7 +315,7 @@ class LiveAgreement:
         table = torch.zeros(max(self.groups, 1), COLUMNS, dtype=torch.float64, device=self.world.device)
         if self.position is not None:
             table[self.position] = torch.tensor([*numbers, *self.credentials, since, float(self.keeps_the_run),
-                                                 float(self.split == (self.position, self.groups))],
+                                                 float(self.split == (self.position, self.groups)), self.node],
                                                 dtype=torch.float64)
         self.manager.allreduce(table, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
@@ -315,6 +330,10 @@ class LiveAgreement:
             return None
         if not all(row[SPLIT_HELD] for row in rows):  # some samples were trained twice, others not at all
             self.manager.report_error(QuorumMoved("the groups changed while the step computed"))
+            return None
+        nodes = len({row[NODE] for row in rows})
+        if nodes < self.min_nodes:  # (torchft counts groups, and a node may hold several)
+            self.manager.report_error(TooFewNodes(f"{nodes} node(s), fewer than --nnodes's {self.min_nodes}"))
             return None
         return rows
 
@@ -368,7 +387,7 @@ class LiveAgreement:
         if not committed and self.failed_since is None:
             self.failed_since = now
             error = self.manager.errored()
-            why = f"{self.groups} group(s), fewer than --nnodes's {self.min_groups}" if self.groups < self.min_groups \
+            why = f"{self.groups} group(s), fewer than --nnodes's {self.min_nodes}" if self.groups < self.min_nodes \
                 else one_line(error.original_exception) if error else "another group could not take part"
             log.warning("live: step %d was not committed (%s); it is done again with the next quorum",
                         self.manager.current_step() + 1, why)
