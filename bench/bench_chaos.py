@@ -207,7 +207,7 @@ def churn(seed: int, deaths: int, max_steps: int, data: Path, reference: Path, m
                              stderr=subprocess.DEVNULL, start_new_session=True)
     snap = work / "churn"
     # mingpt-torchrun's own rendezvous settings; --max-restarts=3: membership changes must not use them up.
-    command = [str(bin_dir / "mingpt-torchrun"), *(["--live"] if mode == "live" else []), "--nnodes=1:4",
+    command = [str(bin_dir / "mingpt-torchrun"), *(["--live"] if mode == "live" else ["--no-live"]), "--nnodes=1:4",
                "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                f"--rdzv-id=churn-{seed}-{mode}", "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"),
                *SETTINGS, f"trainer.max_steps={max_steps}", f"snapshot.dir={snap}", f"data.prepared_dir={data}"]
@@ -403,7 +403,7 @@ def two_nodes(work: Path, mode: str, workers_per_node: int, model: str, max_step
                               f"--lighthouse-port={free_port()}"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     snap, name = work / f"{mode}-{model}", f"peace-{mode}-{model}-{time.time_ns()}"
-    command = [str(bin_dir / "mingpt-torchrun"), *(["--live"] if mode == "live" else []), "--nnodes=2",
+    command = [str(bin_dir / "mingpt-torchrun"), *(["--live"] if mode == "live" else ["--no-live"]), "--nnodes=2",
                f"--nproc-per-node={workers_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                f"--rdzv-id={name}", "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"),
                *[s for s in SETTINGS if not s.startswith(("model=", "snapshot.every="))], f"model={model}",

@@ -65,8 +65,8 @@ def join(work: Path, nodes: int, warm: Path, case: str) -> float:
     port = free_port()
     rendezvous = subprocess.Popen([str(BIN / "mingpt-rendezvous"), f"--port={port}"], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, start_new_session=True, env=environment(warm))
-    node = [str(BIN / "mingpt-torchrun"), f"--nnodes=1:{nodes + 1}", "--nproc-per-node=1", "--max-restarts=3",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{port}",
+    node = [str(BIN / "mingpt-torchrun"), "--no-live", f"--nnodes=1:{nodes + 1}", "--nproc-per-node=1",
+            "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{port}",
             "--rdzv-conf=last_call_timeout=1,is_host=false", MAIN, f"snapshot.dir={work / 'snap'}", *MODEL,
             f"data.prepared_dir={work / 'prepared'}", f"trainer.compile={str(compile_on).lower()}",
             f"trainer.compile_cache={str(carried).lower()}"]

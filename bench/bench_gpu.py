@@ -127,10 +127,10 @@ def two_groups(nproc: int, common: list[str], work: Path, name: str, nnodes: str
     nodes = []
     for group in range(groups):
         devices = ",".join(str(d % max(nproc, 1)) for d in range(group * per_group, (group + 1) * per_group))
-        cmd = ["mingpt-torchrun", *(["--live"] if live else []), f"--nnodes={nnodes}", f"--nproc-per-node={per_group}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}",
-               "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"), *common, f"snapshot.dir={work / name}",
-               f"trainer.global_batch_size={2 * per_group * micro_batch}"]
+        cmd = ["mingpt-torchrun", "--live" if live else "--no-live", f"--nnodes={nnodes}",
+               f"--nproc-per-node={per_group}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               f"--rdzv-id={name}", "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"), *common,
+               f"snapshot.dir={work / name}", f"trainer.global_batch_size={2 * per_group * micro_batch}"]
         log = (work / f"{name}-{len(list(work.glob(f'{name}-*.log')))}.log").open("w")
         nodes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                       env={**os.environ, "CUDA_VISIBLE_DEVICES": devices}))

@@ -65,7 +65,7 @@ def join(work: Path, data: list[str]) -> tuple[float, float]:
     port = free_port()
     rendezvous = subprocess.Popen([str(BIN / "mingpt-rendezvous"), f"--port={port}"], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, start_new_session=True)
-    node = [str(BIN / "mingpt-torchrun"), "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
+    node = [str(BIN / "mingpt-torchrun"), "--no-live", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench-join",
             "--rdzv-conf=last_call_timeout=1,is_host=false", str(REPO / "train" / "main.py"),
             f"snapshot.dir={work / 'snap'}", *MODEL, *data]

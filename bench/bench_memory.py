@@ -72,9 +72,10 @@ def nodes(workdir: Path, count: int, settings: list[str]) -> list[Path]:
             memory, log = shared / f"node-{node}", workdir / f"node-{node}.log"
             memory.mkdir()
             agents.append(subprocess.Popen(
-                [str(BIN / "mingpt-torchrun"), f"--nnodes={count}", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{workdir.name}", "--rdzv-conf=is_host=false",
-                 str(REPO / "train" / "main.py"), *settings, f"snapshot.memory_dir={memory}"],
+                [str(BIN / "mingpt-torchrun"), "--no-live", f"--nnodes={count}", "--nproc-per-node=1",
+                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{workdir.name}",
+                 "--rdzv-conf=is_host=false", str(REPO / "train" / "main.py"), *settings,
+                 f"snapshot.memory_dir={memory}"],
                 cwd=workdir, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True))
             logs.append(log)
         if any(agent.wait() != 0 for agent in agents):

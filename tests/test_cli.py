@@ -305,7 +305,7 @@ def test_mingpt_torchrun_prepares_no_data_for_a_script_that_only_prints(tmp_path
 
     monkeypatch.chdir(tmp_path)
     args = run.parse_args(["--standalone", str(REPO / "train" / "main.py"), "data.corpus=/no/such/corpus", *flags])
-    node.prepare_before_joining(args)
+    node.prepare_before_joining(args, node.job_config(args))
     assert list(tmp_path.iterdir()) == []
 
 

@@ -162,7 +162,7 @@ def test_a_node_that_comes_after_the_job_finished_says_so_and_exits_0(tmp_path, 
     replacement, late) finds it closed: one line, exit 0, no worker started."""
     port = free_port()
     rendezvous(procs, port)
-    node = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+    node = torchrun("--no-live", "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=done-job", f"--rdzv-conf={RDZV_CONF},is_host=false")
     first = run(procs, node, _job(tmp_path, 4), "first")
     assert "done: step 4" in first and "--shutdown-timeout=110" in first  # mingpt-torchrun's window (torch: 30 s)
@@ -177,7 +177,7 @@ def test_workers_train_on_when_the_rendezvous_store_stops_and_the_agent_says_so_
     change of membership would need it back), and the agent says once that it does not answer."""
     port = free_port()
     store = rendezvous(procs, port)
-    node = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+    node = torchrun("--no-live", "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=storeless", f"--rdzv-conf={RDZV_CONF},is_host=false")
     # Steps of tens of milliseconds: the store's stop (a second, on a busy machine) ends long before the job.
     job = procs.start(node + _job(tmp_path, 50) + [*HEAVIER, "snapshot.every=10"], "job")
@@ -192,7 +192,8 @@ def test_workers_train_on_when_the_rendezvous_store_stops_and_the_agent_says_so_
 
 def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, procs):
     """train/slurm.sbatch as sbatch runs it, with stand-ins for SLURM's two commands: `scontrol`
-    names this machine as the first node, `srun` starts the agent line once per node here."""
+    names this machine as the first node, `srun` starts the agent line once per node here. Its store is
+    mingpt-rendezvous's, so the job runs in the live mode."""
     shims = tmp_path / "bin"
     shims.mkdir()
     (shims / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
@@ -207,9 +208,9 @@ def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, pro
          "bash", str(REPO / "train" / "slurm.sbatch"), *_job(tmp_path, 6), "snapshot.every=3"],
         "sbatch", cwd=REPO)
     assert job.wait(timeout=240) == 0, output(job)[-4000:]
-    final = manifests(tmp_path / "snap")[-1]
-    assert final["step"] == 6 and final["world_size"] == 2
+    assert manifests(tmp_path / "snap")[-1]["step"] == 6
     assert "rendezvous store listening on port" in output(job) and "--shutdown-timeout=110" in output(job)
+    assert output(job).count(f"mingpt-torchrun: live mode (mingpt-rendezvous at 127.0.0.1:{port} serves") == 2
     assert not port_listens(port)  # the script stopped its store on the way out
 
 
@@ -248,7 +249,7 @@ def test_a_node_with_other_data_is_refused_and_the_job_trains_on_without_it(tmp_
     on its own data only."""
     port = free_port()
     rendezvous(procs, port)
-    node = torchrun("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+    node = torchrun("--no-live", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=other-data", f"--rdzv-conf={RDZV_CONF},is_host=false")
     corpora = {name: tmp_path / f"{name}.txt" for name in ("one", "two")}
     corpora["one"].write_text("abcdefgh " * 400)

@@ -20,7 +20,7 @@ from launch import (BIN, ENDLESS_STEPS, HEAVIER, KEEP_ALL, MAIN, SMALL, assert_e
 from mingpt.checkpoint.memory import MemoryTier
 from mingpt.checkpoint.packing import pack
 from mingpt.errors import PeerLeft
-from mingpt.jobenv import PEER_LOST, JobEnv, LiveEndpoints
+from mingpt.jobenv import LIGHTHOUSE_KEY, PEER_LOST, JobEnv, LiveEndpoints
 from mingpt.training.distributed import World
 from mingpt.training.healing import HealingError, VerifiedTransport, decode, encode
 from mingpt.training.parallel import Topology
@@ -54,11 +54,13 @@ def test_the_job_is_the_group_longest_in_it_whatever_its_position_and_else_one_w
     """A group that joined after a restart of mingpt-rendezvous may sort first in the quorum: it never takes the
     writing over from a group that has committed steps longer. Where no group of the quorum has committed yet
     (the one that had is not in it), the job's credentials are those of a group whose data is the run's."""
-    row = lambda since, keeps_the_run=True: [0.0] * SINCE + [float(since), float(keeps_the_run)]
+    row = lambda since, keeps_the_run=True, node=0: [0.0] * SINCE + [float(since), float(keeps_the_run), 0.0,
+                                                                     float(node)]
     assert eldest([row(40), row(3), row(3), row(12)]) == 1
     assert eldest([row(0), row(0)]) == 0
     assert eldest([row(NEVER, keeps_the_run=False), row(NEVER), row(NEVER)]) == 1
     assert eldest([row(NEVER), row(7, keeps_the_run=False)]) == 1  # (it committed with the job: the run's data changed)
+    assert eldest([row(3, node=9), row(3, node=2), row(3, node=9)]) == 1  # ties: one node, wherever its groups sort
 
 
 def test_a_vote_that_never_ends_loses_a_peer_and_waits_longer_than_a_collective():
@@ -319,7 +321,8 @@ def test_hsdp_nodes_shard_within_and_heal_shard_by_shard(tmp_path, procs, refere
 
 @pytest.mark.slow
 def test_a_node_of_two_workers_and_a_node_of_one_train_as_three_workers_do(tmp_path, procs):
-    """Under ddp each process is a replica group of its own, so nodes of any size make one live job: every step's
+    """mingpt-torchrun runs a job live wherever mingpt-rendezvous serves it, and says so first. Under ddp each
+    process is a replica group of its own, so nodes of any size make one live job: every step's
     samples are split among its processes, whichever node they are on, and the run is that of three processes (to
     rounding: the groups average in another order than DDP). --nnodes's minimum counts nodes, not groups: the node
     of two commits nothing alone."""
@@ -332,7 +335,7 @@ def test_a_node_of_two_workers_and_a_node_of_one_train_as_three_workers_do(tmp_p
     nodes = []
     for name, workers in (("two", 2), ("one", 1)):
         (tmp_path / name).mkdir()
-        nodes.append(procs.start(torchrun("--live", "--nnodes=2:4", f"--nproc-per-node={workers}", "--max-restarts=0",
+        nodes.append(procs.start(torchrun("--nnodes=2:4", f"--nproc-per-node={workers}", "--max-restarts=0",  # live
                                           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=uneven")
                                  + job + [f"snapshot.dir={tmp_path / 'live'}", f"snapshot.memory_dir={tmp_path / name}"],
                                  name))
@@ -340,6 +343,8 @@ def test_a_node_of_two_workers_and_a_node_of_one_train_as_three_workers_do(tmp_p
             wait_for(lambda: "fewer than --nnodes's 2" in output(nodes[0]), 120, "a step of the node alone", nodes)
     for node in nodes:
         assert node.wait(timeout=180) == 0, output(node)[-3000:]
+        assert f"mingpt-torchrun: live mode (mingpt-rendezvous at 127.0.0.1:{port} serves the job's Lighthouse; " \
+               "--no-live for the restart mode)" in output(node)  # its first line: without --live, where it can
     assert "3 group(s)" in output(nodes[0]), output(nodes[0])[-3000:]  # a group of each process
     assert ledger(tmp_path / "live") == ledger(tmp_path / "three")
     val_loss = lambda snap: [record["val_loss"] for record in metrics(snap) if "val_loss" in record][-1]
@@ -358,14 +363,14 @@ def test_live_and_plain_nodes_of_one_job_never_share_its_run(tmp_path, procs):
            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=mixed"]
     snap = tmp_path / "mixed"
     node = lambda name, *live: procs.start(torchrun(*live, *job) + overrides(tmp_path, "mixed", ENDLESS_STEPS), name)
-    for first, second in (((), ("--live",)), (("--live",), ())):
+    for first, second in ((("--no-live",), ("--live",)), (("--live",), ("--no-live",))):
         before = max(ledger(snap), default=0)
         running = node("running", *first)
         wait_for(lambda: max(ledger(snap), default=0) >= before + 3, 120, "training", [running])
         trainer = worker(running.pid, local_rank=0)
         refused = node("refused", *second)
         assert refused.wait(timeout=120) == 2, output(refused)
-        mode, start = ("live", "with --live") if first else ("restart", "without --live")
+        mode, start = ("live", "with --live") if first == ("--live",) else ("restart", "with --no-live")
         assert f"job mixed runs in the {mode} mode ({snap} is held by it on host" in output(refused)
         assert f"start this node {start}, or stop that job first" in output(refused)
         reached = max(ledger(snap))
@@ -389,4 +394,23 @@ def test_live_needs_mingpt_rendezvous_and_says_so(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: --live: the rendezvous store at 127.0.0.1:{port} serves no Lighthouse; start it with "
         f"mingpt-rendezvous --port {port}, which serves both")
+    assert not (tmp_path / "snap").exists()
+
+
+def test_a_node_that_cannot_reach_the_lighthouse_says_so_and_never_runs_another_mode(tmp_path, closed_port):
+    """Without --live too: a store that publishes a Lighthouse makes the job live, so a node that cannot join it
+    (here the Lighthouse does not answer) stops in one line, exit 2, rather than train in the restart mode."""
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set(LIGHTHOUSE_KEY, str(closed_port))
+    result = subprocess.run([str(BIN / "mingpt-torchrun"), "--nnodes=1:2", "--nproc-per-node=1",
+                             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=x", MAIN,
+                             f"data.prepared_dir={tmp_path / 'prepared'}", f"snapshot.dir={tmp_path / 'snap'}"],
+                            env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    del store
+    assert result.returncode == 2, result.stderr
+    assert f"mingpt-torchrun: live mode (mingpt-rendezvous at 127.0.0.1:{port} serves" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: this node cannot join live job x: ") and "Connection refused" in last and \
+        last.endswith("; fix it, or start every node of the job with --no-live (the restart mode)"), result.stderr
     assert not (tmp_path / "snap").exists()

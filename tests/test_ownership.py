@@ -242,7 +242,7 @@ def test_a_worker_left_from_an_older_generation_cannot_commit(tmp_path, procs):
     alone; it must not commit nor delete anything."""
     port = free_port()
     rendezvous(procs, port)  # the store outlives the agent that is killed
-    agent = torchrun("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+    agent = torchrun("--no-live", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=zombie-test", f"--rdzv-conf={RDZV_CONF},is_host=false")
     overrides = [*SMALL, "model=gpt-micro", "snapshot.every=10", "snapshot.keep=100",
                  f"snapshot.dir={tmp_path / 'snap'}", f"data.prepared_dir={tmp_path / 'prepared'}"]

@@ -93,7 +93,7 @@ def assert_every_sample_once(snap: Path, last: int) -> None:
 @pytest.mark.parametrize("mode", ["restart", "live"])
 def test_the_script_trains_on_two_nodes_and_resumes_when_submitted_again(slurm, tmp_path, mode):
     """In the live mode a group trains alone until the other joins: enough steps for it to."""
-    live, steps = ({"LIVE": "1"}, 200) if mode == "live" else ({}, 6)
+    live, steps = ({}, 200) if mode == "live" else ({"LIVE": "0"}, 6)  # live: the script's default
     first = submit(slurm, tmp_path, training(tmp_path, steps, steps // 2), **live)
     assert wait_ended(slurm, tmp_path, first)["JobState"] == "COMPLETED", job_output(tmp_path, first)[-4000:]
     text = job_output(tmp_path, first)
@@ -157,7 +157,7 @@ def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(
     """--no-kill (the script's, on sbatch and srun): one node's slurmd and tasks are killed. Slurm sets the node
     DOWN and keeps the job and the other node's task, which goes on alone."""
     snap = tmp_path / "snap"
-    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 5), **({"LIVE": "1"} if mode == "live" else {}))
+    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 5), **({} if mode == "live" else {"LIVE": "0"}))
     both = lambda: any(r["world_size"] == 2 for r in metrics(snap) if "train_loss" in r)
     wait_until(both, 180, "steps on two nodes", slurm, tmp_path, job)
     try:

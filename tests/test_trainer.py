@@ -148,7 +148,7 @@ def test_two_nodes_shrink_and_grow_back(tmp_path, procs, reference):
     began = time.time()  # the wall clock, as the agents stamp a change they notice
     port = free_port()
     rendezvous(procs, port)
-    args = torchrun("--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+    args = torchrun("--no-live", "--nnodes=1:4", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
                     f"--rdzv-conf={RDZV_CONF},is_host=false")
     args += overrides(tmp_path, "elastic", ENDLESS_STEPS, every=EVERY,

@@ -175,7 +175,7 @@ class RunLease:
         holder = current.record
         if self._other_mode(holder):
             job = self.job.removeprefix("torchrun:")
-            start = "with --live" if holder.get("mode") == LIVE else "without --live"
+            start = "with --live" if holder.get("mode") == LIVE else "with --no-live"
             return RunOwnedError(
                 f"job {job} runs in the {holder.get('mode')} mode ({self.url} is held by it on host "
                 f"{holder.get('host', 'unknown')}, pid {pids(holder) or 'unknown'}; {why}): start this node {start}, "

@@ -10,10 +10,11 @@ from torch.distributed import run
 
 from mingpt import torch_internals
 from mingpt.cli import configure_logging, run_command
+from mingpt.errors import ConfigError
 from mingpt.launch import forkserver
 from mingpt.launch.checks import check_launch
-from mingpt.launch.live import join_live
-from mingpt.launch.node import launch, merge_rendezvous_conf, prepare_before_joining
+from mingpt.launch.live import start
+from mingpt.launch.node import launch, merge_rendezvous_conf
 
 ADDS = """\
 mingpt-torchrun: torch's torchrun (the same options, below), plus what an elastic mingpt job needs:
@@ -25,8 +26,10 @@ mingpt-torchrun: torch's torchrun (the same options, below), plus what an elasti
   - after SIGTERM, the workers have 110 s to save before SIGKILL (--shutdown-timeout; torch: 30 s);
   - workers forked from a server that has imported torch and the trainer, not started anew each time;
   - on GPUs, NCCL's async error handling, heartbeat monitor and flight recorder;
-  - --live (before the training script): this node is one torchft replica group, and nodes dying,
-    leaving and joining restart no worker on any other node (mingpt-rendezvous serves the Lighthouse).
+  - the live mode, wherever mingpt-rendezvous serves the job (its store and torchft's Lighthouse): nodes
+    dying, leaving and joining restart no worker on any other node. Before the training script, --live
+    asks for it (refused where it cannot run), and --no-live for the restart mode: every change of nodes
+    restarts every worker. The first line says which mode the node runs in, and why.
 """
 
 
@@ -36,16 +39,18 @@ def main(argv: list[str] | None = None, server: forkserver.Server | None = None)
     argv = sys.argv[1:] if argv is None else argv
     if _asks_for_help(argv):
         print(ADDS)
-    argv, live_mode = _without_live(argv)
+    try:
+        argv, asked = _without_mode(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = run.parse_args(argv)  # torchrun's own parser: the same options, the same errors
     args.rdzv_conf = merge_rendezvous_conf(args.rdzv_conf)
     configure_logging(logging.WARNING, "%(asctime)s %(message)s", "%H:%M:%S")
     logging.getLogger("mingpt").setLevel(logging.INFO)  # this node's own progress and membership, on its own log
     options = argv[:_script_at(argv)]  # torchrun's own, before the training script
     status = run_command(lambda: torch_internals.check(sharded=False)) or \
-        run_command(lambda: check_launch(args, options, live_mode)) or run_command(lambda: prepare_before_joining(args))
-    if not status and live_mode:
-        status = run_command(lambda: join_live(args))
+        run_command(lambda: check_launch(args, options, asked == "live")) or run_command(lambda: start(args, asked))
     return status or launch(args, server)
 
 
@@ -57,12 +62,14 @@ def _script_at(argv: list[str]) -> int:
     return len(argv)
 
 
-def _without_live(argv: list[str]) -> tuple[list[str], bool]:
-    """argv without mingpt-torchrun's own --live (before the training script), and whether it was there."""
-    if "--live" not in argv[:_script_at(argv)]:
-        return argv, False
-    i = argv.index("--live")
-    return argv[:i] + argv[i + 1:], True
+def _without_mode(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv without mingpt-torchrun's own --live or --no-live (before the training script), and the mode it asks for:
+    "live", "restart", or None (mingpt.launch.live chooses)."""
+    flags, script = {"--live": "live", "--no-live": "restart"}, _script_at(argv)
+    asked = {flags[arg] for arg in argv[:script] if arg in flags}
+    if len(asked) > 1:
+        raise ConfigError("--live and --no-live ask for two modes: give one")
+    return [arg for arg in argv[:script] if arg not in flags] + argv[script:], asked.pop() if asked else None
 
 
 def _asks_for_help(argv: list[str]) -> bool:

@@ -23,7 +23,7 @@ from mingpt import torch_internals
 from mingpt.checkpoint.shm import process_folder
 from mingpt.jobenv import HELLASWAG_FETCHED
 from mingpt.launch import agent, forkserver
-from mingpt.training.app import CONF_DIR, compose_config
+from mingpt.training.app import CONF_DIR, Config, compose_config
 from mingpt.training.preparation import fetch_hellaswag, prepare_data
 
 log = logging.getLogger(__name__)
@@ -133,17 +133,24 @@ HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", 
                     "--shell-completion", "-sc"}
 
 
-def prepare_before_joining(args: argparse.Namespace) -> None:
-    """Prepare the data and fetch HellaSwag's file before this node's agent joins, not while the job waits (past
-    trainer.dist_timeout_s, ending it). Only for a mingpt application (mingpt-train, or a script with `conf/`)."""
+def job_config(args: argparse.Namespace) -> Config | None:
+    """The job's configuration, where the script is a mingpt application (mingpt-train, or a script with `conf/`) that
+    trains (with one of Hydra's printing flags, the workers print and end); else None."""
     conf = Path(args.training_script).resolve().parent / "conf"
     if Path(args.training_script).name == "mingpt-train":
         conf = CONF_DIR
     elif args.no_python or args.module or not (conf / "config.yaml").is_file():
+        return None
+    if {arg.split("=")[0] for arg in args.training_script_args} & HYDRA_INFO_FLAGS:
+        return None
+    return compose_config(conf, args.training_script_args)
+
+
+def prepare_before_joining(args: argparse.Namespace, cfg: Config | None) -> None:
+    """Prepare the data and fetch HellaSwag's file before this node's agent joins, not while the job waits (past
+    trainer.dist_timeout_s, ending it)."""
+    if cfg is None:
         return
-    if {arg.split("=")[0] for arg in args.training_script_args} & HYDRA_INFO_FLAGS:  # the workers print, and end
-        return
-    cfg = compose_config(conf, args.training_script_args)
     started = time.monotonic()
     fetched = fetch_hellaswag(cfg.trainer)
     if fetched is not None:

@@ -20,6 +20,8 @@ def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait below: either stops us in order
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at its default level
     from torch.distributed import TCPStore  # imported once the flags are read, so that --help is quick
+    from torchft.coordination import LighthouseServer  # noqa: F401  (before the store listens: a node that asks it
+    # meanwhile would find no Lighthouse published, and choose the restart mode; mingpt.launch.live.choose_mode)
 
     try:  # a server listens on every interface, whatever host name it is given
         store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, multi_tenant=True)

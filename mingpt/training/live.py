@@ -117,9 +117,10 @@ class TooFewNodes(RuntimeError):
 
 def eldest(table: list[list[float]]) -> int:
     """The position of the group the job's credentials are taken from: the one that has committed steps the longest;
-    else one whose data is the run's (not one of another corpus that resumed from the run's snapshot); ties: first."""
+    else one whose data is the run's (not one of another corpus that resumed from the run's snapshot); ties: by node
+    (so that the writing stays on one node while its groups come and go), then first."""
     return min(range(len(table)), key=lambda position: (table[position][SINCE], -table[position][KEEPS_THE_RUN],
-                                                         position))
+                                                         table[position][NODE], position))
 
 
 class LiveAgreement:
@@ -297,7 +298,8 @@ class LiveAgreement:
         self.committed_quorum = (self.position, self.groups) if committed else None
         self._say_what_changed(committed)
         if committed:  # (a step that cannot count may lack the group longest in the job)
-            self.since = self.manager.current_step() if self.since is None else self.since
+            if self.since is None and self.position is not None:  # (one that healed at the vote takes part next)
+                self.since = self.manager.current_step()
             self.writes = rows[eldest(rows)][NODE] == self.node  # its first process writes (Trainer)
         loss, stops, failing, lease = numbers.tolist()
         if rows:  # every group's loss, and the newest lease (while the writer changes hands, the old one may hold on)

@@ -272,8 +272,8 @@ class Trainer:
     def _follow_the_writer(self) -> None:
         """Live mode: the group longest in the job writes the snapshots and metrics; its leader holds the lease."""
         writes = self.agreement.writes and self.world.is_leader
+        self.checkpointer.hold_the_run(writes)  # before its first record: a run with metrics and no claim is watched
         self.report.speak(writes, self.replica.state)
-        self.checkpointer.hold_the_run(writes)
 
     def _state_for_a_peer(self) -> dict:
         return {**self.replica.state_dict(), "train": self.replica.state.saved()}
