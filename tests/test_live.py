@@ -335,10 +335,10 @@ def test_a_node_of_two_workers_and_a_node_of_one_train_as_three_workers_do(tmp_p
     nodes = []
     for name, workers in (("two", 2), ("one", 1)):
         (tmp_path / name).mkdir()
-        nodes.append(procs.start(torchrun("--nnodes=2:4", f"--nproc-per-node={workers}", "--max-restarts=0",  # live
-                                          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=uneven")
-                                 + job + [f"snapshot.dir={tmp_path / 'live'}", f"snapshot.memory_dir={tmp_path / name}"],
-                                 name))
+        node = torchrun("--nnodes=2:4", f"--nproc-per-node={workers}", "--max-restarts=0", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=uneven")  # no --live: the default
+        memory = f"snapshot.memory_dir={tmp_path / name}"
+        nodes.append(procs.start(node + job + [f"snapshot.dir={tmp_path / 'live'}", memory], name))
         if workers == 2:  # alone for a while: two groups, one node
             wait_for(lambda: "fewer than --nnodes's 2" in output(nodes[0]), 120, "a step of the node alone", nodes)
     for node in nodes:

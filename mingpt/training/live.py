@@ -1,12 +1,13 @@
-"""The live mode (`mingpt-torchrun --live`): a node's death or arrival restarts nobody else.
+"""The live mode (mingpt-torchrun's, wherever mingpt-rendezvous serves the job): a node's death or arrival restarts
+nobody else.
 
-Each replica of the model is one torchft replica group: under ddp each process (a node of any size holds as many),
-under hsdp each node (its own torchrun, sharding within). torchft's Manager forms a quorum of the groups at every step through the Lighthouse that mingpt-rendezvous serves, heals a group
-that is behind from a live peer (mingpt.training.healing), and votes: a step that failed anywhere is not committed, and
-is done again with the same samples (the global batch is split by each process's place in the quorum). `LiveAgreement`
-is the step's protocol; docs/ARCHITECTURE.md walks through it. The job's checks and the choice of the writer (the group
-that has taken part longest) live in every quorum, not in mingpt-rendezvous's store, which keeps nothing when it
-restarts."""
+Each replica of the model is one torchft replica group: under ddp each process (so a node of any size holds as many),
+under hsdp each node (its own torchrun, sharding within). torchft's Manager forms a quorum of the groups at every step
+through the Lighthouse that mingpt-rendezvous serves, heals a group that is behind from a live peer
+(mingpt.training.healing), and votes: a step that failed anywhere is not committed, and is done again with the same
+samples (the global batch is split by each process's place in the quorum). `LiveAgreement` is the step's protocol;
+docs/ARCHITECTURE.md walks through it. The job's checks and the choice of the writer (the node of the group that has
+taken part longest) live in every quorum, not in mingpt-rendezvous's store, which keeps nothing when it restarts."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ CONNECT_TIMEOUT_S = 10.0  # reaching the Lighthouse or another group's manager
 LIGHTHOUSE_WAIT_S = 300.0  # how long a lost Lighthouse is waited for (mingpt-rendezvous restarting)
 
 STATE_KEY = "mingpt"  # the name of the run's state among what torchft sends a healing group
-HEALERS_KEY = "mingpt/live/healers/"  # + job id / local rank: the addresses groups serve their state at
+HEALERS_KEY = "mingpt/live/healers/"  # + job id / rank in the group: the addresses groups serve their state at
 
 
 def node_name(world: World) -> str:
@@ -84,7 +85,8 @@ def credentials(job_id: str, data_fingerprint: str, workers: int, mode: str, opt
 def describe_layout(number: int) -> str:
     placement, optimizer = divmod(number, len(OPTIMIZERS))
     workers, mode = divmod(placement, len(MODES))
-    return f"{f'{workers} worker(s) per node, ' if MODES[mode] == 'hsdp' else ''}{MODES[mode]}, {OPTIMIZERS[optimizer]}"
+    per_node = f"{workers} worker(s) per node, " if MODES[mode] == "hsdp" else ""  # (ddp: any)
+    return f"{per_node}{MODES[mode]}, {OPTIMIZERS[optimizer]}"
 
 
 def misfit(mine: Sequence[float], job: Sequence[float], job_id: str) -> MinGPTError | None:
