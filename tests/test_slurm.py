@@ -41,6 +41,16 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
+@pytest.fixture(autouse=True)
+def no_job_left(slurm):
+    """What a test that failed midway left running is cancelled: the next test's jobs would share its nodes."""
+    yield
+    slurm.run(["scancel", "--full", "--user=root"], check=False)
+    deadline = time.monotonic() + 120  # (a job's end takes up to KillWait; the next test's waits say if it never came)
+    while slurm.idle_nodes() != set(NODES) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def submit(slurm: Cluster, folder: Path, overrides: list[str], *options: str, **variables: str) -> str:
     """sbatch of train/slurm.sbatch with `options` and the trainer's `overrides`; the job's id. The job's output
     goes to FOLDER/job-ID.out, appended to across requeues."""
@@ -134,7 +144,8 @@ def test_a_requeued_job_comes_back_by_itself_and_resumes_where_it_stopped_until_
     stopped_at = latest_step(snap)
     wait_until(lambda: max(ledger(snap)) > stopped_at + 2, 180, "training after the requeue", slurm, tmp_path, job)
     assert_every_sample_once(snap, max(ledger(snap)))
-    assert "resumed" in job_output(tmp_path, job).lower()
+    # (srun forwards the tasks' lines through slurmstepd: under load they may come after the steps' records)
+    wait_until(lambda: "resumed" in job_output(tmp_path, job).lower(), 60, "the line saying so", slurm, tmp_path, job)
 
     wait_until(running, 60, "the job running", slurm, tmp_path, job)
     requeue(slurm, tmp_path, job)
