@@ -322,10 +322,10 @@ def test_hsdp_nodes_shard_within_and_heal_shard_by_shard(tmp_path, procs, refere
 @pytest.mark.slow
 def test_a_node_of_two_workers_and_a_node_of_one_train_as_three_workers_do(tmp_path, procs):
     """mingpt-torchrun runs a job live wherever mingpt-rendezvous serves it, and says so first. Under ddp each
-    process is a replica group of its own, so nodes of any size make one live job: every step's
-    samples are split among its processes, whichever node they are on, and the run is that of three processes (to
-    rounding: the groups average in another order than DDP). --nnodes's minimum counts nodes, not groups: the node
-    of two commits nothing alone."""
+    process is a replica group of its own, so nodes of any size make one live job: every step's samples are split
+    among its processes, whichever node they are on, and the run is that of three processes (to rounding: the groups
+    average in another order than DDP). --nnodes's minimum counts nodes, not groups: the node of two commits nothing
+    alone."""
     job = [*SMALL, "trainer.max_steps=20", "snapshot.every=10", f"data.prepared_dir={tmp_path / 'prepared'}"]
     three = procs.start(standalone(3) + job + [f"snapshot.dir={tmp_path / 'three'}"], "three")
     assert three.wait(timeout=180) == 0, output(three)[-3000:]
