@@ -56,9 +56,9 @@ def node_name(world: World) -> str:
     return name
 
 
-def node_number(name: str) -> float:
-    """A node's name as a number of the step's table (48 bits: exact in float64)."""
-    return float(int(hashlib.sha256(name.encode()).hexdigest()[:12], 16))
+def number(text: str) -> int:
+    """`text` as a number of the step's table: 48 bits of its sha256 (exact in float64)."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
 
 
 # The step's table: one row per group of the quorum, in float64 (whole numbers below 2**53 stay exact in a sum).
@@ -67,7 +67,7 @@ CREDENTIALS = slice(4, 7)  # what makes the group one of the job (`credentials`)
 SINCE = 7  # the first step the group committed (NEVER: none yet)
 KEEPS_THE_RUN = 8  # 1 where the group's data is that of the snapshot it resumed from (or it resumed from none)
 SPLIT_HELD = 9  # 1 where the group split the step's samples by the quorum that formed
-NODE = 10  # the group's node (node_number): the writer's node writes, and --nnodes's minimum counts nodes
+NODE = 10  # the group's node (`number` of its name): the writer's node writes, and --nnodes's minimum counts nodes
 COLUMNS = 11
 NEVER = float(2**52)
 MODES = ("ddp", "hsdp")  # the layouts' modes, by their number
@@ -79,7 +79,7 @@ def credentials(job_id: str, data_fingerprint: str, workers: int, mode: str, opt
     processes, the mode, and the optimizer: groups that stepped with different ones would hold different weights, and
     never say so)."""
     layout = (workers * len(MODES) + MODES.index(mode)) * len(OPTIMIZERS) + OPTIMIZERS.index(optimizer)
-    return int(hashlib.sha256(job_id.encode()).hexdigest()[:12], 16), int(data_fingerprint[:12], 16), layout
+    return number(job_id), int(data_fingerprint[:12], 16), layout
 
 
 def describe_layout(number: int) -> str:
@@ -161,8 +161,10 @@ class LiveAgreement:
         # Checked in every step's table, and against the state a peer sends this group to heal.
         self.credentials = credentials(self.job_id, self.checkpointer.data_fingerprint, self.group_size,
                                        self.mode, self.checkpointer.cfg.trainer.optimizer)
-        node = node_name(self.world)  # (torchft adds a uuid to a group's name: a restarted group is a new one)
-        self.name, self.node = node if self.group_size > 1 else f"{node}-{self.world.rank}", node_number(node)
+        # A group's name: its node's, and under ddp its process's (torchft adds a uuid: a restarted group is a new one).
+        node = node_name(self.world)
+        self.name = node if self.group_size > 1 else f"{node}-{os.getpid()}"
+        self.node = float(number(node))
         self.manager = self._new_manager()
         return self
 
