@@ -34,6 +34,9 @@ LIGHTHOUSE_KEY = "mingpt/lighthouse"  # where mingpt-rendezvous publishes its Li
 HEARTBEAT_TIMEOUT_MS = 1000  # a group silent this long is left out of the next quorum
 JOIN_TIMEOUT_MS = 1000  # how long a quorum waits for live groups that have not asked yet
 QUORUM_TICK_MS = 100  # how often it looks whether a quorum can form
+# How long mingpt-rendezvous serves on after SIGTERM: at a job's end every process gets it at once, and a live
+# node's last step needs the Lighthouse to commit (else it waits out the quorum's timeout before saving).
+STOP_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)

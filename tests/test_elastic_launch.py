@@ -11,8 +11,10 @@ import os
 import re
 import signal
 import socket
+from datetime import timedelta
 
 import pytest
+from torch.distributed import TCPStore
 from launch import (BIN, HEAVIER, RDZV_CONF, REPO, SMALL, free_port, latest_step, manifests, output, plain_torchrun,
                     port_listens, rendezvous, run, slow_corpus, torchrun, wait_for)
 
@@ -109,7 +111,9 @@ def test_plain_torchrun_on_two_agents_stops_at_once_with_one_line(tmp_path, proc
     assert not (tmp_path / "snap").exists()  # stopped before claiming the run or any data work
 
 
-def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
+def test_rendezvous_store_refuses_a_taken_port_serves_on_after_sigterm_and_stops_on_sigint(procs):
+    """SIGTERM, which Slurm sends every process of a job at its end: the store serves on while the nodes save
+    their step (train/slurm.sbatch stops it with SIGINT once they are done)."""
     port = free_port()
     store = rendezvous(procs, port)
     assert "--rdzv-endpoint=" in output(store)
@@ -118,8 +122,11 @@ def test_rendezvous_store_refuses_a_taken_port_and_stops_on_sigterm(procs):
     assert output(second).strip().startswith(f"error: cannot listen on port {port}")
     assert len(output(second).strip().splitlines()) == 1
     store.send_signal(signal.SIGTERM)
+    wait_for(lambda: "SIGTERM: serving" in output(store), 30, "the store's answer to SIGTERM", [store])
+    TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)).set("still", "serving")
+    store.send_signal(signal.SIGINT)
     assert store.wait(timeout=30) == 0
-    wait_for(lambda: "stopped by SIGTERM" in output(store), 10, "the store's last line")
+    assert output(store).rstrip().endswith("stopped: agents still running lose their rendezvous")
 
 
 @contextlib.contextmanager
@@ -182,7 +189,7 @@ def test_workers_train_on_when_the_rendezvous_store_stops_and_the_agent_says_so_
     # Steps of tens of milliseconds: the store's stop (a second, on a busy machine) ends long before the job.
     job = procs.start(node + _job(tmp_path, 50) + [*HEAVIER, "snapshot.every=10"], "job")
     wait_for(lambda: latest_step(tmp_path / "snap") >= 10, 120, "the first snapshot", [job])
-    store.terminate()
+    store.send_signal(signal.SIGINT)
     store.wait(timeout=30)
     stopped_at = latest_step(tmp_path / "snap")
     assert job.wait(timeout=180) == 0, output(job)[-3000:]

@@ -214,7 +214,7 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
     wait_for(lambda: "this job holds" in output(survivor), 60, "the survivor's claim", [survivor, newcomer])
     newcomer_worker = worker(newcomer.pid, local_rank=0)
 
-    store.send_signal(signal.SIGTERM)  # 2.
+    store.send_signal(signal.SIGINT)  # 2.
     store.wait(timeout=30)
     wait_for(lambda: "does not answer" in output(survivor), 60, "the lost Lighthouse", [survivor, newcomer])
     restarted_at = max(ledger(snap))

@@ -9,13 +9,14 @@ import signal
 import socket
 import sys
 
-from mingpt.jobenv import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS, LIGHTHOUSE_KEY, QUORUM_TICK_MS
+from mingpt.jobenv import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS, LIGHTHOUSE_KEY, QUORUM_TICK_MS, STOP_GRACE_S
 
 log = logging.getLogger(__name__)
 
 
 def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
-    """Serve the store and Lighthouse until SIGTERM or SIGINT (the store alone where an unchosen port is taken)."""
+    """Serve the store and Lighthouse (the store alone where an unchosen port is taken) until SIGINT, or
+    STOP_GRACE_S after SIGTERM."""
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait below: either stops us in order
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at its default level
@@ -46,8 +47,11 @@ def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
     log.info("rendezvous store listening on port %d of %s. Start every node with: mingpt-torchrun [--live] "
              "--nnodes=MIN:MAX --rdzv-backend=c10d --rdzv-endpoint=%s:%d --rdzv-id=JOB ... train/main.py",
              port, host, host, port)
-    stopped_by = signal.sigwait(stop_signals)
-    log.info("stopped by %s: agents still running lose their rendezvous", signal.Signals(stopped_by).name)
+    if signal.sigwait(stop_signals) == signal.SIGTERM:  # a job's end (Slurm's signals every process of the job)
+        log.info("SIGTERM: serving %.0f s more, while the job's nodes stop and save their step (SIGINT or SIGTERM "
+                 "again: stop now)", STOP_GRACE_S)
+        signal.sigtimedwait(stop_signals, STOP_GRACE_S)
+    log.info("stopped: agents still running lose their rendezvous")
     if lighthouse is not None:
         lighthouse.shutdown()
     del store
