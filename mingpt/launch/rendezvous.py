@@ -15,8 +15,8 @@ log = logging.getLogger(__name__)
 
 
 def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
-    """Serve the store and Lighthouse (the store alone where an unchosen port is taken) until SIGINT, or
-    STOP_GRACE_S after SIGTERM."""
+    """Serve the store and Lighthouse (the store alone where an unchosen port is taken) until SIGINT or SIGTERM;
+    with a Lighthouse, until STOP_GRACE_S after SIGTERM."""
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait below: either stops us in order
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at its default level
@@ -47,7 +47,8 @@ def serve(port: int, lighthouse_port: int, lighthouse_chosen: bool) -> int:
     log.info("rendezvous store listening on port %d of %s. Start every node with: mingpt-torchrun [--live] "
              "--nnodes=MIN:MAX --rdzv-backend=c10d --rdzv-endpoint=%s:%d --rdzv-id=JOB ... train/main.py",
              port, host, host, port)
-    if signal.sigwait(stop_signals) == signal.SIGTERM:  # a job's end (Slurm's signals every process of the job)
+    # At a job's end Slurm signals every process at once: a live node's last step still needs the Lighthouse.
+    if signal.sigwait(stop_signals) == signal.SIGTERM and lighthouse is not None:
         log.info("SIGTERM: serving %.0f s more, while the job's nodes stop and save their step (SIGINT or SIGTERM "
                  "again: stop now)", STOP_GRACE_S)
         signal.sigtimedwait(stop_signals, STOP_GRACE_S)
