@@ -185,8 +185,11 @@ class LiveAgreement:
             port = box[0]
         timeout, settings = timedelta(seconds=COLLECTIVE_TIMEOUT_S), self.settings
         self.transport = VerifiedTransport(settings.host, timeout, self._peers)
+        # The groups' process group, which every quorum reconfigures; reduce_bucket's collectives use it directly.
+        cuda = self.world.device.type == "cuda"
+        self.process_group = (ProcessGroupNCCL if cuda else ProcessGroupGloo)(timeout=timeout)
         manager = Manager(
-            pg=(ProcessGroupNCCL if self.world.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout),
+            pg=self.process_group,
             load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_nodes, use_async_quorum=True, timeout=timeout,
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
@@ -270,15 +273,26 @@ class LiveAgreement:
 
     def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """ddp (DDP's communication hook): one bucket of this process's gradients, as the backward pass hands it
-        over, averaged over every process of the step: within the group, then across the step's groups."""
+        over, averaged across the step's groups (a process each) while the backward pass goes on. DDP waits for every
+        bucket's future before the optimizer runs. A failure completes the future with the bucket unreduced and fails
+        the step, which is then not committed (torchft's wrap_future)."""
         tensor = bucket.buffer()
-        if self.group_size > 1:
-            dist.all_reduce(tensor)
-            tensor /= self.group_size
-        self.reduce_shard(tensor)
-        reduced = torch.futures.Future()
-        reduced.set_result(tensor)
-        return reduced
+        if not self._quorum_formed() or self.manager.errored() is not None:
+            return _done(tensor)
+        if not self.manager.is_participating():  # it heals at the vote: it adds nothing
+            tensor.zero_()
+        groups = self.manager.num_participants()
+        try:
+            work = self.process_group.allreduce([tensor], dist.AllreduceOptions())  # (a sum)
+        except Exception as e:  # a group left since the quorum formed
+            self.manager.report_error(e)
+            return _done(tensor)
+
+        def average(summed: torch.futures.Future) -> torch.Tensor:
+            summed.value()  # (raises where the collective failed: wrap_future reports it)
+            return tensor.div_(groups)
+
+        return self.manager.wrap_future(work.get_future().then(average), tensor)
 
     def reduce_shard(self, tensor: torch.Tensor) -> None:
         """hsdp (FSDP's all-reduce hook): this process's shard of a block's gradients, which FSDP's reduce-scatter
@@ -407,3 +421,9 @@ class LiveAgreement:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future = torch.futures.Future()
+    future.set_result(tensor)
+    return future

@@ -375,7 +375,7 @@ class Trainer:
     def _gradients_ready(self, group, bucket):  # no annotation: DDP checks it, and ours are strings
         """DDP hands each bucket to this hook once computed: the last ends this process's own work in the step."""
         self._own_end = time.perf_counter()
-        # Live mode: averaged over the processes of the step's quorum, within the node and across nodes.
+        # Live mode: averaged across the step's groups (a process each under ddp), in flight while backward goes on.
         return self.agreement.reduce_bucket(bucket) if self.live else allreduce_hook(group, bucket)
 
     def evaluate(self) -> None:
