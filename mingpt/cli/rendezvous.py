@@ -10,7 +10,7 @@ from mingpt.launch.rendezvous import serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`mingpt-rendezvous`: host torchrun's c10d rendezvous store until Ctrl-C, or 30 s after SIGTERM.
+    """`mingpt-rendezvous`: host torchrun's c10d rendezvous store until Ctrl-C or SIGTERM (its Lighthouse: 30 s on).
 
     On a machine that does not train, so that any agent may die without taking the job down."""
     parser = command_parser("mingpt-rendezvous", summary(main.__doc__))
