@@ -3,6 +3,7 @@ processes. Real mingpt-torchrun nodes around a real mingpt-rendezvous (store and
 unit tests of the healing transport over real HTTP."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -170,14 +171,14 @@ def test_a_healer_refuses_a_damaged_state_and_gets_it_from_another_group():
 # -- whole jobs ------------------------------------------------------------------------------------------------
 
 
-def live_node(procs, tmp_path, port, name, machine, workers=1, extra=()):
+def live_node(procs, tmp_path, port, name, machine, workers=1, extra=(), every=10, min_nodes=2):
     """A node of the live job `live` (`workers` of them), logging to NAME.log, on `machine`: the memory it keeps
     its memory tier in."""
     (tmp_path / machine).mkdir(exist_ok=True)
-    args = torchrun("--live", "--nnodes=2:4", f"--nproc-per-node={workers}", "--max-restarts=0",
+    args = torchrun("--live", f"--nnodes={min_nodes}:4", f"--nproc-per-node={workers}", "--max-restarts=0",
                     "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=live")
-    args += overrides(tmp_path, "live", ENDLESS_STEPS, extra=[*HEAVIER, *KEEP_ALL, "snapshot.memory_every=1",
-                                                                f"snapshot.memory_dir={tmp_path / machine}", *extra])
+    args += overrides(tmp_path, "live", ENDLESS_STEPS, every, [*HEAVIER, *KEEP_ALL, "snapshot.memory_every=1",
+                                                               f"snapshot.memory_dir={tmp_path / machine}", *extra])
     return procs.start(args, name)
 
 
@@ -258,6 +259,28 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
     seen, expected = ledger(snap), ledger(uninterrupted)
     assert [step for step in range(1, compared + 1) if seen.get(step) != expected[step]] == []
     assert_equal_weights(weights(uninterrupted, compared), weights(snap, compared))
+
+
+@pytest.mark.slow
+def test_a_node_that_stops_has_the_writer_save_the_step_it_left_at(tmp_path, procs):
+    """A live node stopped by SIGTERM leaves, and the writer saves the step it left at, whatever snapshot.every
+    says, then goes on alone. At a job's end (a time limit) every node gets SIGTERM, but a node may see it a step
+    after another: the save starts at the first, not once the writer's own notice has gone on a failed step."""
+    port, lighthouse = free_port(), free_port()
+    rendezvous(procs, port, lighthouse)
+    nodes = [live_node(procs, tmp_path, port, name, f"machine-{name}", every=100_000, min_nodes=1)
+             for name in ("a", "b")]
+    snap = tmp_path / "live"
+    wait_for(lambda: "2 group(s)" in output(nodes[0]) and max(ledger(snap), default=0) >= 5, 120, "steps of both",
+             nodes)
+    writer, leaver = nodes if "this job holds" in output(nodes[0]) else nodes[::-1]
+    leaver.send_signal(signal.SIGTERM)
+    leaver.wait(timeout=60)
+    alone = lambda: re.search(r"live: 1 group\(s\) from step (\d+) \(were 2\)", output(writer))
+    wait_for(lambda: alone() and latest_step(snap) > 0, 60, "the writer alone, and its snapshot", [writer])
+    assert latest_step(snap) == int(alone().group(1)) - 1  # the step the leaver's stop was committed at
+    left_at = max(ledger(snap))
+    wait_for(lambda: max(ledger(snap)) > left_at + 3, 60, "the writer training on", [writer])
 
 
 def tier_states(machine) -> dict[tuple[int, int], tuple[int, list[torch.Tensor]]]:

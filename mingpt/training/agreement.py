@@ -27,6 +27,7 @@ class Outcome:
     run_lost: bool  # the leader lost the run's lease
     committed: bool = True  # live mode: the step counts (else it is done again)
     generation: int | None = None  # live mode: the writer's lease generation
+    leaving: bool = False  # live mode: a group of the step was asked to stop; the job may be ending: save the step
 
 
 class Agreement(Protocol):

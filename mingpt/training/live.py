@@ -323,7 +323,10 @@ class LiveAgreement:
         if rows:  # every group's loss, and the newest lease (while the writer changes hands, the old one may hold on)
             loss = sum(row[LOSS] for row in rows)
             failing, lease = max(row[FAILING] for row in rows), max(row[LEASE] for row in rows)
-        return Outcome(loss / self.global_batch_size, int(stops), failing > 0, False, committed, int(lease) or None)
+        # A group is stopping: where the whole job is (a time limit), the others' SIGTERMs may come a step later.
+        leaving = committed and any(row[STOPS] for row in rows)
+        return Outcome(loss / self.global_batch_size, int(stops), failing > 0, False, committed, int(lease) or None,
+                       leaving)
 
     def _table(self, numbers: list[float]) -> list[list[float]] | None:
         """Every group's row of the step; None where the step cannot count: the exchange failed, or a group of the

@@ -230,7 +230,7 @@ class Trainer:
             periodic = outcome.committed and state.step % cfg.snapshot.every == 0
             if self.compile_cache is not None and outcome.committed:  # the lease's holder saves them
                 self.compile_cache.after_step(self.checkpointer.store.lease, periodic or last)
-            if (periodic or last) and self.agreement.writes:
+            if (periodic or last or outcome.leaving) and self.agreement.writes:
                 self.save()
             if outcome.stops:
                 return self._stop(stop, outcome.stops)
