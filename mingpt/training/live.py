@@ -282,7 +282,7 @@ class LiveAgreement:
         if not self.manager.is_participating():  # it heals at the vote: it adds nothing
             tensor.zero_()
         groups = self.manager.num_participants()
-        try:
+        try:  # (not Manager.allreduce: its future exists only once its work is waited for, which would block here)
             work = self.process_group.allreduce([tensor], dist.AllreduceOptions())  # (a sum)
         except Exception as e:  # a group left since the quorum formed
             self.manager.report_error(e)
