@@ -100,17 +100,17 @@ def assert_every_sample_once(snap: Path, last: int) -> None:
     assert all(len(samples) == 1 for samples in seen.values()), {s: d for s, d in seen.items() if len(d) > 1}
 
 
-@pytest.mark.parametrize("mode", ["restart", "live"])
-def test_the_script_trains_on_two_nodes_and_resumes_when_submitted_again(slurm, tmp_path, mode):
-    """In the live mode a group trains alone until the other joins: enough steps for it to."""
-    live, steps = ({}, 200) if mode == "live" else ({"LIVE": "0"}, 6)  # live: the script's default
-    first = submit(slurm, tmp_path, training(tmp_path, steps, steps // 2), **live)
+def test_the_script_trains_on_two_nodes_and_resumes_when_submitted_again(slurm, tmp_path):
+    """In the script's default mode, the live one, where a group trains alone until the other joins: enough steps
+    for it to. (LIVE=0, the restart mode, runs in the notice-window test; its two-node jobs in test_trainer.py.)"""
+    steps = 200
+    first = submit(slurm, tmp_path, training(tmp_path, steps, steps // 2))
     assert wait_ended(slurm, tmp_path, first)["JobState"] == "COMPLETED", job_output(tmp_path, first)[-4000:]
     text = job_output(tmp_path, first)
     assert latest_step(tmp_path / "snap") == steps and 2 in world_sizes(tmp_path / "snap"), text[-4000:]
     assert "SLURM_RESTART_COUNT=0" in text and "--shutdown-timeout=110" in text
 
-    again = submit(slurm, tmp_path, training(tmp_path, steps + 3, steps // 2), **live)
+    again = submit(slurm, tmp_path, training(tmp_path, steps + 3, steps // 2))
     assert wait_ended(slurm, tmp_path, again)["JobState"] == "COMPLETED", job_output(tmp_path, again)[-4000:]
     assert latest_step(tmp_path / "snap") == steps + 3
     assert_every_sample_once(tmp_path / "snap", steps + 3)  # it went on from the first job's last step
@@ -118,9 +118,10 @@ def test_the_script_trains_on_two_nodes_and_resumes_when_submitted_again(slurm, 
 
 def test_a_time_limit_leaves_a_snapshot_of_the_last_step_and_exits_0(slurm, tmp_path):
     """--time=1 with --signal=TERM@15 on the sbatch line: SIGTERM 15 to 45 s into the job (Slurm sends it up to its
-    30 s check period early). The workers finish their step and snapshot it, and the job ends before its limit."""
-    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 1000), "--time=1", "--signal=TERM@15",
-                 STOP_NOTICE_S="15")
+    30 s check period early). The workers finish their step and snapshot it, and the job ends before its limit.
+    One node: what it shows is the same on each (the requeue test stops two nodes at once)."""
+    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 1000), "--nodes=1", "--time=1",
+                 "--signal=TERM@15", STOP_NOTICE_S="15")
     fields = wait_ended(slurm, tmp_path, job, timeout=120)
     text = job_output(tmp_path, job)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text[-4000:]
@@ -163,12 +164,13 @@ def requeue(slurm: Cluster, folder: Path, job_id: str) -> None:
     slurm.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
 
-@pytest.mark.parametrize("mode", ["restart", "live"])
-def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(slurm, tmp_path, mode):
+def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(slurm, tmp_path):
     """--no-kill (the script's, on sbatch and srun): one node's slurmd and tasks are killed. Slurm sets the node
-    DOWN and keeps the job and the other node's task, which goes on alone."""
+    DOWN and keeps the job and the other node's task, which goes on alone. In the script's default mode, the live
+    one: what Slurm does is the same in both, and the restart mode's shrinking is tested without Slurm
+    (test_trainer.py)."""
     snap = tmp_path / "snap"
-    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 5), **({} if mode == "live" else {"LIVE": "0"}))
+    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 5))
     both = lambda: any(r["world_size"] == 2 for r in metrics(snap) if "train_loss" in r)
     wait_until(both, 180, "steps on two nodes", slurm, tmp_path, job)
     try:
@@ -194,19 +196,20 @@ def committed_steps(s3) -> list[int]:
 def test_the_workers_get_the_whole_notice_and_a_save_cut_short_leaves_the_previous_snapshot(slurm, tmp_path, s3):
     """The notice window, shown with a slow snapshot: S3 delays each of its uploads DELAY_S (the issue's 60 s save
     in a 90 s notice, scaled down). `scancel --signal=TERM` signals the steps and sends no SIGKILL after it, so only
-    the agents' window can cut a save short:
+    the agent's window can cut a save short:
     1. STOP_NOTICE_S=70: a 60 s window, in which a save of over 30 s (torch's fixed window) is committed;
-    2. STOP_NOTICE_S=20: a 10 s window, cut short: the agents SIGKILL the workers mid-save, and the snapshot of 1.
+    2. STOP_NOTICE_S=20: a 10 s window, cut short: the agent SIGKILLs the worker mid-save, and the snapshot of 1.
        stays the newest complete one;
     3. which the same command resumes from.
-    In the restart mode: its save starts as the step ends. In the live mode a stopping group first leaves the quorum,
-    which under load took more than the 10 s window of 2., so that no save began (the time-limit test stops a live
-    job with a notice)."""
+    One node, as the window is each agent's own. The restart mode, where the save starts as the step ends: in the
+    live mode a stopping group first leaves the quorum, which under load took more than the 10 s window of 2., so
+    that no save began (the time-limit test stops a live job with a notice)."""
     run = [*SMALL, f"snapshot.dir=s3://{s3.bucket}/run", "snapshot.every=1000", "snapshot.memory=off",
-           f"data.prepared_dir={tmp_path}/prepared", "trainer.dist_timeout_s=120"]  # the others wait for the save
+           f"data.prepared_dir={tmp_path}/prepared"]
 
     def stop_during_a_slow_save(notice: int) -> tuple[str, float]:
-        job = submit(slurm, tmp_path, [*run, f"trainer.max_steps={ENDLESS_STEPS}"], STOP_NOTICE_S=str(notice), LIVE="0")
+        job = submit(slurm, tmp_path, [*run, f"trainer.max_steps={ENDLESS_STEPS}"], "--nodes=1",
+                     STOP_NOTICE_S=str(notice), LIVE="0")
         stepping = lambda: re.search(r"INFO step \d+/", job_output(tmp_path, job)) is not None
         wait_until(stepping, 120, "training", slurm, tmp_path, job)
         slow = s3.add("PUT", r"/run/step-\d+/", "delay", count=float("inf"), delay_s=DELAY_S)
@@ -227,6 +230,6 @@ def test_the_workers_get_the_whole_notice_and_a_save_cut_short_leaves_the_previo
     assert committed_steps(s3) == [saved]
     assert any(f"/step-{saved:09d}/" not in key for key in s3_keys(s3, "run/step-"))  # the torn save's debris
 
-    job = submit(slurm, tmp_path, [*run, f"trainer.max_steps={saved + 2}"], LIVE="0")  # 3.
+    job = submit(slurm, tmp_path, [*run, f"trainer.max_steps={saved + 2}"], "--nodes=1", LIVE="0")  # 3.
     assert wait_ended(slurm, tmp_path, job)["JobState"] == "COMPLETED", job_output(tmp_path, job)[-4000:]
     assert f"step-{saved:09d}: step {saved}" in job_output(tmp_path, job) and committed_steps(s3)[-1] == saved + 2
