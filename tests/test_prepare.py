@@ -106,6 +106,20 @@ def test_tokens_equal_encoding_each_document_whole(tmp_path, small_pieces):
     assert ids[1] == ids[2]
 
 
+FORKS = []  # a mark for each fork of this process
+os.register_at_fork(after_in_parent=lambda: FORKS.append(1))
+
+
+def test_a_corpus_of_one_piece_is_tokenized_here_and_one_of_more_by_the_worker_processes(tmp_path, small_pieces):
+    """A process forked for a single piece would cost more than the piece (it copies a trainer's memory map): with
+    data.num_workers=2, a corpus under a piece forks nothing, and one of several pieces forks the workers."""
+    for name, documents, forked in (("small", 1, False), ("large", 40, True)):
+        (tmp_path / f"{name}.txt").write_text("".join(make_documents(documents)))
+        before = len(FORKS)
+        prepare(PrepareConfig(corpus=str(tmp_path / f"{name}.txt"), prepared_dir=tmp_path / name, num_workers=2))
+        assert (len(FORKS) > before) == forked, name
+
+
 def test_a_line_longer_than_four_pieces_is_cut_and_still_decodes(tmp_path, small_pieces):
     doc = "start\n" + "é" * 10_000 + "\nend\n"  # 20 KB on one line: cut inside it, between characters
     (tmp_path / "long.txt").write_text(doc)

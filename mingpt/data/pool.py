@@ -6,6 +6,7 @@ renewer) could hold. A worker that dies fails the work at once; workers end with
 from __future__ import annotations
 
 import collections
+import itertools
 import multiprocessing
 import os
 import signal
@@ -59,24 +60,27 @@ class _Worker:
 
 
 class WorkerPool:
-    """`map` over `count` worker processes, each set up by `setup(context)`; one worker: no processes, all here."""
+    """`map` over `count` worker processes, each set up by `setup(context)`; one worker or one piece: none, all here."""
 
     def __init__(self, count: int, setup: Callable[[Any], None], context: Any):
         self.count, self.setup, self.context = count, setup, context
         self.workers: list[_Worker] = []
         self.inline = count <= 1 or multiprocessing.current_process().daemon  # a daemon may have no children
-        if self.inline:
-            setup(context)
 
     def map(self, fn: Callable[[Any], Any], pieces: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
         """(piece, fn(piece)) for each piece, in order; an exception of `fn` is raised at its piece's turn."""
+        pieces = iter(pieces)
+        if not self.workers:  # one piece (a small corpus) is worked here: forking workers would cost more than it
+            first = list(itertools.islice(pieces, 2))
+            pieces, self.inline = itertools.chain(first, pieces), self.inline or len(first) < 2
+            if self.inline:
+                self.setup(self.context)
         if self.inline:
             yield from ((piece, fn(piece)) for piece in pieces)
             return
         if not self.workers:
             with deferred_stops():  # a fork's hooks (logging's) would print a Stopped raised in them, and drop it
                 self._start()
-        pieces = iter(pieces)
         tasks: collections.deque[_Task] = collections.deque()  # in flight, oldest first
         waiting: collections.deque[_Task] = collections.deque()  # of those, the ones no worker has yet
         while True:
