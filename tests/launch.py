@@ -12,6 +12,7 @@ import gzip
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -72,6 +73,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_and_next() -> int:
+    """A port P free with P + 1 (mingpt-rendezvous's default Lighthouse port), both below the ports the kernel hands
+    out to connecting sockets (ip_local_port_range), where another test's client could take P + 1 meanwhile."""
+    lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(10_000, lowest - 1)
+        try:
+            with socket.socket() as s, socket.socket() as t:
+                s.bind(("127.0.0.1", port))
+                t.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
 
 
 def port_listens(port: int) -> bool:

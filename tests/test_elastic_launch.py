@@ -15,8 +15,8 @@ from datetime import timedelta
 
 import pytest
 from torch.distributed import TCPStore
-from launch import (BIN, HEAVIER, RDZV_CONF, REPO, SMALL, free_port, latest_step, manifests, output, plain_torchrun,
-                    port_listens, rendezvous, run, slow_corpus, torchrun, wait_for)
+from launch import (BIN, HEAVIER, RDZV_CONF, REPO, SMALL, free_port, free_port_and_next, latest_step, manifests, output,
+                    plain_torchrun, port_listens, rendezvous, run, slow_corpus, torchrun, wait_for)
 
 from mingpt import jobenv
 from mingpt.data.prepare import PrepareConfig, prepare
@@ -208,7 +208,7 @@ def test_the_slurm_script_trains_on_two_nodes_around_its_own_store(tmp_path, pro
                                 '"$@" & done\nwait\n')
     for shim in shims.iterdir():
         shim.chmod(0o755)
-    port = free_port()
+    port = free_port_and_next()  # and its Lighthouse on the next
     job = procs.start(
         ["env", f"PATH={shims}:{BIN}:{os.environ['PATH']}", "SLURM_JOB_NODELIST=node[1-2]", "SLURM_NNODES=2",
          "SLURM_JOB_ID=4242", f"RDZV_PORT={port}", "NPROC_PER_NODE=1",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import s3_keys
-from launch import BIN, ENDLESS_STEPS, REPO, SMALL, env, free_port, latest_step, ledger, metrics
+from launch import BIN, ENDLESS_STEPS, REPO, SMALL, env, free_port_and_next, latest_step, ledger, metrics
 from slurm_cluster import NODES, Cluster, SlurmUnavailable
 
 pytestmark = pytest.mark.slurm
@@ -54,8 +54,8 @@ def no_job_left(slurm):
 def submit(slurm: Cluster, folder: Path, overrides: list[str], *options: str, **variables: str) -> str:
     """sbatch of train/slurm.sbatch with `options` and the trainer's `overrides`; the job's id. The job's output
     goes to FOLDER/job-ID.out, appended to across requeues."""
-    environment = {**env(), "SLURM_CONF": str(slurm.conf), "NPROC_PER_NODE": "1", "RDZV_PORT": str(free_port()),
-                   "PATH": f"{BIN}:{os.environ['PATH']}", **variables}
+    environment = {**env(), "SLURM_CONF": str(slurm.conf), "NPROC_PER_NODE": "1",
+                   "RDZV_PORT": str(free_port_and_next()), "PATH": f"{BIN}:{os.environ['PATH']}", **variables}
     args = ["sbatch", "--parsable", *CPU_NODES, f"--output={folder}/job-%j.out", "--open-mode=append",
             f"--chdir={REPO}", *options, str(SCRIPT), *overrides]
     done = slurm.run(args, environment=environment)
