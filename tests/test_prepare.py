@@ -111,8 +111,8 @@ os.register_at_fork(after_in_parent=lambda: FORKS.append(1))
 
 
 def test_a_corpus_of_one_piece_is_tokenized_here_and_one_of_more_by_the_worker_processes(tmp_path, small_pieces):
-    """A process forked for a single piece would cost more than the piece (it copies a trainer's memory map): with
-    data.num_workers=2, a corpus under a piece forks nothing, and one of several pieces forks the workers."""
+    """A fork of a trainer-sized process costs more than a piece's work: with data.num_workers=2, a corpus under a
+    piece forks nothing, and one of several pieces forks the workers."""
     for name, documents, forked in (("small", 1, False), ("large", 40, True)):
         (tmp_path / f"{name}.txt").write_text("".join(make_documents(documents)))
         before = len(FORKS)

@@ -1,6 +1,6 @@
 """train/slurm.sbatch submitted with sbatch to a real Slurm of two nodes on this machine (tests/slurm_cluster.py), as
 users submit it: the CPU values, a short time and the notice on the sbatch line. Marked `slurm`, they run only where
--m names them: .ci/run runs them after the README's test command, with `python -m pytest -q -n 0 -m slurm`."""
+-m names them: .ci/run runs them beside the README's test command, with `python -m pytest -q -n 0 -m slurm`."""
 
 from __future__ import annotations
 
