@@ -75,12 +75,12 @@ class WorkerPool:
             pieces, self.inline = itertools.chain(first, pieces), self.inline or len(first) < 2
             if self.inline:
                 self.setup(self.context)
+            else:
+                with deferred_stops():  # a fork's hooks (logging's) would print a Stopped raised in them, and drop it
+                    self._start()
         if self.inline:
             yield from ((piece, fn(piece)) for piece in pieces)
             return
-        if not self.workers:
-            with deferred_stops():  # a fork's hooks (logging's) would print a Stopped raised in them, and drop it
-                self._start()
         tasks: collections.deque[_Task] = collections.deque()  # in flight, oldest first
         waiting: collections.deque[_Task] = collections.deque()  # of those, the ones no worker has yet
         while True:
