@@ -111,8 +111,7 @@ class MemoryCopies:
         self._room_checked = True
         started = time.monotonic()
         self.tier.save(state, step, {**self.replica.state.saved(), "world_size": self.world.world_size,
-                                     "generation": self.generation},
-                       then=self._send if self.group else None)
+                                     "generation": self.generation}, then=self._send if self.group else None)
         self._waited = time.monotonic() - started  # for the copy and the send before
 
     def before_update(self) -> None:

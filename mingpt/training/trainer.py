@@ -344,8 +344,10 @@ class Trainer:
             x, y = self.train_blocks.windows(starts[first : first + max(count, 1)])
             x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
             waited += time.perf_counter() - fetched
-            # Dropout masks are a function of the data position, not of the process or its history.
-            torch.manual_seed((self.cfg.seed * 1_000_003 + self.replica.state.samples_seen + first) % 2**63)
+            # Dropout masks are a function of the data position, not of the process or its history. The device's own
+            # generator: torch.manual_seed formats a stack trace for each accelerator not started (1 ms on a CPU).
+            generator = torch.default_generator if world.device.type == "cpu" else torch.get_device_module(world.device)
+            generator.manual_seed((self.cfg.seed * 1_000_003 + self.replica.state.samples_seen + first) % 2**63)
             sync = i == len(batches) - 1
             with (nullcontext() if sync else parallel.no_sync(self.model, self.ddp)), self.autocast:
                 _, loss = (self.ddp or self.replica.model)(x, y)
