@@ -150,8 +150,7 @@ def bpe_run(tmp_path_factory) -> Path:
 def pytest_collection_modifyitems(config, items):
     """The marks that follow from a test's fixtures: `procs` starts processes, `s3` talks to the S3 server.
     The tests under a real Slurm run only where -m names them (.ci/run runs them apart, after the others).
-    Then the slow tests go first: pytest-xdist hands tests out in this order, so the long ones start
-    early and the short ones fill in around them, instead of one long test finishing alone at the end."""
+    Then the slow tests are spread over the test processes, first in each one's share (slow_first_in_each_share)."""
     if "slurm" not in config.option.markexpr:
         slurm = [item for item in items if item.get_closest_marker("slurm")]
         config.hook.pytest_deselected(items=slurm)
@@ -162,7 +161,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multiproc)
         if "s3" in fixtures or "s3_server" in fixtures:
             item.add_marker(pytest.mark.s3)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+    items[:] = slow_first_in_each_share(items, getattr(config, "workerinput", {}).get("workercount", 1))
+
+
+def slow_first_in_each_share(items: list, processes: int) -> list:
+    """pytest-xdist's worksteal hands each of its `processes` a contiguous share of the list, the first
+    len/processes items to one and so on, and a process that runs out takes from the end of another's queue.
+    So each share starts with its own part of the slow tests: they run early and side by side, and what is
+    left to take over at the end is short tests, not one long test finishing alone. File order otherwise."""
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = iter([item for item in items if not item.get_closest_marker("slow")])
+    ordered, left = [], len(items)
+    for share in range(processes):
+        size = left // (processes - share)  # as worksteal splits the list
+        left -= size
+        ordered += slow[share::processes]
+        ordered += [item for _, item in zip(range(size - len(slow[share::processes])), fast)]
+    return ordered + list(fast)
 
 
 @pytest.fixture(scope="session")

@@ -179,6 +179,7 @@ def test_a_node_that_comes_after_the_job_finished_says_so_and_exits_0(tmp_path, 
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_workers_train_on_when_the_rendezvous_store_stops_and_the_agent_says_so_once(tmp_path, procs):
     """The store holds no training state: the running workers go on to the end without it (a restart or a
     change of membership would need it back), and the agent says once that it does not answer."""
@@ -228,6 +229,7 @@ def test_the_slurm_scripts_notice_is_its_signal_lines():
     assert signal_line and f"notice=${{STOP_NOTICE_S:-{signal_line[1]}}}" in text
 
 
+@pytest.mark.slow
 def test_plain_torchrun_standalone_warns_once_and_trains_and_waits_for_a_peer_still_preparing(tmp_path, procs):
     """Plain torchrun --standalone: its agent shares its store with the workers, which one of them warns
     about, once; the job trains to the end.
