@@ -345,7 +345,7 @@ class Trainer:
             x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
             waited += time.perf_counter() - fetched
             # Dropout masks are a function of the data position, not of the process or its history. The device's own
-            # generator: torch.manual_seed formats a stack trace for each accelerator not started (1 ms on a CPU).
+            # generator: torch.manual_seed also formats a stack trace, at every call, for each accelerator not started.
             generator = torch.default_generator if world.device.type == "cpu" else torch.get_device_module(world.device)
             generator.manual_seed((self.cfg.seed * 1_000_003 + self.replica.state.samples_seen + first) % 2**63)
             sync = i == len(batches) - 1
