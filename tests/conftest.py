@@ -175,8 +175,8 @@ def slow_first_in_each_share(items: list, processes: int) -> list:
     for share in range(processes):
         size = left // (processes - share)  # as worksteal splits the list
         left -= size
-        ordered += slow[share::processes]
-        ordered += [item for _, item in zip(range(size - len(slow[share::processes])), fast)]
+        mine = slow[share::processes]
+        ordered += mine + [item for _, item in zip(range(size - len(mine)), fast)]
     return ordered + list(fast)
 
 
