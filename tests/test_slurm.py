@@ -4,11 +4,13 @@ users submit it: the CPU values, a short time and the notice on the sbatch line.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 from pathlib import Path
 
+import boto3
 import pytest
 from conftest import s3_keys
 from launch import BIN, ENDLESS_STEPS, REPO, SMALL, env, free_port_and_next, latest_step, ledger, metrics
@@ -20,6 +22,7 @@ SCRIPT = REPO / "train" / "slurm.sbatch"
 # One CPU a node instead of the script's GPUs; the script's own time limit would be a day.
 CPU_NODES = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=5"]
 DELAY_S = 10  # each upload of a slow snapshot: under s3fs's read timeout (15 s), past which it would retry
+PACE_S = 0.5  # each commit of a paced job
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 
 
@@ -116,19 +119,19 @@ def test_the_script_trains_on_two_nodes_and_resumes_when_submitted_again(slurm, 
     assert_every_sample_once(tmp_path / "snap", steps + 3)  # it went on from the first job's last step
 
 
-def test_a_time_limit_leaves_a_snapshot_of_the_last_step_and_exits_0(slurm, tmp_path):
+def test_a_time_limit_leaves_a_snapshot_of_the_last_step_and_exits_0(slurm, tmp_path, s3):
     """--time=1 with --signal=TERM@15 on the sbatch line: SIGTERM 15 to 45 s into the job (Slurm sends it up to its
     30 s check period early). The workers finish their step and snapshot it, and the job ends before its limit.
-    One node: what it shows is the same on each (the requeue test stops two nodes at once)."""
-    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 1000), "--nodes=1", "--time=1",
-                 "--signal=TERM@15", STOP_NOTICE_S="15")
+    One node: what it shows is the same on each (the requeue test stops two nodes at once). It snapshots every step
+    to an S3 that commits slowly: until the SIGTERM it waits on its saves rather than trains."""
+    job = submit(slurm, tmp_path, paced(s3, tmp_path), "--nodes=1", "--time=1", "--signal=TERM@15", STOP_NOTICE_S="15")
     fields = wait_ended(slurm, tmp_path, job, timeout=120)
     text = job_output(tmp_path, job)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text[-4000:]
     stopped = [line for line in text.splitlines() if line.startswith("slurm.sbatch: job") and "SIGTERM" in line]
     assert len(stopped) == 1 and "--shutdown-timeout=5" in text, text[-4000:]
-    last = max(ledger(tmp_path / "snap"))
-    assert latest_step(tmp_path / "snap") == last > 0  # the snapshot is of its last step
+    trained = [record["step"] for record in s3_metrics(s3) if "samples" in record]
+    assert committed_steps(s3)[-1] == max(trained) > 0, text[-4000:]  # the snapshot is of its last step
 
 
 def test_a_requeued_job_comes_back_by_itself_and_resumes_where_it_stopped_until_its_limit(slurm, tmp_path):
@@ -164,23 +167,21 @@ def requeue(slurm: Cluster, folder: Path, job_id: str) -> None:
     slurm.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
 
-def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(slurm, tmp_path):
+def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(slurm, tmp_path, s3):
     """--no-kill (the script's, on sbatch and srun): one node's slurmd and tasks are killed. Slurm sets the node
     DOWN and keeps the job and the other node's task, which goes on alone. In the script's default mode, the live
     one: what Slurm does is the same in both, and the restart mode's shrinking is tested without Slurm
-    (test_trainer.py)."""
-    snap = tmp_path / "snap"
-    job = submit(slurm, tmp_path, training(tmp_path, ENDLESS_STEPS, 5))
-    both = lambda: any(r["world_size"] == 2 for r in metrics(snap) if "train_loss" in r)
-    wait_until(both, 180, "steps on two nodes", slurm, tmp_path, job)
+    (test_trainer.py). Paced by slow commits, as Slurm takes its time to see the node gone."""
+    job = submit(slurm, tmp_path, paced(s3, tmp_path))
+    trained = lambda size: [r["step"] for r in s3_metrics(s3) if "train_loss" in r and r["world_size"] == size]
+    wait_until(lambda: trained(2), 180, "steps on two nodes", slurm, tmp_path, job)
     try:
         slurm.kill_node(NODES[1])
-        lost_at = max(ledger(snap))
-        alone = lambda: any(r["world_size"] == 1 and r["step"] > lost_at for r in metrics(snap) if "train_loss" in r)
-        wait_until(alone, 180, "steps on the node left", slurm, tmp_path, job)
+        lost_at = max(trained(2))
+        wait_until(lambda: max(trained(1), default=0) > lost_at, 180, "steps on the node left", slurm, tmp_path, job)
         wait_until(lambda: slurm.node_state(NODES[1]).startswith("down"), 90, "the node DOWN", slurm, tmp_path, job)
-        down_at = max(ledger(snap))
-        wait_until(lambda: max(ledger(snap)) > down_at + 5, 60, "training after", slurm, tmp_path, job)
+        down_at = committed_steps(s3)[-1]
+        wait_until(lambda: committed_steps(s3)[-1] > down_at + 5, 60, "training after", slurm, tmp_path, job)
         assert slurm.job(job)["JobState"] == "RUNNING"
     finally:
         slurm.run(["scancel", job], check=False)
@@ -191,6 +192,24 @@ def test_a_node_lost_with_no_kill_leaves_the_other_training_at_the_smaller_size(
 
 def committed_steps(s3) -> list[int]:
     return sorted(int(key.split("/")[1][5:]) for key in s3_keys(s3, "run/") if key.endswith("/manifest.json"))
+
+
+def paced(s3, tmp_path: Path) -> list[str]:
+    """An endless job that snapshots every step to an S3 that takes PACE_S to commit each: while Slurm's clocks run,
+    its workers wait on their saves rather than train (a core each, which the tests beside these need)."""
+    s3.add("PUT", r"/run/step-\d+/manifest\.json", "delay", count=float("inf"), delay_s=PACE_S)
+    return [*SMALL, f"trainer.max_steps={ENDLESS_STEPS}", "snapshot.every=1", f"snapshot.dir=s3://{s3.bucket}/run",
+            "snapshot.memory=off", f"data.prepared_dir={tmp_path}/prepared"]
+
+
+def s3_metrics(s3) -> list[dict]:
+    """The records of the run's metrics.jsonl, which an S3 run writes at each snapshot."""
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    try:
+        text = client.get_object(Bucket=s3.bucket, Key="run/metrics.jsonl")["Body"].read().decode()
+    except client.exceptions.NoSuchKey:
+        return []
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def test_the_workers_get_the_whole_notice_and_a_save_cut_short_leaves_the_previous_snapshot(slurm, tmp_path, s3):
