@@ -251,7 +251,7 @@ def test_nodes_die_and_join_the_lighthouse_restarts_everything_dies_and_nothing_
         node.send_signal(signal.SIGTERM)
     for node in again:
         node.wait(timeout=90)
-    assert all("resumed from the memory tier" in output(node) for node in again)
+    assert all("resumed from the memory tier" in output(node) for node in again), "".join(map(output, again))[-6000:]
     logs = "".join(output(node) for node in (survivor, newcomer, stranger, latecomer))
     assert "Traceback" not in logs, logs[-3000:]
 
