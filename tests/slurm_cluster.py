@@ -138,23 +138,28 @@ class Cluster:
         self._start(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(self.conf)])
 
     def stop(self) -> None:
-        """End every job, every process of theirs, and the daemons, by PID."""
+        """End every job, every process of theirs, and the daemons, by PID. slurmctld first: its slurmscriptd has the
+        cluster's environment too, and where that was killed first, slurmctld's own stop waits 10 s for it."""
         if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
             self.run(["scancel", "--full", "--user=root"], check=False)
+        self._stop_daemon("slurmctld")
         for pid in self.job_processes():
             _kill(pid)
         for name in reversed(list(self.daemons)):
-            proc = self.daemons[name]
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            self._stop_daemon(name)
         for pid in self.job_processes():  # started while the daemons stopped
             _kill(pid)
         shutil.rmtree(self.munge, ignore_errors=True)
+
+    def _stop_daemon(self, name: str) -> None:
+        proc = self.daemons.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
 
     def kill_node(self, name: str) -> None:
         """The node fails: its slurmd and every process of its jobs are SIGKILLed."""
@@ -218,8 +223,8 @@ class Cluster:
     def _write_config(self) -> None:
         host = socket.gethostname().split(".")[0]
         nodes = "\n".join(NODE.format(name=name, host=host, port=free_port()) for name in NODES)
-        self.conf.write_text(CONFIG.format(host=host, munge=self.munge, ctld_port=free_port(), folder=self.folder, nodes=nodes,
-                                           kill_wait=KILL_WAIT_S, slurmd_timeout=SLURMD_TIMEOUT_S))
+        self.conf.write_text(CONFIG.format(host=host, munge=self.munge, ctld_port=free_port(), folder=self.folder,
+                                           nodes=nodes, kill_wait=KILL_WAIT_S, slurmd_timeout=SLURMD_TIMEOUT_S))
 
     def _wait(self, condition, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
