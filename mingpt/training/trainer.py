@@ -337,6 +337,9 @@ class Trainer:
         scale = share.count / t.global_batch_size
         loss_sum = torch.zeros((), device=world.device)
         started, waited = time.perf_counter(), 0.0
+        # Dropout masks are a function of the data position, not of the process or its history, seeded on the device's
+        # own generator: torch.manual_seed also formats a stack trace, at every call, for each accelerator not started.
+        generator = torch.default_generator if world.device.type == "cpu" else torch.get_device_module(world.device)
         for i, batch in enumerate(batches):
             first = mine.start + (batch.start if batch else 0)
             count = batch.stop - batch.start if batch else 0  # a padding micro-batch: run, but weigh nothing
@@ -344,9 +347,6 @@ class Trainer:
             x, y = self.train_blocks.windows(starts[first : first + max(count, 1)])
             x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
             waited += time.perf_counter() - fetched
-            # Dropout masks are a function of the data position, not of the process or its history. The device's own
-            # generator: torch.manual_seed also formats a stack trace, at every call, for each accelerator not started.
-            generator = torch.default_generator if world.device.type == "cpu" else torch.get_device_module(world.device)
             generator.manual_seed((self.cfg.seed * 1_000_003 + self.replica.state.samples_seen + first) % 2**63)
             sync = i == len(batches) - 1
             with (nullcontext() if sync else parallel.no_sync(self.model, self.ddp)), self.autocast:
