@@ -69,7 +69,8 @@ from mingpt.checkpoint.shm import remove_ended_agents_folders
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = [str(Path(sys.executable).parent / "mingpt-torchrun"), "--standalone", "--nproc-per-node=2"]
-SETTINGS = ["model=gpt-micro", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
+SETTINGS = ["model=gpt-micro", "model.arch=gpt2", "trainer.optimizer=adamw",
+            "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
             "trainer.log_every=1", "trainer.eval_every=0", "trainer.precision=fp32", "snapshot.every=100",
             "snapshot.keep=1000"]
 ENDLESS = 100_000_000

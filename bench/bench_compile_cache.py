@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MAIN = str(REPO / "train" / "main.py")
 # Micro-batches of 4 at every world size (24 examples over 2 or 3 processes): the compiled shapes stay the same.
-MODEL = ["model=gpt-nano", "data.block_size=32", "trainer.global_batch_size=24", "trainer.micro_batch_size=4",
+MODEL = ["model=gpt-nano", "model.arch=gpt2", "trainer.optimizer=adamw",
+         "data.block_size=32", "trainer.global_batch_size=24", "trainer.micro_batch_size=4",
          "trainer.log_every=1", "trainer.eval_every=0", "trainer.precision=fp32", "trainer.dist_timeout_s=60",
          "snapshot.every=1000", "trainer.max_steps=100000000"]
 CASES = {  # name: (trainer.compile, trainer.compile_cache, the joiner's local cache warm)

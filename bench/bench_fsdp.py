@@ -36,7 +36,8 @@ TORCHRUN = str(Path(sys.executable).parent / "mingpt-torchrun")
 def job(work: Path, name: str, nproc: int, mode: str, model: str, steps: int, block: int, batch: int) -> dict:
     """One job; its peak memory (leader's, and PSS per worker), median tokens/s and parameter count."""
     snap = work / name
-    overrides = [f"model={model}", f"trainer.parallelism={mode}", f"trainer.max_steps={steps}",
+    overrides = [f"model={model}", "model.arch=gpt2", "trainer.optimizer=adamw",
+                 f"trainer.parallelism={mode}", f"trainer.max_steps={steps}",
                  f"data.block_size={block}", f"trainer.global_batch_size={batch}", f"trainer.micro_batch_size={batch}",
                  "trainer.precision=fp32", "trainer.compile=false", "trainer.log_every=1", "trainer.eval_every=0",
                  "trainer.eval_samples=8", f"snapshot.every={10 * steps}", f"snapshot.dir={snap}",

@@ -211,7 +211,8 @@ def main() -> None:
     tokens_per_step = nproc * args.micro_batch * args.block
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         work = Path(tmp)
-        common = [f"model={args.model}", "data=python-docs-bpe", f"data.block_size={args.block}",
+        common = [f"model={args.model}", "model.arch=gpt2", "trainer.optimizer=adamw", "data=python-docs-bpe",
+                  f"data.block_size={args.block}",
                   f"data.prepared_dir={work / 'data'}", f"trainer.micro_batch_size={args.micro_batch}",
                   f"trainer.global_batch_size={nproc * args.micro_batch}", f"trainer.log_every={WINDOW}",
                   "trainer.eval_every=0", f"snapshot.every={EVERY}", "snapshot.keep=2"]

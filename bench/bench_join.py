@@ -35,7 +35,8 @@ from mingpt.data.corpus import builtin_bytes  # noqa: E402
 from jobs import free_port, records, stop_all, wait_until  # noqa: E402
 
 BIN = Path(sys.executable).parent
-MODEL = ["model=gpt-nano", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
+MODEL = ["model=gpt-nano", "model.arch=gpt2", "trainer.optimizer=adamw",
+         "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
          "trainer.log_every=1", "trainer.eval_every=0", "trainer.precision=fp32", "trainer.dist_timeout_s=30",
          "snapshot.every=1000", "trainer.max_steps=100000000"]
 

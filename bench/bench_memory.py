@@ -37,7 +37,8 @@ BIN = Path(sys.executable).parent
 def job(workdir: Path, args: argparse.Namespace, memory: str) -> tuple[float, str]:
     """Median tokens/s of one job, and its memory-tier log line."""
     snap = workdir / f"snap-{memory}"
-    settings = [f"model={args.model}", f"data.block_size={args.block_size}", f"trainer.max_steps={args.steps}",
+    settings = [f"model={args.model}", "model.arch=gpt2", "trainer.optimizer=adamw",
+                f"data.block_size={args.block_size}", f"trainer.max_steps={args.steps}",
                 f"trainer.parallelism={args.parallelism}", "trainer.log_every=1", "trainer.eval_every=0",
                 f"snapshot.every={args.steps}", f"snapshot.dir={snap}", f"data.prepared_dir={workdir / 'data'}",
                 f"snapshot.memory={memory}", f"snapshot.memory_every={args.every}", *args.overrides]

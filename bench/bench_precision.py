@@ -83,7 +83,8 @@ def step_table(presets: list[str], steps: int) -> None:
 
 
 def val_loss(preset: str, precision: str, steps: int, workdir: Path) -> tuple[float, float]:
-    cmd = [sys.executable, str(REPO / "train" / "main.py"), f"model={preset}", "data.block_size=256",
+    cmd = [sys.executable, str(REPO / "train" / "main.py"), f"model={preset}", "model.arch=gpt2",
+           "trainer.optimizer=adamw", "data.block_size=256",
            f"trainer.max_steps={steps}", f"trainer.precision={precision}", f"snapshot.dir={workdir / precision}",
            f"data.prepared_dir={workdir / 'data'}"]
     started = time.perf_counter()

@@ -34,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_config(workdir: Path, name: str, steps: int, model: str) -> Config:
     return Config(
-        model=ModelConfig(name=model),
+        model=ModelConfig(name=model, arch="gpt2"),
         data=DataConfig(block_size=128, prepared_dir=str(workdir / "prepared")),
-        trainer=TrainerConfig(max_steps=steps, global_batch_size=32, micro_batch_size=32, eval_every=0, log_every=10),
+        trainer=TrainerConfig(max_steps=steps, global_batch_size=32, micro_batch_size=32, eval_every=0, log_every=10,
+                              optimizer="adamw"),
         snapshot=SnapshotConfig(dir=str(workdir / name), every=10**9),
     )
 
@@ -74,7 +75,8 @@ def bare_loop(cfg: Config, steps: int) -> float:
 def torchrun_rate(workdir: Path, steps: int, model: str) -> float:
     name = "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO / "train" / "main.py"), f"model={model}", "data.block_size=128", f"trainer.max_steps={steps}",
+           str(REPO / "train" / "main.py"), f"model={model}", "model.arch=gpt2", "trainer.optimizer=adamw",
+           "data.block_size=128", f"trainer.max_steps={steps}",
            "trainer.global_batch_size=32", "trainer.micro_batch_size=32", "trainer.eval_every=0",
            "trainer.log_every=10", f"snapshot.dir={workdir / name}", "snapshot.every=1000000000",
            f"data.prepared_dir={workdir / 'prepared'}"]

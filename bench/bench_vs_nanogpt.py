@@ -110,7 +110,8 @@ def run_nanogpt(checkout: Path, data_dir: Path, out_dir: Path, steps: int, eval_
 
 
 def run_project(prepared: Path, snap_dir: Path, corpus: Path, steps: int) -> float:
-    cmd = [sys.executable, str(REPO / "train" / "main.py"), f"model.n_layer={N_LAYER}", f"model.n_head={N_HEAD}",
+    cmd = [sys.executable, str(REPO / "train" / "main.py"), "model.arch=gpt2", "trainer.optimizer=adamw",
+           f"model.n_layer={N_LAYER}", f"model.n_head={N_HEAD}",
            f"model.n_embd={N_EMBD}", "model.dropout=0", f"data.corpus={corpus}", f"data.block_size={BLOCK}",
            f"data.prepared_dir={prepared}", f"trainer.global_batch_size={BATCH}", f"trainer.micro_batch_size={BATCH}",
            f"trainer.max_steps={steps}", f"trainer.lr={LR}", f"trainer.min_lr_ratio={MIN_LR / LR}",

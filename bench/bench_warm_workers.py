@@ -28,7 +28,8 @@ from jobs import records, stop_all, wait_until, workers
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-JOB = ["model=gpt-nano", "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
+JOB = ["model=gpt-nano", "model.arch=gpt2", "trainer.optimizer=adamw",
+       "data.block_size=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
        "trainer.eval_every=0", "trainer.log_every=1", "trainer.precision=fp32", "snapshot.every=5",
        "snapshot.memory=on", "snapshot.memory_every=1"]
 

@@ -132,6 +132,17 @@ def test_the_gpt2_fineweb_edu_recipe_is_gpt2_124m_with_half_a_million_tokens_a_s
         config("recipe=gpt2-fineweb")
 
 
+def test_the_small_presets_train_todays_recipe_and_the_published_gpts_gpt2s_unless_told_otherwise():
+    """Unset, model.arch is the preset's, and trainer.optimizer Muon for a modern model trained from scratch under
+    ddp (auto too): the default job is modern + Muon, which reaches a lower loss in its time (docs/benchmarks.md)."""
+    recipe = lambda *overrides: (config(*overrides).model.build(65, 32).arch, config(*overrides).trainer.optimizer)
+    assert recipe() == recipe("model=gpt-mini") == recipe("trainer.parallelism=ddp") == ("modern", "muon")
+    assert recipe("model=gpt2") == recipe("model=openai-gpt") == recipe("model.arch=gpt2") == ("gpt2", "adamw")
+    assert recipe("trainer.parallelism=fsdp") == recipe("trainer.optimizer=adamw") == ("modern", "adamw")
+    assert recipe("model=gpt2", "model.arch=modern") == ("modern", "muon")
+    assert config("model.init_from=/some/gpt2").trainer.optimizer == "adamw"  # the weights' architecture, unknown yet
+
+
 def test_the_gpt2_muon_recipe_is_gpt2_124m_modern_with_muon_at_half_a_million_tokens_a_step():
     cfg = config("recipe=gpt2-muon-fineweb-edu")
     shape = cfg.model.build(50257, cfg.data.block_size)
@@ -343,6 +354,7 @@ def test_the_modern_architecture_trains_resumes_bitwise_and_is_refused_where_its
     with pytest.raises(SnapshotError) as refused:
         train_here(tmp_path / "whole", "trainer.max_steps=12")
     assert "different model" in one_line(refused.value) and "rotary=True (config asks for False)" in str(refused.value)
+    assert "Use the settings of that run (model.arch=modern)" in str(refused.value)  # the one setting that resumes it
     assert latest_step(tmp_path / "whole" / "snap") == 10
     train_here(tmp_path / "gpt2", "trainer.max_steps=2")
     with pytest.raises(ConfigError) as refused:

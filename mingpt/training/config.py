@@ -8,6 +8,7 @@ import difflib
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from functools import reduce
 from typing import Any, Dict, Iterator, List, Optional, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
@@ -17,7 +18,7 @@ from mingpt.data.settings import MIN_BPE_SAMPLE
 from mingpt.errors import ConfigError
 from mingpt.metrics.hellaswag import PUBLIC_URL
 from mingpt.metrics.loggers import check_loggers
-from mingpt.shape import ARCHS, PRESETS, GPTConfig
+from mingpt.shape import ARCHS, PRESETS, GPTConfig, preset_arch
 from mingpt.storage import redact
 
 
@@ -29,8 +30,9 @@ class ModelConfig:
     n_embd: Optional[int] = None
     dropout: float = 0.0
     bias: bool = False
-    # gpt2 (the presets' default, Hugging Face's GPT-2) or modern (mingpt.shape.ARCHS); null parts: as arch has them.
-    arch: str = "gpt2"
+    # gpt2 (Hugging Face's GPT-2) or modern (mingpt.shape.ARCHS); null: model.init_from's weights', else the preset's
+    # (mingpt.shape.preset_arch). Each part below, where set, replaces the architecture's.
+    arch: Optional[str] = None
     rotary: Optional[bool] = None  # rotary positions instead of a learned position table
     norm: Optional[str] = None  # layernorm or rmsnorm
     qk_norm: Optional[bool] = None  # queries and keys normalised before attention
@@ -49,15 +51,17 @@ class ModelConfig:
 
     def parts(self) -> dict:
         """The architecture's parts, as GPTConfig names (and checks) them: model.arch's, with those set on their own."""
-        if self.arch not in ARCHS:
-            raise ConfigError(f"model.arch must be one of {', '.join(ARCHS)}; got {self.arch!r}")
+        arch = preset_arch(self.name) if self.arch is None else self.arch
+        if arch not in ARCHS:
+            raise ConfigError(f"model.arch must be one of {', '.join(ARCHS)}; got {arch!r}")
         chosen = {"rotary": self.rotary, "norm": self.norm, "qk_norm": self.qk_norm, "mlp": self.mlp,
                   "zero_init": self.zero_init, "tie_weights": self.tie_head}
-        return {**ARCHS[self.arch], **{name: value for name, value in chosen.items() if value is not None}}
+        return {**ARCHS[arch], **{name: value for name, value in chosen.items() if value is not None}}
 
     def sets_parts(self) -> bool:
-        """Whether model.arch or a part of it was set other than the default's."""
-        return self.parts() != ARCHS[type(self)().arch]
+        """Whether model.arch or a part of it was set."""
+        parts = (self.arch, self.rotary, self.norm, self.qk_norm, self.mlp, self.zero_init, self.tie_head)
+        return any(part is not None for part in parts)
 
 
 @dataclass
@@ -84,9 +88,9 @@ class TrainerConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    # adamw; or muon: Muon for the blocks' attention and MLP matrices, AdamW for the rest (mingpt.training.optimizer),
-    # ddp only (it orthogonalises whole matrices). A run resumes with the optimizer it started with.
-    optimizer: str = "adamw"
+    # adamw; muon: Muon for the blocks' matrices, AdamW for the rest (mingpt.training.optimizer), ddp only; null: muon
+    # for a modern model trained from scratch under ddp or auto, else adamw. A run resumes with the one it started with.
+    optimizer: Optional[str] = None
     muon_lr: float = 0.02  # Muon's peak learning rate, on the same warm-up and decay as trainer.lr
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_weight_decay: float = 0.0  # Muon's decoupled weight decay (each step shrinks weights by lr * it)
@@ -138,6 +142,12 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     seed: int = 1337
+
+    def __post_init__(self) -> None:
+        """trainer.optimizer's null, decided once: muon for a modern model trained from scratch under ddp or auto."""
+        modern = self.model.init_from is None and (self.model.arch or preset_arch(self.model.name)) == "modern"
+        if self.trainer.optimizer is None:
+            self.trainer.optimizer = "muon" if modern and self.trainer.parallelism in ("auto", "ddp") else "adamw"
 
     def to_dict(self) -> dict:
         """The configuration as plain data, without storage options (they may hold credentials)."""
@@ -240,7 +250,7 @@ def validate(cfg: Config) -> None:
     ] + _optimizer_checks(t)
     for key, ok, expected in checks:
         if not ok:
-            raise ConfigError(f"{key} must be {expected}; got {_lookup(cfg, key)!r}")
+            raise ConfigError(f"{key} must be {expected}; got {reduce(getattr, key.split('.'), cfg)!r}")
     for key, value in _settings(cfg, int):  # they reach torch and numpy as int64
         if abs(value) > MAX_SEED:
             raise ConfigError(f"{key} must be at most {MAX_SEED} (2**63 - 1); got {value}")
@@ -276,10 +286,3 @@ def _settings(cfg: Config, kind: type) -> Iterator[tuple[str, Any]]:
 def _is_corpus(corpus: Any) -> bool:
     sources = list(corpus) if isinstance(corpus, (list, tuple)) else [corpus]
     return bool(sources) and all(isinstance(source, str) and source for source in sources)
-
-
-def _lookup(cfg: Config, dotted: str):
-    value = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value

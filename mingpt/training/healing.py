@@ -18,8 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import load as load_safetensors, save as save_safetensors
 from torchft.checkpointing.transport import CheckpointTransport
 
 from mingpt.checkpoint.packing import pack, unpack

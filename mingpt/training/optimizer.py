@@ -79,7 +79,7 @@ class MuonAdamW:
 def build_optimizer(model: GPT, t: TrainerConfig, dtype: torch.dtype) -> torch.optim.Optimizer | MuonAdamW:
     """`t.optimizer` over `model`'s parameters (placed already: sharding replaces them), computing in `dtype`."""
     betas = (t.beta1, t.beta2)
-    if t.optimizer == "adamw":
+    if t.optimizer != "muon":
         return torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=betas,
                                  fused=True)  # one kernel for all parameters
     hidden = hidden_matrices(model)

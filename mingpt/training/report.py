@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager
+from datetime import timedelta
 
 import torch
 
@@ -117,7 +118,7 @@ class Report:
         slow = f" | slow: {', '.join(sorted(self.step_times.slow))}" if self.step_times.slow else ""
         self.say("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s | MFU %.1f%% | %.0f MB | ETA %s%s", step,
                  t.max_steps, loss, lr, rate, 100 * used, memory / 1e6,
-                 _duration((t.max_steps - step) * seconds_per_step), slow)
+                 timedelta(seconds=int((t.max_steps - step) * seconds_per_step)), slow)
         self.metrics.log(step, {"train_loss": loss, "lr": lr, "tokens_per_s": rate, "other_s": round(elsewhere, 3),
                                 "mfu": used, "peak_memory_mb": memory / 1e6, "world_size": self.processes})
 
@@ -160,8 +161,3 @@ def describe_windows(cfg: Config, blocks: TokenBlocks) -> str:
     passes = t.max_steps * t.global_batch_size * cfg.data.block_size / len(blocks.tokens)
     return (f"data.windows={cfg.data.windows}: {kind} of the {len(blocks.tokens):,} training tokens; "
             f"{t.max_steps} steps read {passes:.2f}x that many tokens")
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -70,7 +70,8 @@ class Replica:
     def load(self, state: dict, whole: bool, train: dict) -> list[str]:
         """Restore from `state` (`whole`: every tensor whole, which each process cuts its shard from) and `train`;
         returns the optimizer settings that differed from this run's config, which win over the saved ones."""
-        configured = [_hyperparameters(group) for group in self.optimizer.param_groups]
+        configured = [{key: value for key, value in group.items() if key != "params"}
+                      for group in self.optimizer.param_groups]
         options = StateDictOptions(full_state_dict=whole)
         # One at a time: torch's set_state_dict of both at once hangs (broadcast_from_rank0).
         set_model_state_dict(self.model, state["model"], options=options)
@@ -92,8 +93,7 @@ class Replica:
             read_shards(snapshot, state)
             return state, False
         optimizer = snapshot.load_tensors("optimizer.pt")
-        if _keyed_by_index(optimizer):  # written before the state went through get_state_dict
-            optimizer = _keyed_by_name(optimizer, self.model, self.optimizer)
+        optimizer = _keyed_by_name(optimizer, self.model, self.optimizer)
         scaler = snapshot.load_tensors("scaler.pt") if "scaler.pt" in snapshot.manifest["files"] else None
         return {"model": snapshot.load_tensors("model.pt"), "optimizer": optimizer, "scaler": scaler}, True
 
@@ -102,7 +102,7 @@ def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tok
     """SnapshotError unless this run's model, tokenizer and optimizer can train on from `snapshot`."""
     try:
         saved_tokenizer = tokenizer_from_dict(parse_json(snapshot.read("tokenizer.json")))
-        saved = GPTConfig(**snapshot.manifest.get("model_config")).to_dict()
+        saved_model = GPTConfig(**snapshot.manifest.get("model_config"))
     except (TypeError, ValueError) as e:  # not JSON, a tokenizer of no known kind, an unusable model_config
         raise SnapshotError(f"snapshot {snapshot.url} does not describe its model and tokenizer ({e})") from None
     if saved_tokenizer.eot_id is None and tokenizer.eot_id is not None:
@@ -111,12 +111,13 @@ def check_compatible(snapshot: Snapshot, model_config: GPTConfig, tokenizer: Tok
             f"data now ends every document with ({saved_tokenizer.vocab_size} ids then, {tokenizer.vocab_size} now), "
             "so it cannot train on: sample it with mingpt-sample, or start a new run in another snapshot.dir"
         )
-    wanted = model_config.to_dict()
+    saved, wanted = saved_model.to_dict(), model_config.to_dict()
     diffs = [f"{k}={saved.get(k)!r} (config asks for {wanted[k]!r})" for k in SHAPE_KEYS if saved.get(k) != wanted[k]]
     if diffs:
+        arch = f" (model.arch={saved_model.arch})" if saved_model.arch not in ("custom", model_config.arch) else ""
         raise SnapshotError(
             f"snapshot {snapshot.url} was made with a different model: {', '.join(diffs)}. "
-            "Use the settings of that run, or a new snapshot.dir to start a new run"
+            f"Use the settings of that run{arch}, or a new snapshot.dir to start a new run"
         )
     saved_optimizer = snapshot.manifest.get("optimizer", "adamw")  # none recorded: made before Muon, so AdamW's
     if saved_optimizer != optimizer:
@@ -158,10 +159,6 @@ def to_cpu(obj):
     return obj
 
 
-def _hyperparameters(group: dict) -> dict:
-    return {key: value for key, value in group.items() if key != "params"}
-
-
 def _apply_configured(optimizer: torch.optim.Optimizer, configured: list[dict]) -> list[str]:
     """Loading brings back the saved betas, weight decay, ...; this run's config wins. What differed."""
     changed = {}  # one line per setting, whatever the number of groups
@@ -175,12 +172,11 @@ def _apply_configured(optimizer: torch.optim.Optimizer, configured: list[dict]) 
     return list(changed.values())
 
 
-def _keyed_by_index(saved: dict) -> bool:
-    return any(isinstance(p, int) for group in saved["param_groups"] for p in group["params"])
-
-
 def _keyed_by_name(saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """An optimizer state dict keyed by parameter index, keyed by parameter name (as torch's state-dict API wants)."""
+    """An optimizer state dict keyed by parameter name (as torch's state-dict API wants), also where it was written
+    keyed by index, before the state went through get_state_dict."""
+    if not any(isinstance(p, int) for group in saved["param_groups"] for p in group["params"]):
+        return saved
     names = {id(p): name for name, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     return {"state": {order[index]: state for index, state in saved["state"].items()},
