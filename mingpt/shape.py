@@ -18,12 +18,6 @@ ARCHS: dict[str, dict[str, object]] = {
 }
 NORMS, MLPS = ("layernorm", "rmsnorm"), ("gelu", "relu2")
 
-
-def preset_arch(name: str) -> str:
-    """A preset's architecture where model.arch is unset: GPT-2's for the published GPTs (their weights load and
-    export), the modern one for the small sizes, where it reaches a lower loss in the same time."""
-    return "gpt2" if name == "openai-gpt" or name.startswith("gpt2") else "modern"
-
 # Layer, head and width of the named model sizes (minGPT's table).
 PRESETS: dict[str, tuple[int, int, int]] = {
     "gpt-nano": (3, 3, 48),
@@ -36,6 +30,12 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "gpt2-large": (36, 20, 1280),
     "gpt2-xl": (48, 25, 1600),
 }
+
+
+def preset_arch(name: str) -> str:
+    """A preset's architecture where model.arch is unset: GPT-2's for the published GPTs (their weights load and
+    export), the modern one for the small sizes, where it reaches a lower loss in the same time."""
+    return "gpt2" if name == "openai-gpt" or name.startswith("gpt2") else "modern"
 
 
 @dataclass(frozen=True)
