@@ -135,7 +135,10 @@ def test_the_gpt2_fineweb_edu_recipe_is_gpt2_124m_with_half_a_million_tokens_a_s
 def test_the_small_presets_train_todays_recipe_and_the_published_gpts_gpt2s_unless_told_otherwise():
     """Unset, model.arch is the preset's, and trainer.optimizer Muon for a modern model trained from scratch under
     ddp (auto too): the default job is modern + Muon, which reaches a lower loss in its time (docs/benchmarks.md)."""
-    recipe = lambda *overrides: (config(*overrides).model.build(65, 32).arch, config(*overrides).trainer.optimizer)
+    def recipe(*overrides: str) -> tuple[str, str]:
+        cfg = config(*overrides)
+        return cfg.model.build(65, 32).arch, cfg.trainer.optimizer
+
     assert recipe() == recipe("model=gpt-mini") == recipe("trainer.parallelism=ddp") == ("modern", "muon")
     assert recipe("model=gpt2") == recipe("model=openai-gpt") == recipe("model.arch=gpt2") == ("gpt2", "adamw")
     assert recipe("trainer.parallelism=fsdp") == recipe("trainer.optimizer=adamw") == ("modern", "adamw")
