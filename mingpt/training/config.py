@@ -145,8 +145,8 @@ class Config:
 
     def __post_init__(self) -> None:
         """trainer.optimizer's null, decided once: muon for a modern model trained from scratch under ddp or auto."""
-        modern = self.model.init_from is None and (self.model.arch or preset_arch(self.model.name)) == "modern"
         if self.trainer.optimizer is None:
+            modern = self.model.init_from is None and (self.model.arch or preset_arch(self.model.name)) == "modern"
             self.trainer.optimizer = "muon" if modern and self.trainer.parallelism in ("auto", "ddp") else "adamw"
 
     def to_dict(self) -> dict:
