@@ -195,11 +195,10 @@ class RunLease:
         newer = self.claims.overtaken()
         if newer is not None:
             raise self._taken_over(newer)
-        if found is not None and found.step > self._resumed and not self._wrote(found):
+        writer = found.writer if found is not None and isinstance(found.writer, dict) else {}
+        if found is not None and found.step > self._resumed and writer.get("job") != self.job:
             self.claims.lost = True
-            writer = found.writer
-            who = f"job {writer.get('job')} (generation {writer.get('generation')})" if isinstance(writer, dict) \
-                else "an unknown writer"
+            who = f"job {writer.get('job')} (generation {writer.get('generation')})" if writer else "an unknown writer"
             raise LeaseLostError(f"{self.run.url_of(found.name)} was committed by {who}, not by this job: another job "
                                  f"writes to {self.url}. This job stops without writing or deleting anything there; "
                                  "give one of the two jobs another snapshot.dir")
@@ -210,9 +209,6 @@ class RunLease:
             f"{newer.record.get('host')}) while this process held generation {self.claim.generation}; "
             "this process stops without writing or deleting anything there"
         )
-
-    def _wrote(self, commit: Commit) -> bool:
-        return isinstance(commit.writer, dict) and commit.writer.get("job") == self.job
 
     def writer(self) -> dict:
         """Who commits, for a manifest: the run's history, should the claim files go."""

@@ -180,7 +180,7 @@ def from_hub_cache(url: str) -> str:
     if ".." in re.split(r"[/@]", url):
         raise DataError(f"{redact(url)}: a Hub path may not hold '..'; name files inside the repository")
     found = HUB_URL.match(url)
-    if not _offline():
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() not in ("1", "ON", "YES", "TRUE"):
         return url
     from huggingface_hub import snapshot_download
 
@@ -260,10 +260,6 @@ def open_hub_file(path: str) -> BinaryIO:
         os.close(fd)
         raise
     return os.fdopen(fd, "rb")
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def explain_hub_error(e: BaseException, url: str) -> str | None:

@@ -53,10 +53,6 @@ class Command:
         return [self.conf_dir] + [Path(entry.removeprefix("file://")) for entry in self.searchpath
                                   if "://" not in entry.removeprefix("file://")]
 
-    def for_compose(self) -> list[str]:
-        """The overrides for Hydra's compose API, which has no flags: --config-dir joins hydra.searchpath."""
-        return self.overrides + ([f"hydra.searchpath=[{','.join(self.searchpath)}]"] if self.searchpath else [])
-
 
 def read_command(conf_dir: Path, args: list[str]) -> Command:
     """`args` split into Hydra's flags (those about configs kept) and the overrides."""
@@ -139,7 +135,9 @@ def compose_config(conf_dir: Path, args: list[str]) -> Config:
     register()
     check_overrides(conf_dir, args)
     command = read_command(conf_dir, args)
-    overrides = command.for_compose()
+    # Hydra's compose API has no flags: --config-dir joins hydra.searchpath.
+    searchpath = [f"hydra.searchpath=[{','.join(command.searchpath)}]"] if command.searchpath else []
+    overrides = command.overrides + searchpath
     try:
         with initialize_config_dir(config_dir=str(command.conf_dir.resolve()), version_base="1.3"):
             raw = compose(config_name=command.name, overrides=overrides)

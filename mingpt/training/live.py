@@ -185,7 +185,7 @@ class LiveAgreement:
             port = box[0]
         timeout, settings = timedelta(seconds=COLLECTIVE_TIMEOUT_S), self.settings
         self.transport = VerifiedTransport(settings.host, timeout, self._peers)
-        # The groups' process group, which every quorum reconfigures; reduce_bucket's collectives use it directly.
+        # The groups' process group, which every quorum reconfigures; `average` and the table use it directly.
         cuda = self.world.device.type == "cuda"
         self.process_group = (ProcessGroupNCCL if cuda else ProcessGroupGloo)(timeout=timeout)
         manager = Manager(
@@ -197,6 +197,8 @@ class LiveAgreement:
             lighthouse_addr=settings.lighthouse, replica_id=self.name, hostname=settings.host,
             init_sync=False,  # every group starts from the same seeded weights: nothing to send at step 0
             checkpoint_transport=self.transport)
+        if self.group_size == 1:
+            manager._client = LoneVoter(manager._client)
         manager.register_state_dict_fn(STATE_KEY, self._heal, lambda: self.offered)
         try:  # where a healer whose source sent a damaged state finds this one
             self.rendezvous.append(self.healers, self.transport.metadata() + " ")
@@ -250,15 +252,11 @@ class LiveAgreement:
                 break
             except Exception as e:  # the Lighthouse stopped answering (TimeoutError, or a refused connection)
                 self._meet_again(e)
-        self.split = self.committed_quorum or self._quorum()
+        self.split = self.committed_quorum or (self.manager.participating_rank(), self.manager.num_participants())
         position, groups = self.split
         if position is None or groups < self.min_nodes:  # a step that cannot count: nothing to add to it
             return Share(0, 0)
         return Share(position * self.group_size + self.group_rank, groups * self.group_size)
-
-    def _quorum(self) -> tuple[int | None, int]:
-        """This group's position in the step's quorum (None: it is behind, and heals) and the number of groups."""
-        return self.manager.participating_rank(), self.manager.num_participants()
 
     def _quorum_formed(self) -> bool:
         """Waits for the step's quorum; where it failed to form, the step fails (the next meets the Lighthouse anew)."""
@@ -271,35 +269,36 @@ class LiveAgreement:
                 self.manager.report_error(e)
         return False
 
-    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """ddp (DDP's communication hook): one bucket of this process's gradients, as the backward pass hands it
-        over, averaged across the step's groups (a process each) while the backward pass goes on. DDP waits for every
-        bucket's future before the optimizer runs. A failure completes the future with the bucket unreduced and fails
-        the step, which is then not committed (torchft's wrap_future)."""
-        tensor = bucket.buffer()
+    def average(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """`tensor` averaged across the step's groups in place, in flight while this thread goes on: ddp's buckets of
+        gradients as the backward pass hands them over (DDP waits for them all before the optimizer runs), hsdp's
+        gradient shards once FSDP's reduce-scatter averaged them over the group. A group that heals adds nothing, and
+        receives the average. Once the step failed anywhere, `tensor` as it is: the step is not committed."""
         if not self._quorum_formed() or self.manager.errored() is not None:
             return _done(tensor)
-        if not self.manager.is_participating():  # it heals at the vote: it adds nothing
+        if not self.manager.is_participating():
             tensor.zero_()
         groups = self.manager.num_participants()
-        try:  # (not Manager.allreduce: its future exists only once its work is waited for, which would block here)
-            work = self.process_group.allreduce([tensor], dist.AllreduceOptions())  # (a sum)
-        except Exception as e:  # a group left since the quorum formed
+        return self._sum(tensor, lambda summed: summed.div_(groups))
+
+    def _sum(self, tensor: torch.Tensor, then: Callable[[torch.Tensor], torch.Tensor] = lambda summed: summed) \
+            -> torch.futures.Future[torch.Tensor]:
+        """`tensor` summed across the step's groups, then `then`. A failure (a group left since the quorum formed) fails
+        the step, and leaves `tensor` as it was. Not torchft's Manager.allreduce: it times each collective on a thread
+        of its own, where the process group times out on its own (Gloo's timeout; torchft's NCCL aborts)."""
+        def settled(summed: torch.futures.Future) -> torch.Tensor:
+            try:
+                summed.value()
+            except Exception as e:
+                self.manager.report_error(e)
+                return tensor
+            return then(tensor)
+
+        try:
+            return self.process_group.allreduce([tensor], dist.AllreduceOptions()).get_future().then(settled)
+        except Exception as e:
             self.manager.report_error(e)
             return _done(tensor)
-
-        def average(summed: torch.futures.Future) -> torch.Tensor:
-            summed.value()  # (raises where the collective failed: wrap_future reports it)
-            return tensor.div_(groups)
-
-        return self.manager.wrap_future(work.get_future().then(average), tensor)
-
-    def reduce_shard(self, tensor: torch.Tensor) -> None:
-        """hsdp (FSDP's all-reduce hook): this process's shard of a block's gradients, which FSDP's reduce-scatter
-        averaged over the group, averaged across the step's groups, in place (a group that heals adds nothing, and
-        receives the average). Once the step failed anywhere this does nothing: the step is not committed."""
-        if self._quorum_formed():
-            self.manager.allreduce(tensor).wait()
 
     def exchange(self, loss_sum: float, stop_requested: bool) -> Outcome:
         """The step's table, then the vote (the backward pass reduced the gradients). A stop concerns this group."""
@@ -333,14 +332,14 @@ class LiveAgreement:
         quorum is not of this job (this one raises, where it is that group)."""
         if not self._quorum_formed():
             return None
-        self.position, self.groups = self._quorum()
+        self.position, self.groups = self.manager.participating_rank(), self.manager.num_participants()
         since = NEVER if self.since is None else self.since
         table = torch.zeros(max(self.groups, 1), COLUMNS, dtype=torch.float64, device=self.world.device)
         if self.position is not None:
             table[self.position] = torch.tensor([*numbers, *self.credentials, since, float(self.keeps_the_run),
                                                  float(self.split == (self.position, self.groups)), self.node],
                                                 dtype=torch.float64)
-        self.manager.allreduce(table, reduce_op=dist.ReduceOp.SUM).wait()
+        self._sum(table).wait()
         if self.manager.errored() is not None:
             return None
         rows = table.tolist()
@@ -424,6 +423,20 @@ class LiveAgreement:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class LoneVoter:
+    """torchft's client of its ManagerServer, for a group of one process: the server's vote returns a lone voter's own
+    verdict, so this one does without the round trip at every step."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
+        return should_commit
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

@@ -62,7 +62,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, measure: bool = False) 
                 return tflops * 1e12, f"{name}'s data sheet, dense {str(dtype).replace('torch.', '')}"
     key = f"{_device_name(device)} | {str(dtype).replace('torch.', '')} | {torch.get_num_threads()} threads | " \
           f"torch {torch.__version__}"
-    cache = _cache_file()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mingpt" / "peak_flops.json"
     try:
         cached = parse_json(cache.read_text())
     except (OSError, ValueError):
@@ -103,10 +103,6 @@ def _probe(device: torch.device, dtype: torch.dtype, bursts: int = 5, seconds: f
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _cache_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mingpt" / "peak_flops.json"
 
 
 def _remember(cache: Path, entries: dict) -> None:

@@ -301,7 +301,7 @@ class Trainer:
         if self.ddp is not None:  # to time this process's own backward pass, for stragglers
             self.ddp.register_comm_hook(None, self._gradients_ready)
         if self.live and self.topology.sharded:
-            parallel.reduce_across_nodes(self.model, self.agreement.reduce_shard)
+            parallel.reduce_across_nodes(self.model, lambda shard: self.agreement.average(shard).wait())
 
     def _describe(self) -> list[str]:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
@@ -378,7 +378,7 @@ class Trainer:
         """DDP hands each bucket to this hook once computed: the last ends this process's own work in the step."""
         self._own_end = time.perf_counter()
         # Live mode: averaged across the step's groups (a process each under ddp), in flight while backward goes on.
-        return self.agreement.reduce_bucket(bucket) if self.live else allreduce_hook(group, bucket)
+        return self.agreement.average(bucket.buffer()) if self.live else allreduce_hook(group, bucket)
 
     def evaluate(self) -> None:
         step = self.replica.state.step
