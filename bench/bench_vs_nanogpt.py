@@ -21,6 +21,13 @@ change in the machine's load falls on both alike. On the 2-core development mach
 step time varied by about +-5% from one process to the next, so ratios within that are a tie;
 more --rounds narrow it.
 
+A third side, `modern` (leave it out with --no-modern), trains today's recipe (model.arch=modern,
+trainer.optimizer=muon) at the same sizes and steps with the project's defaults for everything else (learning
+rates, warm-up, clipping): what a user sets is the model's size, the batch and the steps. It keeps a snapshot every
+--every steps; each is scored with the estimator below, and the job's time to nanoGPT's final val loss of its round is
+the seconds from the job's start to the first snapshot's step at or below it (the time of that step's progress
+record). Issue 49's goal: at most a third of nanoGPT's wall.
+
 Measured for each job:
 - tokens/s: the median over windows of 10 steps of batch * block * steps / seconds, skipping the
   first steps (warm-up) and the last (evaluation, saving). nanoGPT logs the time of every
@@ -62,13 +69,17 @@ LR, MIN_LR, WARMUP, BETA2, WEIGHT_DECAY, GRAD_CLIP = 1e-3, 1e-4, 100, 0.99, 0.1,
 WINDOW = 10  # steps per rate sample: the project logs every 10 steps (trainer.log_every)
 
 
+MODERN = ["model.arch=modern", "trainer.optimizer=muon"]  # the project's defaults for the rest
+
+
 @dataclass
 class Job:
-    side: str  # "nanoGPT" or "project"
+    side: str  # "nanoGPT", "project" (GPT-2's recipe, nanoGPT's hyperparameters) or "modern"
     round: int
     tokens_per_s: float
     wall_s: float
     val_loss: float = float("nan")
+    to_target_s: float = float("nan")  # modern: seconds from its start to nanoGPT's final val loss of the round
 
 
 def prepare_nanogpt(checkout: Path, corpus: Path, workdir: Path) -> Path:
@@ -109,16 +120,20 @@ def run_nanogpt(checkout: Path, data_dir: Path, out_dir: Path, steps: int, eval_
     return run_logged(cmd, checkout, log), log
 
 
-def run_project(prepared: Path, snap_dir: Path, corpus: Path, steps: int) -> float:
-    cmd = [sys.executable, str(REPO / "train" / "main.py"), "model.arch=gpt2", "trainer.optimizer=adamw",
-           f"model.n_layer={N_LAYER}", f"model.n_head={N_HEAD}",
+def run_project(prepared: Path, snap_dir: Path, corpus: Path, steps: int, recipe: list[str]) -> float:
+    cmd = [sys.executable, str(REPO / "train" / "main.py"), f"model.n_layer={N_LAYER}", f"model.n_head={N_HEAD}",
            f"model.n_embd={N_EMBD}", "model.dropout=0", f"data.corpus={corpus}", f"data.block_size={BLOCK}",
            f"data.prepared_dir={prepared}", f"trainer.global_batch_size={BATCH}", f"trainer.micro_batch_size={BATCH}",
-           f"trainer.max_steps={steps}", f"trainer.lr={LR}", f"trainer.min_lr_ratio={MIN_LR / LR}",
-           f"trainer.warmup_steps={WARMUP}", f"trainer.beta2={BETA2}", f"trainer.weight_decay={WEIGHT_DECAY}",
-           f"trainer.grad_clip={GRAD_CLIP}", "trainer.eval_every=0", f"trainer.log_every={WINDOW}",
-           f"snapshot.dir={snap_dir}"]
+           f"trainer.max_steps={steps}", "trainer.eval_every=0", f"trainer.log_every={WINDOW}",
+           f"snapshot.dir={snap_dir}", *recipe]
     return run_logged(cmd, snap_dir.parent, snap_dir.parent / f"{snap_dir.name}.log")
+
+
+def gpt2_recipe() -> list[str]:
+    """nanoGPT's: GPT-2's model and AdamW, with its learning rates, schedule and clipping."""
+    return ["model.arch=gpt2", "trainer.optimizer=adamw", f"trainer.lr={LR}", f"trainer.min_lr_ratio={MIN_LR / LR}",
+            f"trainer.warmup_steps={WARMUP}", f"trainer.beta2={BETA2}", f"trainer.weight_decay={WEIGHT_DECAY}",
+            f"trainer.grad_clip={GRAD_CLIP}"]
 
 
 def skipped(steps: int) -> int:
@@ -167,10 +182,22 @@ def windowed_loss(model: torch.nn.Module, ids: torch.Tensor, batch: int = 64) ->
 
 
 def project_val_loss(snap_dir: Path, text: str) -> float:
+    """The estimator's loss of the snapshot `snap_dir` (a snapshot folder, or a run's: its latest)."""
     from mingpt.checkpoint.load import open_model
 
     _, model, tokenizer = open_model(str(snap_dir), torch.device("cpu"))
     return windowed_loss(model, torch.tensor(tokenizer.encode(text)))
+
+
+def seconds_to(target: float, snap_dir: Path, start: float, text: str) -> tuple[int, float] | None:
+    """(step, seconds from the job's start) of the first of its snapshots whose loss is at or below `target`."""
+    times = {r["step"]: r["time"] for r in map(json.loads, (snap_dir / "metrics.jsonl").read_text().splitlines())
+             if "tokens_per_s" in r}
+    for folder in sorted(snap_dir.glob("step-*")):
+        step = int(folder.name.removeprefix("step-"))
+        if step in times and project_val_loss(folder, text) <= target:
+            return step, times[step] - start
+    return None
 
 
 def load_nanogpt_model_module(checkout: Path) -> ModuleType:
@@ -196,7 +223,9 @@ def print_table(jobs: list[Job]) -> None:
     for j in jobs:
         print(f"{j.side:8} {j.round:>5} {j.tokens_per_s:>10,.0f} {j.wall_s:>8.1f} {j.val_loss:>9.4f}")
     summary = {}
-    for side in ("nanoGPT", "project"):
+    for side in ("nanoGPT", "project", "modern"):
+        if not any(j.side == side for j in jobs):
+            continue
         mine = [j for j in jobs if j.side == side]
         summary[side] = (statistics.median(j.tokens_per_s for j in mine), statistics.median(j.wall_s for j in mine),
                          statistics.mean(j.val_loss for j in mine))
@@ -205,6 +234,13 @@ def print_table(jobs: list[Job]) -> None:
     (n_rate, n_wall, n_loss), (p_rate, p_wall, p_loss) = summary["nanoGPT"], summary["project"]
     print(f"\nproject / nanoGPT: tokens/s {p_rate / n_rate:.3f}x, wall {p_wall / n_wall:.3f}x; "
           f"val loss project - nanoGPT {p_loss - n_loss:+.4f}")
+    if "modern" in summary:
+        m_rate, m_wall, m_loss = summary["modern"]
+        walls = {j.round: j.wall_s for j in jobs if j.side == "nanoGPT"}
+        shares = [j.to_target_s / walls[j.round] for j in jobs if j.side == "modern"]  # nan where never reached
+        print(f"modern / nanoGPT: tokens/s {m_rate / n_rate:.3f}x, wall {m_wall / n_wall:.3f}x; val loss modern - "
+              f"nanoGPT {m_loss - n_loss:+.4f}; to nanoGPT's final val loss in "
+              f"{', '.join(f'{x:.3f}' for x in shares)} of nanoGPT's wall (the goal: at most 0.333)")
 
 
 def main() -> None:
@@ -215,6 +251,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="jobs per side, interleaved")
     parser.add_argument("--eval-iters", type=int, default=200, help="nanoGPT's eval_iters (its own estimate)")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--no-modern", dest="modern", action="store_false", help="leave out the modern side")
+    parser.add_argument("--every", type=int, default=100, help="modern: steps between its snapshots")
     args = parser.parse_args()
     checkout, corpus = args.nanogpt.resolve(), args.corpus.resolve()
     if not (checkout / "train.py").is_file() or not (checkout / "data" / "shakespeare_char" / "prepare.py").is_file():
@@ -237,14 +275,31 @@ def main() -> None:
                         nanogpt_val_loss(nanogpt, out_dir, corpus.read_text(), text)))
         print(f"nanoGPT round {r}: {jobs[-1].tokens_per_s:,.0f} tokens/s, {wall:.1f} s; its own estimate: "
               f"{_nanogpt_own_val(log)}", flush=True)
+        target = jobs[-1].val_loss
         snap_dir = workdir / f"project-{r}"
-        wall = run_project(prepared, snap_dir, corpus, args.steps)
+        wall = run_project(prepared, snap_dir, corpus, args.steps, gpt2_recipe())
         jobs.append(Job("project", r, project_rate(snap_dir, args.steps), wall, project_val_loss(snap_dir, text)))
         chosen = re.search(r"process\(es\), (\w+ \([^)]*\))", (workdir / f"project-{r}.log").read_text())
         print(f"project round {r}: {jobs[-1].tokens_per_s:,.0f} tokens/s, {wall:.1f} s, "
               f"{chosen[1] if chosen else 'precision not logged'}", flush=True)
+        if args.modern:
+            jobs.append(run_modern(r, target, args, prepared, corpus, text, workdir))
     print(f"val loss: {len(text):,} held-out characters, {(len(text) - 1) // BLOCK:,} windows of {BLOCK}")
     print_table(jobs)
+
+
+def run_modern(r: int, target: float, args: argparse.Namespace, prepared: Path, corpus: Path, text: str,
+               workdir: Path) -> Job:
+    snap_dir, start = workdir / f"modern-{r}", time.time()
+    wall = run_project(prepared, snap_dir, corpus, args.steps,
+                       [*MODERN, f"snapshot.every={args.every}", f"snapshot.keep={args.steps}"])
+    job = Job("modern", r, project_rate(snap_dir, args.steps), wall, project_val_loss(snap_dir, text))
+    found = seconds_to(target, snap_dir, start, text)
+    if found:
+        job.to_target_s = found[1]
+    print(f"modern round {r}: {job.tokens_per_s:,.0f} tokens/s, {wall:.1f} s; nanoGPT's val loss {target:.4f} "
+          + (f"at step {found[0]}, {found[1]:.1f} s from its start" if found else "never reached"), flush=True)
+    return job
 
 
 def _nanogpt_own_val(log: Path) -> str:
