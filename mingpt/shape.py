@@ -32,10 +32,10 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 }
 
 
-def preset_arch(name: str) -> str:
-    """A preset's architecture where model.arch is unset: GPT-2's for the published GPTs (their weights load and
+def architecture(name: str, arch: str | None) -> str:
+    """model.arch where set (`arch`), else preset `name`'s: GPT-2's for the published GPTs (their weights load and
     export), the modern one for the small sizes, where it reaches a lower loss in the same time."""
-    return "gpt2" if name == "openai-gpt" or name.startswith("gpt2") else "modern"
+    return arch if arch is not None else ("gpt2" if name == "openai-gpt" or name.startswith("gpt2") else "modern")
 
 
 @dataclass(frozen=True)

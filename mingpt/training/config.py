@@ -18,7 +18,7 @@ from mingpt.data.settings import MIN_BPE_SAMPLE
 from mingpt.errors import ConfigError
 from mingpt.metrics.hellaswag import PUBLIC_URL
 from mingpt.metrics.loggers import check_loggers
-from mingpt.shape import ARCHS, PRESETS, GPTConfig, preset_arch
+from mingpt.shape import ARCHS, PRESETS, GPTConfig, architecture
 from mingpt.storage import redact
 
 
@@ -31,7 +31,7 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = False
     # gpt2 (Hugging Face's GPT-2) or modern (mingpt.shape.ARCHS); null: model.init_from's weights', else the preset's
-    # (mingpt.shape.preset_arch). Each part below, where set, replaces the architecture's.
+    # (mingpt.shape.architecture). Each part below, where set, replaces the architecture's.
     arch: Optional[str] = None
     rotary: Optional[bool] = None  # rotary positions instead of a learned position table
     norm: Optional[str] = None  # layernorm or rmsnorm
@@ -42,6 +42,9 @@ class ModelConfig:
     # Start a new run from these weights: a Hugging Face GPT-2 folder or a mingpt snapshot (local or a URL).
     # Its shape replaces the preset's; a run that has snapshots of its own resumes from them instead.
     init_from: Optional[str] = None
+    # The fields above that set the architecture's parts one by one, by GPTConfig's name for each (not a field).
+    PART_FIELDS = {"rotary": "rotary", "norm": "norm", "qk_norm": "qk_norm", "mlp": "mlp", "zero_init": "zero_init",
+                   "tie_weights": "tie_head"}
 
     def build(self, vocab_size: int, block_size: int) -> GPTConfig:
         sizes = {k: v for k, v in (("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd))
@@ -51,17 +54,15 @@ class ModelConfig:
 
     def parts(self) -> dict:
         """The architecture's parts, as GPTConfig names (and checks) them: model.arch's, with those set on their own."""
-        arch = preset_arch(self.name) if self.arch is None else self.arch
+        arch = architecture(self.name, self.arch)
         if arch not in ARCHS:
             raise ConfigError(f"model.arch must be one of {', '.join(ARCHS)}; got {arch!r}")
-        chosen = {"rotary": self.rotary, "norm": self.norm, "qk_norm": self.qk_norm, "mlp": self.mlp,
-                  "zero_init": self.zero_init, "tie_weights": self.tie_head}
+        chosen = {part: getattr(self, field) for part, field in self.PART_FIELDS.items()}
         return {**ARCHS[arch], **{name: value for name, value in chosen.items() if value is not None}}
 
     def sets_parts(self) -> bool:
         """Whether model.arch or a part of it was set."""
-        parts = (self.arch, self.rotary, self.norm, self.qk_norm, self.mlp, self.zero_init, self.tie_head)
-        return any(part is not None for part in parts)
+        return any(getattr(self, field) is not None for field in ("arch", *self.PART_FIELDS.values()))
 
 
 @dataclass
@@ -146,7 +147,7 @@ class Config:
     def __post_init__(self) -> None:
         """trainer.optimizer's null, decided once: muon for a modern model trained from scratch under ddp or auto."""
         if self.trainer.optimizer is None:
-            modern = self.model.init_from is None and (self.model.arch or preset_arch(self.model.name)) == "modern"
+            modern = self.model.init_from is None and architecture(self.model.name, self.model.arch) == "modern"
             self.trainer.optimizer = "muon" if modern and self.trainer.parallelism in ("auto", "ddp") else "adamw"
 
     def to_dict(self) -> dict:

@@ -129,7 +129,7 @@ def _check_architecture(cfg: Config, pretrained: Pretrained | None) -> None:
     if pretrained is None or not cfg.model.sets_parts():
         return
     ours = cfg.model.parts()
-    differ = [f"model.{'tie_head' if name == 'tie_weights' else name}={value}" for name, value in ours.items()
+    differ = [f"model.{cfg.model.PART_FIELDS[name]}={value}" for name, value in ours.items()
               if getattr(pretrained.config, name) != value]
     if differ:
         raise ConfigError(f"model.init_from={redact(pretrained.url)} has the {pretrained.config.arch} architecture, "
